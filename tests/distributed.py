@@ -1,0 +1,67 @@
+"""Run a function on several gloo processes and collect each rank's result, or its traceback."""
+import os
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _detach(value):
+    """Tensors become numpy arrays: shared-memory tensors would not outlive the worker process."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy()
+    if isinstance(value, dict):
+        return {k: _detach(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_detach(v) for v in value)
+    return value
+
+
+def _worker(rank, world_size, port, fn, args, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)  # two processes on two cores
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        results.put((rank, "ok", _detach(fn(rank, world_size, *args))))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_on_ranks(fn, world_size: int, *args, timeout: float = 300.0) -> list:
+    """fn(rank, world_size, *args) on world_size processes; returns the results ordered by rank.
+
+    fn must be a module-level function (spawn pickles it by name). A rank that raises fails the caller with
+    that rank's traceback; a hang fails after `timeout` seconds instead of blocking the suite.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    collected = {}
+    try:
+        for _ in range(world_size):
+            rank, status, value = results.get(timeout=timeout)
+            if status == "error":
+                raise AssertionError(f"rank {rank} failed:\n{value}")
+            collected[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [collected[r] for r in range(world_size)]

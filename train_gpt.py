@@ -1,0 +1,1010 @@
+"""GPT-2 speedrun trainer: one file that trains a GPT-2-small-class model to 3.28 val loss on FineWeb.
+
+    torchrun --standalone --nproc_per_node=8 train_gpt.py     # the record config on 8 GPUs
+    torchrun --standalone --nproc_per_node=1 train_gpt.py     # same run on 1 GPU (gradient accumulation)
+    python train_gpt.py                                       # no GPU: the CPU preset on the embedded data
+    torchrun --nnodes=2 --nproc_per_node=4 --rdzv_endpoint=HOST:29500 train_gpt.py   # across nodes
+
+Every hyperparameter is a flag (`--num_iterations 50`); `--preset cpu|record|tiny` picks a base.
+`import train_gpt` has no side effects: `main()` trains.
+"""
+import argparse
+import copy
+import dataclasses
+import functools
+import glob
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class UserError(Exception):
+    """A mistake in the run's inputs (flags, files, layout): reported as one sentence, no traceback."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# FP8 matmul: a custom op so torch.compile sees one opaque node with a fake (shape-only) implementation
+
+def _scale(value: float, like: Tensor) -> Tensor:
+    return torch.tensor(value, dtype=torch.float32, device=like.device)
+
+
+@torch.library.custom_op("nanogpt::mm", mutates_args=())
+def fp8_mm(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor, Tensor]:
+    """x @ w.T with both operands in float8_e4m3fn (x / x_s, w / w_s); also returns the fp8 operands for backward."""
+    x_f8 = x.div(x_s).to(torch.float8_e4m3fn)
+    w_f8 = w.div(w_s).to(torch.float8_e4m3fn)
+    # _scaled_mm wants the second operand column-major: w_f8.T of a row-major w_f8 is exactly that
+    out = torch._scaled_mm(x_f8, w_f8.T, out_dtype=x.dtype, scale_a=_scale(x_s, x), scale_b=_scale(w_s, x),
+                           use_fast_accum=True)
+    return out, x_f8, w_f8
+
+
+@fp8_mm.register_fake
+def _(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float):
+    return x.new_empty(x.size(0), w.size(0)), x.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
+
+
+@torch.library.custom_op("nanogpt::mm_backward", mutates_args=())
+def fp8_mm_backward(grad: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s: float,
+                    grad_s: float) -> tuple[Tensor, Tensor]:
+    """Gradients of fp8_mm: the incoming gradient goes to float8_e5m2 (wider range, less precision) scaled by grad_s."""
+    grad_f8 = grad.div(grad_s).to(torch.float8_e5m2)
+    # grad_x = grad @ w: (M, N) @ (N, K); w_f8 made column-major
+    grad_x = torch._scaled_mm(grad_f8, w_f8.T.contiguous().T, out_dtype=grad.dtype,
+                              scale_a=_scale(grad_s, grad), scale_b=_scale(w_s, grad), use_fast_accum=False)
+    # grad_w = (x.T @ grad).T: (K, M) @ (M, N), kept in fp32 for the optimizer
+    grad_w = torch._scaled_mm(x_f8.T.contiguous(), grad_f8.T.contiguous().T, out_dtype=torch.float32,
+                              scale_a=_scale(x_s, grad), scale_b=_scale(grad_s, grad), use_fast_accum=False).T
+    return grad_x, grad_w
+
+
+@fp8_mm_backward.register_fake
+def _(grad: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s: float, grad_s: float):
+    return grad.new_empty(grad.size(0), w_f8.size(1)), grad.new_empty(w_f8.shape, dtype=torch.float32)
+
+
+def _fp8_mm_setup_context(ctx, inputs, output):
+    x, w, x_s, w_s, grad_s = inputs
+    _, x_f8, w_f8 = output
+    ctx.save_for_backward(x_f8, w_f8)
+    ctx.scales = x_s, w_s, grad_s
+    ctx.w_dtype = w.dtype
+
+
+def _fp8_mm_backward(ctx, grad_out: Tensor, *_unused_grads):
+    x_f8, w_f8 = ctx.saved_tensors
+    grad_x, grad_w = fp8_mm_backward(grad_out, x_f8, w_f8, *ctx.scales)
+    return grad_x, grad_w.to(ctx.w_dtype), None, None, None
+
+
+fp8_mm.register_autograd(_fp8_mm_backward, setup_context=_fp8_mm_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Optimizers: Muon for hidden matrices (Newton-Schulz orthogonalised momentum), Adam for the rest
+
+def zeropower_via_newtonschulz5(G: Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """Approximately orthogonalise G (batched over leading dims): U S' V^T with S' roughly in [0.5, 1.5].
+
+    Quintic iteration whose coefficients maximise the slope at zero, so 5 steps suffice; it trades exact
+    convergence to U V^T for speed, which does not hurt training. bf16 on GPU, fp32 on CPU (bf16 is slow there).
+    """
+    a, b, c = 3.4445, -4.7750, 2.0315
+    X = G.to(dtype)
+    tall = G.size(-2) > G.size(-1)
+    if tall:  # iterate on the wide orientation so X @ X.mT is the smaller Gram matrix
+        X = X.mT
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # Frobenius >= spectral norm, so spectral norm <= 1
+    for _ in range(steps):
+        A = X @ X.mT
+        B = b * A + c * A @ A
+        X = a * X + B @ X
+    return X.mT if tall else X
+
+
+class Muon(torch.optim.Optimizer):
+    """MomentUm Orthogonalized by Newton-Schulz, sharded across data-parallel ranks.
+
+    Parameters are grouped by size; within a group rank r orthogonalises parameters r, r+W, r+2W, ... and the
+    flattened updates are exchanged with async all_gather_into_tensor, so every rank applies every update while
+    the next chunk is being orthogonalised. Gradients must already be averaged across ranks.
+    """
+
+    def __init__(self, params, lr=0.05, momentum=0.95, nesterov=True, ns_steps=5, rank=0, world_size=1,
+                 orthogonalize=zeropower_via_newtonschulz5, ns_dtype=torch.bfloat16):
+        params = list(params)
+        self.rank, self.world_size = rank, world_size
+        self.orthogonalize, self.ns_dtype = orthogonalize, ns_dtype
+        sizes = sorted({p.numel() for p in params}, reverse=True)
+        groups = [dict(params=[p for p in params if p.numel() == size]) for size in sizes]
+        super().__init__(groups, dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps))
+        # flat gather targets (gloo needs 1-D), kept outside param_groups so state_dict() never copies them
+        self.update_buffers = [torch.empty(world_size * size, dtype=ns_dtype, device=params[0].device)
+                               for size in sizes]
+
+    @torch.no_grad()
+    def step(self):
+        for group, update_buffer in zip(self.param_groups, self.update_buffers):
+            params, views = group["params"], update_buffer.view(self.world_size, -1).unbind(0)
+            pending = None  # (handle, params of the chunk in flight)
+            for base in range(0, len(params), self.world_size):
+                if base + self.rank < len(params):
+                    update = self._orthogonalized_momentum(params[base + self.rank], group).flatten()
+                else:
+                    update = views[self.rank]  # no parameter left for this rank: a placeholder of the right size
+                if pending is not None:
+                    self._apply(*pending, views, group)
+                if self.world_size > 1:
+                    handle = dist.all_gather_into_tensor(update_buffer, update, async_op=True)
+                else:
+                    views[0].copy_(update)
+                    handle = None
+                pending = handle, params[base:base + self.world_size]
+            if pending is not None:
+                self._apply(*pending, views, group)
+
+    def _orthogonalized_momentum(self, p: Tensor, group) -> Tensor:
+        g = p.grad
+        if g is None:
+            raise RuntimeError(f"Muon parameter of shape {tuple(p.shape)} has no gradient")
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(g)
+        buf = state["momentum_buffer"]
+        buf.lerp_(g, 1 - group["momentum"])
+        g = g.lerp_(buf, group["momentum"]) if group["nesterov"] else buf
+        return self.orthogonalize(g, steps=group["ns_steps"], dtype=self.ns_dtype)
+
+    @staticmethod
+    def _apply(handle, chunk, views, group):
+        if handle is not None:
+            handle.wait()
+        for p, update in zip(chunk, views):
+            p.add_(update.view_as(p), alpha=-group["lr"] * max(1, p.size(-2) / p.size(-1)) ** 0.5)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Model: the U-Net GPT with value embeddings and document-causal sliding-window attention
+
+def next_multiple_of_n(v: float, n: int) -> int:
+    return max(n, n * math.ceil(v / n))
+
+
+def norm(x: Tensor) -> Tensor:
+    return F.rms_norm(x, (x.size(-1),))  # no learnable scale
+
+
+class CastedLinear(nn.Linear):
+    """Bias-free linear whose fp32 weight is cast to the activations' dtype; optionally an FP8 matmul in training."""
+
+    def __init__(self, in_features: int, out_features: int, use_fp8=False, x_s=1.0, w_s=1.0, grad_s=1.0):
+        super().__init__(in_features, out_features, bias=False)
+        self.use_fp8, self.x_s, self.w_s, self.grad_s = use_fp8, x_s, w_s, grad_s
+
+    def reset_parameters(self) -> None:
+        bound = 3 ** 0.5 * 0.5 * self.in_features ** -0.5  # uniform with std 0.5 / sqrt(fan_in)
+        with torch.no_grad():
+            self.weight.uniform_(-bound, bound)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.use_fp8 and self.training:
+            out = fp8_mm(x.flatten(0, -2), self.weight, self.x_s, self.w_s, self.grad_s)[0]
+            return out.reshape(*x.shape[:-1], -1)
+        return F.linear(x, self.weight.type_as(x))
+
+
+class Rotary(nn.Module):
+    """Half-truncated RoPE: only the first half of each head's dims rotate (base 1024); the rest pass through."""
+
+    def __init__(self, head_dim: int, max_seq_len: int):
+        super().__init__()
+        angular_freq = (1 / 1024) ** torch.linspace(0, 1, steps=head_dim // 4, dtype=torch.float32)
+        angular_freq = torch.cat([angular_freq, angular_freq.new_zeros(head_dim // 4)])
+        theta = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), angular_freq)
+        self.cos = nn.Buffer(theta.cos(), persistent=False)
+        self.sin = nn.Buffer(theta.sin(), persistent=False)
+
+    def forward(self, x_BTHD: Tensor) -> Tensor:
+        T = x_BTHD.size(-3)
+        cos, sin = self.cos[None, :T, None, :], self.sin[None, :T, None, :]
+        x1, x2 = x_BTHD.float().chunk(2, dim=-1)
+        return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1).type_as(x_BTHD)
+
+
+ATTENTION_BLOCK_SIZE = 128  # FlexAttention's block granularity, and the unit of the sliding window
+
+
+@dataclass
+class AttentionMask:
+    """Document-causal sliding-window mask as FlexAttention block lists, with a dense twin for the CPU.
+
+    Per query block, kv blocks are listed nearest-first: `full` ones (causal and same document throughout)
+    need no per-token check; `partial` ones get the document-causal mask_mod. The window keeps the nearest
+    window-1 full blocks and enough partial blocks to make up the window (at least the diagonal one).
+    """
+    docs: Tensor  # (T,) document id of each token
+    partial_num: Tensor  # (1, 1, NB) after the window clamp
+    partial_idx: Tensor  # (1, 1, NB, NB)
+    full_num: Tensor
+    full_idx: Tensor
+
+    def mask_mod(self, b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (self.docs[q_idx] == self.docs[kv_idx])
+
+    def flex(self):
+        from torch.nn.attention.flex_attention import BlockMask
+        return BlockMask.from_kv_blocks(self.partial_num, self.partial_idx, self.full_num, self.full_idx,
+                                        BLOCK_SIZE=ATTENTION_BLOCK_SIZE, mask_mod=self.mask_mod)
+
+    def dense(self) -> Tensor:
+        """(T, T) boolean mask that allows exactly what the flex block mask allows."""
+        nb = self.partial_idx.size(-1)
+        rank = torch.arange(nb, device=self.docs.device)
+        allowed = torch.zeros(nb, nb, dtype=torch.bool, device=self.docs.device)
+        for num, idx in ((self.partial_num, self.partial_idx), (self.full_num, self.full_idx)):
+            kept = rank[None, :] < num[0, 0, :, None]  # the first `num` entries of each row's list
+            allowed |= torch.zeros_like(allowed).scatter_(1, idx[0, 0].long(), kept)
+        allowed = allowed.repeat_interleave(ATTENTION_BLOCK_SIZE, 0).repeat_interleave(ATTENTION_BLOCK_SIZE, 1)
+        pos = torch.arange(len(self.docs), device=self.docs.device)
+        return allowed & self.mask_mod(None, None, pos[:, None], pos[None, :])
+
+
+def document_causal_masks(input_seq: Tensor, window_blocks: Tensor) -> tuple[AttentionMask, AttentionMask]:
+    """Long (window_blocks) and short (window_blocks // 2) masks for one sequence; documents start at EOT_TOKEN."""
+    docs = (input_seq == EOT_TOKEN).cumsum(0)
+    nb = len(input_seq) // ATTENTION_BLOCK_SIZE
+    block = torch.arange(nb, dtype=torch.int32, device=input_seq.device)
+    docs_low = docs.view(nb, ATTENTION_BLOCK_SIZE)[:, 0].contiguous()
+    docs_high = docs.view(nb, ATTENTION_BLOCK_SIZE)[:, -1].contiguous()
+    any_causal = block[:, None] >= block
+    all_causal = block[:, None] > block
+    any_same_doc = (docs_low[:, None] <= docs_high) & (docs_high[:, None] >= docs_low)
+    all_same_doc = (docs_low[:, None] == docs_high) & (docs_high[:, None] == docs_low)
+    full = all_causal & all_same_doc
+    partial = any_causal & any_same_doc & ~full
+
+    def nearest_first(dense: Tensor) -> tuple[Tensor, Tensor]:
+        num = dense.sum(dim=-1, dtype=torch.int32)
+        idx = dense.argsort(dim=-1, descending=False, stable=True).flip(-1).to(torch.int32)
+        return num[None, None].contiguous(), idx[None, None].contiguous()
+
+    partial_num, partial_idx = nearest_first(partial)
+    full_num, full_idx = nearest_first(full)
+
+    def windowed(blocks: Tensor) -> AttentionMask:
+        # clamp_min(0) on the full count: a 0-block window (short mask at window 1) keeps just the diagonal
+        return AttentionMask(docs, torch.clamp_max(partial_num, torch.clamp_min(blocks - full_num, 1)), partial_idx,
+                             torch.clamp_max(full_num, torch.clamp_min(blocks - 1, 0)), full_idx)
+
+    return windowed(window_blocks), windowed(window_blocks // 2)
+
+
+@functools.cache
+def compiled_flex_attention():
+    # always compiled: eager flex_attention applies only mask_mod and ignores the block lists, i.e. the window
+    from torch.nn.attention.flex_attention import flex_attention
+    return torch.compile(flex_attention, dynamic=False)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, dim: int, num_heads: int, head_dim: int, max_seq_len: int):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, head_dim
+        hdim = num_heads * head_dim
+        bound = 3 ** 0.5 * 0.5 * dim ** -0.5
+        self.qkv_w = nn.Parameter(torch.empty(3, hdim, dim).uniform_(-bound, bound))
+        self.lambdas = nn.Parameter(torch.tensor([0.5, 0.5]))  # mix of v and the value embedding
+        self.rotary = Rotary(head_dim, max_seq_len)
+        self.c_proj = CastedLinear(hdim, dim)
+        self.c_proj.weight.detach().zero_()  # zero-init: each block starts as the identity
+
+    def forward(self, x: Tensor, ve: Tensor | None, mask: AttentionMask, use_flex: bool) -> Tensor:
+        B, T = x.size(0), x.size(1)  # B == 1: masks are per sequence
+        qkv = F.linear(x, self.qkv_w.flatten(end_dim=1).type_as(x))
+        q, k, v = qkv.view(B, T, 3 * self.num_heads, self.head_dim).chunk(3, dim=-2)  # (B, T, H, D) each
+        q, k = self.rotary(norm(q)), self.rotary(norm(k))  # QK-norm, then rotate
+        v = self.lambdas[0] * v + self.lambdas[1] * ve.view_as(v) if ve is not None else self.lambdas[0] * v
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
+        if use_flex:
+            y = compiled_flex_attention()(q, k, v, block_mask=mask.flex(), scale=0.12)
+        else:  # CPU twin: FlexAttention has no backward there; same function through a dense boolean mask
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense(), scale=0.12)
+        y = y.transpose(1, 2).contiguous().view(B, T, self.num_heads * self.head_dim)
+        return self.c_proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.c_fc = CastedLinear(dim, 4 * dim)
+        self.c_proj = CastedLinear(4 * dim, dim)
+        self.c_proj.weight.detach().zero_()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.c_proj(F.relu(self.c_fc(x)).square())  # ReLU^2
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, num_heads: int, head_dim: int, max_seq_len: int, has_attention: bool):
+        super().__init__()
+        self.attn = CausalSelfAttention(dim, num_heads, head_dim, max_seq_len) if has_attention else None
+        self.mlp = MLP(dim)
+        self.lambdas = nn.Parameter(torch.tensor([1.0, 0.0]))  # mix of the residual stream and the embedding x0
+
+    def forward(self, x: Tensor, ve: Tensor | None, x0: Tensor, mask: AttentionMask, use_flex: bool) -> Tensor:
+        x = self.lambdas[0] * x + self.lambdas[1] * x0
+        if self.attn is not None:
+            x = x + self.attn(norm(x), ve, mask, use_flex)
+        return x + self.mlp(norm(x))
+
+
+class GPT(nn.Module):
+    """U-Net GPT: encoder-half outputs feed the mirrored decoder half through learnable skip weights; three
+    value embeddings feed the first three and last three layers' values; window_pattern says which layers
+    use the long ('L') or short ('S') sliding window."""
+
+    NUM_VALUE_EMBEDS = 3
+
+    def __init__(self, vocab_size: int, num_layers: int, num_heads: int, head_dim: int, model_dim: int,
+                 max_seq_len: int, window_pattern: str, attention_free_layers=(), fp8_head=True):
+        super().__init__()
+        self.window_pattern = window_pattern
+        self.use_flex = False  # set by the trainer: FlexAttention on CUDA, the dense twin elsewhere
+        self.embed = nn.Embedding(vocab_size, model_dim)
+        self.value_embeds = nn.ModuleList([nn.Embedding(vocab_size, model_dim) for _ in range(self.NUM_VALUE_EMBEDS)])
+        self.blocks = nn.ModuleList([Block(model_dim, num_heads, head_dim, max_seq_len, i not in attention_free_layers)
+                                     for i in range(num_layers)])
+        # vocab padded to a multiple of 128 for faster kernels; the FP8 scales are the record's
+        self.lm_head = CastedLinear(model_dim, next_multiple_of_n(vocab_size, n=128), use_fp8=fp8_head,
+                                    x_s=model_dim ** 0.5 / 448, w_s=24 / 448, grad_s=1 / 448)
+        self.lm_head.weight.detach().zero_()
+        self.skip_weights = nn.Parameter(torch.ones(num_layers // 2))
+
+    def forward(self, input_seq: Tensor, target_seq: Tensor, window_blocks: Tensor) -> Tensor:
+        """input_seq, target_seq: (T,). Loss summed over tokens in training, averaged in evaluation."""
+        n_ve, n_layers = self.NUM_VALUE_EMBEDS, len(self.blocks)
+        ve = [value_embed(input_seq) for value_embed in self.value_embeds]
+        ve = ve + [None] * (n_layers - 2 * n_ve) + ve
+        long_mask, short_mask = document_causal_masks(input_seq, window_blocks)
+        masks = [long_mask if c == "L" else short_mask for c in self.window_pattern]
+
+        x = x0 = norm(self.embed(input_seq)[None])  # (1, T, D)
+        skips, n_enc = [], len(self.skip_weights)
+        for i, block in enumerate(self.blocks):
+            if i >= n_enc:
+                x = x + self.skip_weights[i - n_enc] * skips.pop()
+            x = block(x, ve[i], x0, masks[i], self.use_flex)
+            if i < n_enc:
+                skips.append(x)
+        x = norm(x)
+        logits = self.lm_head(x).float()
+        logits = 30 * torch.sigmoid(logits / (7.5 * x.size(-1) ** 0.5))  # soft cap in (0, 30)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), target_seq,
+                               reduction="sum" if self.training else "mean")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Data: the sharded .bin token format and the distributed batch generator
+
+SHARD_MAGIC = 20240520
+SHARD_VERSION = 1
+SHARD_HEADER_INTS = 256  # int32 header: magic, version, token count, then zeros
+SHARD_HEADER_BYTES = SHARD_HEADER_INTS * 4
+EOT_TOKEN = 50256  # GPT-2 <|endoftext|>; every document starts with it
+
+
+def read_shard_header(path) -> int:
+    """Check a shard's header and size; return its token count. Raises UserError naming the file."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+    except OSError as e:
+        raise UserError(f"cannot read data shard {path}: {e.strerror}") from None
+    if size < SHARD_HEADER_BYTES:
+        raise UserError(f"data shard {path} is {size} bytes, shorter than its {SHARD_HEADER_BYTES}-byte header: "
+                        "the file is truncated or not a shard; fetch or build it again")
+    header = np.fromfile(path, dtype="<i4", count=SHARD_HEADER_INTS)
+    if header[0] != SHARD_MAGIC:
+        raise UserError(f"data shard {path} has magic number {header[0]}, expected {SHARD_MAGIC}: "
+                        "not a .bin token shard (or corrupt); fetch or build it again")
+    if header[1] != SHARD_VERSION:
+        raise UserError(f"data shard {path} has format version {header[1]}, this trainer reads version "
+                        f"{SHARD_VERSION}; rebuild it with data/fineweb.py")
+    num_tokens = int(header[2])
+    expected = SHARD_HEADER_BYTES + 2 * num_tokens
+    if num_tokens <= 0 or size != expected:
+        raise UserError(f"data shard {path} header says {num_tokens} tokens ({expected} bytes) but the file is "
+                        f"{size} bytes: truncated or corrupt; fetch or build it again")
+    return num_tokens
+
+
+def load_data_shard(path, pin_memory: bool = False) -> Tensor:
+    """Read a whole shard's uint16 tokens into (optionally pinned) host memory."""
+    num_tokens = read_shard_header(path)
+    tokens = torch.empty(num_tokens, dtype=torch.uint16, pin_memory=pin_memory)
+    with open(path, "rb", buffering=0) as f:  # unbuffered: read straight into the tensor
+        f.seek(SHARD_HEADER_BYTES)
+        nbytes = f.readinto(tokens.numpy())
+    if nbytes != 2 * num_tokens:
+        raise UserError(f"data shard {path}: read {nbytes} bytes of tokens, header promised {2 * num_tokens}")
+    return tokens
+
+
+def write_data_shard(path, tokens) -> None:
+    """Write tokens (ints below 2**16) as a shard, via a temporary name so no half-written file is left."""
+    tokens = np.asarray(tokens)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**16):
+        raise ValueError(f"{path}: token ids must fit in uint16, got range [{tokens.min()}, {tokens.max()}]")
+    header = np.zeros(SHARD_HEADER_INTS, dtype="<i4")
+    header[:3] = SHARD_MAGIC, SHARD_VERSION, tokens.size
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.astype("<u2").tobytes())
+    os.replace(tmp, path)
+
+
+def list_shards(pattern: str, flag: str) -> list[Path]:
+    files = [Path(f) for f in sorted(glob.glob(pattern))]
+    if not files:
+        raise UserError(f"--{flag} {pattern!r} matches no file; fetch FineWeb with `python data/cached_fineweb10B.py` "
+                        "or point the flag at existing .bin shards")
+    return files
+
+
+def distributed_data_generator(pattern: str, seq_len: int, seqs_per_batch: int, rank: int, world_size: int,
+                               device: torch.device, flag: str = "train_files"):
+    """Yield this rank's (inputs, targets) micro-batches, one sequence of seq_len tokens each.
+
+    A global batch is seqs_per_batch consecutive sequences. Sequence j goes to rank j % world_size as its
+    micro-step j // world_size, so every world size dividing seqs_per_batch sees the same global batch.
+    A batch never straddles shards: when the current shard cannot hold the next one, move to the next shard.
+    """
+    files = list_shards(pattern, flag)
+    for f in files:  # fail on a bad shard now, not hours into the run
+        read_shard_header(f)
+    pin = device.type == "cuda"
+    batch_tokens = seq_len * seqs_per_batch
+    file_iter = iter(files)
+    tokens, pos = None, 0
+    while True:
+        while tokens is None or pos + batch_tokens + 1 > len(tokens):
+            path = next(file_iter, None)
+            if path is None:
+                raise UserError(f"--{flag} {pattern!r}: out of data after {len(files)} shard(s); a batch needs "
+                                f"{batch_tokens + 1} tokens in one shard. Fetch more shards or train fewer steps")
+            tokens, pos = load_data_shard(path, pin_memory=pin), 0
+        for j in range(rank, seqs_per_batch, world_size):
+            buf = tokens[pos + j * seq_len:][:seq_len + 1]
+            # non_blocking: the copy overlaps the host's next work; no host sync needed
+            inputs = buf[:-1].to(device=device, dtype=torch.int32, non_blocking=True)
+            targets = buf[1:].to(device=device, dtype=torch.int64, non_blocking=True)
+            yield inputs, targets
+        pos += batch_tokens
+
+
+# ----------------------------------------------------------------------------------------------------
+# Hyperparameters: the record's values are the defaults; presets and flags override them
+
+@dataclass
+class Hyperparameters:
+    preset: str = "record"
+    # data
+    train_files: str = "data/fineweb10B/fineweb_train_*.bin"
+    val_files: str = "data/fineweb10B/fineweb_val_*.bin"
+    val_tokens: int = 10485760  # validation tokens per evaluation, split across ranks
+    train_seq_len: int = 48 * 1024  # tokens per micro-batch (one sequence: FlexAttention masks are per sequence)
+    val_seq_len: int = 4 * 64 * 1024
+    seqs_per_step: int = 8  # global batch in sequences; ranks short of it are made up by gradient accumulation
+    # model
+    vocab_size: int = 50257
+    num_layers: int = 12
+    num_heads: int = 6
+    head_dim: int = 128
+    model_dim: int = 768
+    window_pattern: str = "LSSSLSSLSSSL"  # long or short sliding window, per layer
+    attention_free_layers: str = "7"  # comma-separated layer indices without attention
+    window_max_tokens: int = 1728  # the sliding window grows linearly to this over the run
+    fp8_head: bool = True  # FP8 matmul for the lm_head in training
+    # optimisation
+    num_iterations: int = 1770
+    cooldown_frac: float = 0.4  # final fraction of steps with the lr decaying linearly to 0.1x
+    lr_head: float = 0.22
+    lr_embed: float = 0.6
+    lr_scalar: float = 0.04
+    lr_muon: float = 0.05
+    muon_momentum_warmup_steps: int = 300  # Muon momentum 0.85 -> 0.95 over these steps
+    # evaluation and logging
+    val_loss_every: int = 125  # 0: only at the end
+    target_val_loss: float = 3.28
+    log_dir: str = "logs"
+    run_id: str = ""  # empty: a fresh uuid
+    save_checkpoint: bool = False
+    # runtime
+    compile: bool | None = None  # None: compile on CUDA, eager elsewhere
+    warmup_steps: int = 10  # compile warm-up steps on random tokens, undone afterwards
+    seed: int = 0
+
+
+PRESETS = {
+    "record": {},
+    # small enough to train usefully on 2 CPU cores in minutes, on the embedded Shakespeare shards
+    "cpu": dict(train_files="data/shakespeare/shakespeare_train_*.bin",
+                val_files="data/shakespeare/shakespeare_val_*.bin",
+                val_tokens=16 * 1024, train_seq_len=256, val_seq_len=1024, num_layers=6, num_heads=2, head_dim=64,
+                model_dim=128, window_pattern="LSSSSL", attention_free_layers="", window_max_tokens=512,
+                fp8_head=False, num_iterations=300, muon_momentum_warmup_steps=50, val_loss_every=25,
+                target_val_loss=6.0),
+    # seconds, for tests and smoke runs
+    "tiny": dict(train_files="data/shakespeare/shakespeare_train_*.bin",
+                 val_files="data/shakespeare/shakespeare_val_*.bin",
+                 val_tokens=4 * 256, train_seq_len=256, val_seq_len=256, num_layers=6, num_heads=2, head_dim=16,
+                 model_dim=32, window_pattern="LSSSSL", attention_free_layers="4", window_max_tokens=256,
+                 fp8_head=False, num_iterations=20, muon_momentum_warmup_steps=5, val_loss_every=10,
+                 target_val_loss=8.0),
+}
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false or 1/0, got {text!r}")
+
+
+def parse_args(argv=None, cuda: bool | None = None) -> Hyperparameters:
+    """Flags named after the fields; `--preset` (default: record with CUDA, cpu without) sets the base values."""
+    if cuda is None:
+        cuda = torch.cuda.is_available()
+    parser = argparse.ArgumentParser(description="GPT-2 speedrun trainer", allow_abbrev=False)
+    for field in dataclasses.fields(Hyperparameters):
+        if field.name == "preset":
+            parser.add_argument("--preset", choices=sorted(PRESETS), default="record" if cuda else "cpu")
+        elif field.type in (bool, bool | None):
+            parser.add_argument(f"--{field.name}", type=_parse_bool, default=None, metavar="BOOL")
+        else:
+            parser.add_argument(f"--{field.name}", type=field.type, default=None)
+    flags = parser.parse_args(argv)
+    values = dict(PRESETS[flags.preset], preset=flags.preset)
+    values.update({k: v for k, v in vars(flags).items() if v is not None and k != "preset"})
+    args = Hyperparameters(**values)
+    check_hyperparameters(args)
+    return args
+
+
+def attention_free_layers(args: Hyperparameters) -> tuple[int, ...]:
+    try:
+        return tuple(int(i) for i in args.attention_free_layers.split(",") if i.strip())
+    except ValueError:
+        raise UserError(f"--attention_free_layers {args.attention_free_layers!r}: expected comma-separated "
+                        "layer indices such as '7'") from None
+
+
+def check_hyperparameters(args: Hyperparameters) -> None:
+    """Refuse values the run cannot use, before any model is built."""
+    def need(ok: bool, message: str):
+        if not ok:
+            raise UserError(message)
+    for name in ("num_iterations", "num_layers", "num_heads", "head_dim", "model_dim", "seqs_per_step",
+                 "train_seq_len", "val_seq_len", "val_tokens", "window_max_tokens", "vocab_size"):
+        need(getattr(args, name) > 0, f"--{name} must be positive, got {getattr(args, name)}")
+    need(args.val_loss_every >= 0, f"--val_loss_every must be >= 0, got {args.val_loss_every}")
+    need(0 <= args.cooldown_frac <= 1, f"--cooldown_frac must be in [0, 1], got {args.cooldown_frac}")
+    need(args.vocab_size <= 2**16, f"--vocab_size {args.vocab_size} does not fit the uint16 token shards")
+    for name in ("train_seq_len", "val_seq_len"):
+        need(getattr(args, name) % ATTENTION_BLOCK_SIZE == 0,
+             f"--{name} {getattr(args, name)} must be a multiple of {ATTENTION_BLOCK_SIZE} (the attention block)")
+    need(args.val_tokens % args.val_seq_len == 0,
+         f"--val_tokens {args.val_tokens} must be a multiple of --val_seq_len {args.val_seq_len}")
+    need(args.num_layers % 2 == 0 and args.num_layers >= 2 * GPT.NUM_VALUE_EMBEDS,
+         f"--num_layers {args.num_layers} must be even and at least {2 * GPT.NUM_VALUE_EMBEDS} "
+         "(U-Net halves, value embeddings on the first and last three layers)")
+    need(len(args.window_pattern) == args.num_layers and set(args.window_pattern) <= {"L", "S"},
+         f"--window_pattern {args.window_pattern!r} must have one letter L or S per layer ({args.num_layers})")
+    need(args.head_dim % 4 == 0, f"--head_dim {args.head_dim} must be a multiple of 4 (half-truncated rotary)")
+    bad = [i for i in attention_free_layers(args) if not 0 <= i < args.num_layers]
+    need(not bad, f"--attention_free_layers names layers {bad} outside 0..{args.num_layers - 1}")
+
+
+def check_world_size(args: Hyperparameters, world_size: int) -> int:
+    """Gradient-accumulation steps for this world size; refuses one that does not divide the global batch."""
+    if args.seqs_per_step % world_size:
+        divisors = [d for d in range(1, args.seqs_per_step + 1) if args.seqs_per_step % d == 0]
+        raise UserError(f"world size {world_size} does not divide --seqs_per_step {args.seqs_per_step}: run on "
+                        f"{divisors} processes, or change --seqs_per_step")
+    val_seqs = args.val_tokens // args.val_seq_len
+    if val_seqs % world_size:
+        raise UserError(f"--val_tokens {args.val_tokens} is {val_seqs} sequences of --val_seq_len "
+                        f"{args.val_seq_len}, which world size {world_size} does not divide")
+    return args.seqs_per_step // world_size
+
+
+# ----------------------------------------------------------------------------------------------------
+# Schedules: learning rate, sliding window, Muon momentum (all functions of the step)
+
+def lr_multiplier(step: int, args: Hyperparameters) -> float:
+    """1.0, then linear to 0.1 over the final cooldown_frac of the run."""
+    x = step / args.num_iterations
+    if x < 1 - args.cooldown_frac:
+        return 1.0
+    w = (1 - x) / args.cooldown_frac
+    return w * 1.0 + (1 - w) * 0.1
+
+
+def window_size_blocks(step: int, args: Hyperparameters) -> int:
+    """Sliding window in 128-token blocks, growing linearly with progress from 1 block to window_max_tokens."""
+    x = step / args.num_iterations
+    return next_multiple_of_n(args.window_max_tokens * x, n=ATTENTION_BLOCK_SIZE) // ATTENTION_BLOCK_SIZE
+
+
+def muon_momentum(step: int, args: Hyperparameters) -> float:
+    frac = min(step / args.muon_momentum_warmup_steps, 1) if args.muon_momentum_warmup_steps > 0 else 1
+    return (1 - frac) * 0.85 + frac * 0.95
+
+
+# ----------------------------------------------------------------------------------------------------
+# Data parallel: setup, parameter broadcast, bucketed async gradient all-reduce
+
+@dataclass
+class DistributedContext:
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_master(self) -> bool:
+        return self.rank == 0
+
+
+def setup_distributed() -> DistributedContext:
+    """torchrun's environment (or none: one process); NCCL on CUDA, gloo on CPU."""
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world_size > 1 and not dist.is_initialized():  # (tests start the group themselves)
+        if device.type == "cuda":
+            dist.init_process_group(backend="nccl", device_id=device)
+        else:
+            dist.init_process_group(backend="gloo")
+        dist.barrier()
+    return DistributedContext(rank, world_size, device)
+
+
+def broadcast_parameters(model: nn.Module) -> None:
+    if dist.is_initialized():
+        for param in model.parameters():
+            dist.broadcast(param.detach(), 0)
+
+
+class GradientBuckets:
+    """All-reduce (AVG) gradients in ~bucket_mb buckets as soon as each bucket's gradients are final.
+
+    Hooks run after a parameter's gradient is accumulated, so communication overlaps the rest of backward.
+    Buckets follow reverse registration order (roughly the order backward produces gradients) and never mix
+    dtypes. With gradient accumulation set `sync = False` for all but the last micro-batch.
+    """
+
+    def __init__(self, params, bucket_mb: float = 25):
+        self.buckets: list[list[Tensor]] = []
+        sizes: list[float] = []
+        for param in reversed([p for p in params if p.requires_grad]):
+            mb = param.numel() * param.element_size() / 2**20
+            last = self.buckets[-1] if self.buckets else None
+            if last is None or sizes[-1] + mb > bucket_mb or last[0].dtype != param.dtype:
+                self.buckets.append([])
+                sizes.append(0.0)
+            self.buckets[-1].append(param)
+            sizes[-1] += mb
+        self.bucket_of = {param: i for i, bucket in enumerate(self.buckets) for param in bucket}
+        self.ready = [0] * len(self.buckets)
+        self.handles: list = [None] * len(self.buckets)
+        self.sync = True
+        for param in self.bucket_of:
+            param.register_post_accumulate_grad_hook(self._hook)
+
+    def _hook(self, param: Tensor) -> None:
+        if not self.sync:
+            return
+        i = self.bucket_of[param]
+        self.ready[i] += 1
+        if self.ready[i] == len(self.buckets[i]):
+            grads = [p.grad for p in self.buckets[i]]
+            self.handles[i] = (dist.all_reduce(grads[0], op=dist.ReduceOp.AVG, async_op=True) if len(grads) == 1
+                               else dist.all_reduce_coalesced(grads, op=dist.ReduceOp.AVG, async_op=True))
+
+    def wait_for_gradients(self) -> None:
+        missing = [i for i, h in enumerate(self.handles) if h is None]
+        if missing:
+            shapes = [tuple(p.shape) for p in self.buckets[missing[0]] if p.grad is None]
+            raise RuntimeError(f"gradient bucket {missing[0]} was never reduced; parameters without a gradient "
+                               f"this step: {shapes}")
+        for handle in self.handles:
+            handle.wait()
+        self.ready = [0] * len(self.buckets)
+        self.handles = [None] * len(self.buckets)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Building the run: model, optimizers, compile warm-up
+
+def build_model(args: Hyperparameters, device: torch.device) -> GPT:
+    model = GPT(vocab_size=args.vocab_size, num_layers=args.num_layers, num_heads=args.num_heads,
+                head_dim=args.head_dim, model_dim=args.model_dim, max_seq_len=max(args.train_seq_len, args.val_seq_len),
+                window_pattern=args.window_pattern, attention_free_layers=attention_free_layers(args),
+                fp8_head=args.fp8_head).to(device)
+    if device.type == "cuda":
+        model.use_flex = True
+        for m in model.modules():  # bf16 embeddings make the activations bf16; CPU stays fp32 (bf16 is slow there)
+            if isinstance(m, nn.Embedding):
+                m.bfloat16()
+    return model
+
+
+def build_optimizers(model: GPT, args: Hyperparameters, ctx: DistributedContext) -> list[torch.optim.Optimizer]:
+    hidden_matrix_params = [p for p in model.blocks.parameters() if p.ndim >= 2]
+    embed_params = [p for m in [model.embed, *model.value_embeds] for p in m.parameters()]
+    scalar_params = [p for p in model.parameters() if p.ndim < 2]
+    adam = torch.optim.Adam([dict(params=[model.lm_head.weight], lr=args.lr_head),
+                             dict(params=embed_params, lr=args.lr_embed),
+                             dict(params=scalar_params, lr=args.lr_scalar)],
+                            betas=(0.8, 0.95), eps=1e-10, fused=True)
+    on_cuda = ctx.device.type == "cuda"
+    muon = Muon(hidden_matrix_params, lr=args.lr_muon, momentum=0.95, rank=ctx.rank, world_size=ctx.world_size,
+                orthogonalize=torch.compile(zeropower_via_newtonschulz5) if on_cuda else zeropower_via_newtonschulz5,
+                ns_dtype=torch.bfloat16 if on_cuda else torch.float32)
+    optimizers = [adam, muon]
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["initial_lr"] = group["lr"]
+    return optimizers
+
+
+def set_schedules(optimizers: list[torch.optim.Optimizer], step: int, args: Hyperparameters) -> None:
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["lr"] = group["initial_lr"] * lr_multiplier(step, args)
+    for group in optimizers[1].param_groups:
+        group["momentum"] = muon_momentum(step, args)
+
+
+def warmup_and_restore(model: nn.Module, optimizers: list[torch.optim.Optimizer], train_step, steps: int) -> None:
+    """Run `steps` training steps (to trigger compilation), then put model and optimizers back as they were."""
+    initial = dict(model=copy.deepcopy(model.state_dict()),
+                   optimizers=[copy.deepcopy(opt.state_dict()) for opt in optimizers])
+    for _ in range(steps):
+        train_step()
+    model.load_state_dict(initial["model"])
+    for opt, state in zip(optimizers, initial["optimizers"]):
+        opt.load_state_dict(state)
+    model.zero_grad(set_to_none=True)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Logging: the log file starts with this file's source, so a run is reproducible from its log alone
+
+def device_description(device: torch.device) -> str:
+    if device.type == "cuda":
+        try:
+            return subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            return f"GPU: {torch.cuda.get_device_name(device)} (nvidia-smi unavailable)"
+    model_name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model_name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"CPU: {model_name} ({os.cpu_count()} cores)"
+
+
+def peak_memory_line(device: torch.device) -> str:
+    if device.type == "cuda":
+        return (f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
+                f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
+    import resource
+    return f"peak memory rss: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MiB"
+
+
+class RunLog:
+    """Writes the log file on the master rank; other ranks' calls do nothing."""
+
+    def __init__(self, args: Hyperparameters, ctx: DistributedContext):
+        self.path = None
+        if ctx.is_master:
+            os.makedirs(args.log_dir, exist_ok=True)
+            self.path = Path(args.log_dir) / f"{args.run_id}.txt"
+            self.path.write_text("")
+
+    def __call__(self, line: str, console: bool = False) -> None:
+        if self.path is None:
+            return
+        with open(self.path, "a") as f:
+            print(line, file=f)
+        if console:
+            print(line, flush=True)
+
+    def header(self, args: Hyperparameters, ctx: DistributedContext, grad_accum_steps: int) -> None:
+        self(Path(__file__).read_text())
+        self("=" * 100)
+        self(f"Running Python {sys.version}")
+        self(f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda}")
+        self(device_description(ctx.device))
+        self("=" * 100)
+        self("hyperparameters: " + json.dumps(dataclasses.asdict(args)))
+        self(f"run: id={args.run_id} device={ctx.device.type} world_size={ctx.world_size} "
+             f"grad_accum_steps={grad_accum_steps}", console=True)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Training loop
+
+def device_synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # CPU ops are synchronous: nothing to wait for
+
+
+def all_reduce_mean(value: Tensor) -> Tensor:
+    if dist.is_initialized():
+        dist.all_reduce(value, op=dist.ReduceOp.AVG)
+    return value
+
+
+@functools.lru_cache(maxsize=8)
+def window_tensor(blocks: int, device: torch.device) -> Tensor:
+    # a tensor, not an int, so torch.compile(dynamic=False) does not recompile as the window grows
+    return torch.tensor(blocks, dtype=torch.int32, device=device)
+
+
+def accumulate_gradients(model: nn.Module, buckets: "GradientBuckets | None", batches, window: Tensor,
+                         grad_accum_steps: int) -> Tensor:
+    """Forward and backward over this rank's share of the global batch; returns its summed loss.
+
+    Afterwards every rank holds the gradient of the mean over the global batch's sequences of each
+    sequence's summed token loss, whatever the world size.
+    """
+    loss_sum = torch.zeros((), device=window.device)
+    for micro_step in range(grad_accum_steps):
+        inputs, targets = next(batches)
+        if buckets is not None:
+            buckets.sync = micro_step == grad_accum_steps - 1  # reduce once, during the last backward
+        loss = model(inputs, targets, window)
+        (loss / grad_accum_steps).backward()
+        loss_sum += loss.detach()
+    if buckets is not None:
+        buckets.wait_for_gradients()
+    return loss_sum
+
+
+def optimizer_step(model: nn.Module, optimizers: list[torch.optim.Optimizer], step: int,
+                   args: Hyperparameters) -> None:
+    set_schedules(optimizers, step, args)
+    for opt in optimizers:
+        opt.step()
+    model.zero_grad(set_to_none=True)
+
+
+def evaluate(model: nn.Module, args: Hyperparameters, ctx: DistributedContext, step: int) -> float:
+    """Mean val loss over val_tokens, the same for every world size (each rank averages equal shares)."""
+    val_seqs = args.val_tokens // args.val_seq_len
+    loader = distributed_data_generator(args.val_files, args.val_seq_len, val_seqs, ctx.rank, ctx.world_size,
+                                        ctx.device, flag="val_files")
+    window = window_tensor(window_size_blocks(step, args), ctx.device)
+    model.eval()
+    total = torch.zeros((), device=ctx.device, dtype=torch.float32)
+    with torch.no_grad():
+        for _ in range(val_seqs // ctx.world_size):
+            inputs, targets = next(loader)
+            total += model(inputs, targets, window).float()
+    model.train()
+    return all_reduce_mean(total / (val_seqs // ctx.world_size)).item()
+
+
+def main(argv=None) -> float:
+    """Train; return the final validation loss."""
+    ctx = setup_distributed()
+    try:
+        return train(parse_args(argv), ctx)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def train(args: Hyperparameters, ctx: DistributedContext) -> float:
+    grad_accum_steps = check_world_size(args, ctx.world_size)
+    for pattern, flag in ((args.train_files, "train_files"), (args.val_files, "val_files")):
+        for path in list_shards(pattern, flag):  # refuse bad data before building anything
+            read_shard_header(path)
+    if not args.run_id:
+        run_id = [str(uuid.uuid4())]
+        if dist.is_initialized():
+            dist.broadcast_object_list(run_id, 0)
+        args.run_id = run_id[0]
+    if args.compile is None:
+        args.compile = ctx.device.type == "cuda"
+    log = RunLog(args, ctx)
+    log.header(args, ctx, grad_accum_steps)
+    if log.path is not None:
+        print(f"logging to {log.path}", flush=True)
+
+    torch.manual_seed(args.seed)
+    raw_model = build_model(args, ctx.device)
+    broadcast_parameters(raw_model)
+    optimizers = build_optimizers(raw_model, args, ctx)
+    buckets = GradientBuckets(raw_model.parameters()) if ctx.world_size > 1 else None
+    model = torch.compile(raw_model, dynamic=False) if args.compile else raw_model
+
+    def train_step(batches, step: int) -> Tensor:
+        loss_sum = accumulate_gradients(model, buckets, batches, window_tensor(window_size_blocks(step, args), ctx.device),
+                                        grad_accum_steps)
+        optimizer_step(model, optimizers, step, args)
+        return loss_sum
+
+    if args.compile and args.warmup_steps > 0:
+        def random_batches():
+            while True:
+                tokens = torch.randint(0, args.vocab_size, (args.train_seq_len + 1,), device=ctx.device)
+                yield tokens[:-1].to(torch.int32), tokens[1:]
+        random_stream = random_batches()
+        warmup_and_restore(raw_model, optimizers, lambda: train_step(random_stream, 0), args.warmup_steps)
+
+    train_loader = distributed_data_generator(args.train_files, args.train_seq_len, args.seqs_per_step, ctx.rank,
+                                              ctx.world_size, ctx.device)
+    tokens_per_rank_step = grad_accum_steps * args.train_seq_len
+    training_time_ms = 0.0
+    val_loss = float("nan")
+    device_synchronize(ctx.device)
+    t0 = time.perf_counter()
+    for step in range(args.num_iterations + 1):
+        last_step = step == args.num_iterations
+        if last_step or (args.val_loss_every > 0 and step % args.val_loss_every == 0):
+            device_synchronize(ctx.device)
+            training_time_ms += 1000 * (time.perf_counter() - t0)  # validation is not timed
+            val_loss = evaluate(model, args, ctx, step)
+            log(f"step:{step}/{args.num_iterations} val_loss:{val_loss:.4f} train_time:{training_time_ms:.0f}ms "
+                f"step_avg:{training_time_ms / max(step, 1):.2f}ms", console=True)
+            device_synchronize(ctx.device)
+            t0 = time.perf_counter()
+        if last_step:
+            break
+        loss_sum = train_step(train_loader, step)
+        train_loss = all_reduce_mean(loss_sum / tokens_per_rank_step).item()
+        elapsed_ms = training_time_ms + 1000 * (time.perf_counter() - t0)
+        log(f"step:{step + 1}/{args.num_iterations} train_loss:{train_loss:.4f} train_time:{elapsed_ms:.0f}ms "
+            f"step_avg:{elapsed_ms / (step + 1):.2f}ms", console=True)
+
+    if args.save_checkpoint and ctx.is_master:
+        path = Path(args.log_dir) / args.run_id / f"state_step{args.num_iterations:06d}.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(dict(step=args.num_iterations, code=Path(__file__).read_text(), model=raw_model.state_dict(),
+                        optimizers=[opt.state_dict() for opt in optimizers]), path)
+        log(f"checkpoint: {path}", console=True)
+    log(peak_memory_line(ctx.device), console=True)
+    return val_loss
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
