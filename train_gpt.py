@@ -844,7 +844,7 @@ class RunLog:
             print(line, flush=True)
 
     def header(self, args: Hyperparameters, ctx: DistributedContext, grad_accum_steps: int) -> None:
-        self(Path(__file__).read_text())
+        self(Path(__file__).read_text().rstrip("\n"))  # the log starts with the source, byte for byte
         self("=" * 100)
         self(f"Running Python {sys.version}")
         self(f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda}")

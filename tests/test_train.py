@@ -1,0 +1,137 @@
+"""The run as a whole: flags, schedules, warm-up restore, the log file, and training that learns."""
+import json
+import math
+
+import pytest
+import torch
+
+import train_gpt
+from distributed import run_on_ranks
+from synthetic import tiny_flags, write_synthetic_shards
+
+
+def test_flags_override_preset_values():
+    args = train_gpt.parse_args(["--preset", "tiny", "--num_iterations", "50", "--fp8_head", "true",
+                                 "--lr_muon=0.01", "--run_id", "x"], cuda=False)
+    assert (args.num_iterations, args.fp8_head, args.lr_muon, args.run_id) == (50, True, 0.01, "x")
+    assert args.model_dim == train_gpt.PRESETS["tiny"]["model_dim"]
+    assert train_gpt.parse_args([], cuda=False).preset == "cpu"
+    record = train_gpt.parse_args([], cuda=True)
+    assert record == train_gpt.Hyperparameters()  # the record config is the dataclass defaults
+    assert (record.val_tokens, record.train_seq_len, record.val_seq_len, record.num_iterations) == \
+        (10485760, 48 * 1024, 4 * 64 * 1024, 1770)
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--train_seq_len", "100"], "--train_seq_len 100 must be a multiple of 128"),
+    (["--window_pattern", "LLS"], "--window_pattern 'LLS' must have one letter"),
+    (["--num_iterations", "0"], "--num_iterations must be positive"),
+    (["--cooldown_frac", "1.5"], "--cooldown_frac must be in"),
+    (["--attention_free_layers", "3,x"], "--attention_free_layers '3,x'"),
+    (["--val_tokens", "1000"], "--val_tokens 1000 must be a multiple of --val_seq_len"),
+])
+def test_bad_flag_values_are_refused_by_name(flags, words):
+    with pytest.raises(train_gpt.UserError, match=words.replace("(", r"\(")):
+        train_gpt.parse_args(["--preset", "tiny", *flags], cuda=False)
+
+
+def test_schedules_at_hand_computed_points():
+    args = train_gpt.Hyperparameters(num_iterations=1000, cooldown_frac=0.4)
+    assert train_gpt.lr_multiplier(0, args) == 1.0
+    assert train_gpt.lr_multiplier(599, args) == 1.0
+    assert train_gpt.lr_multiplier(800, args) == pytest.approx(0.5 * 1 + 0.5 * 0.1)
+    assert train_gpt.lr_multiplier(1000, args) == pytest.approx(0.1)
+    assert train_gpt.window_size_blocks(0, args) == 1  # at least one 128-token block
+    assert train_gpt.window_size_blocks(500, args) == 7  # 864 tokens -> 896 = 7 blocks
+    assert train_gpt.window_size_blocks(1000, args) == 14  # 1728 -> 1792 tokens
+    assert train_gpt.muon_momentum(0, args) == pytest.approx(0.85)
+    assert train_gpt.muon_momentum(150, args) == pytest.approx(0.90)
+    assert train_gpt.muon_momentum(300, args) == pytest.approx(0.95)
+    assert train_gpt.muon_momentum(1000, args) == pytest.approx(0.95)
+
+
+def build(files, **overrides):
+    args = train_gpt.parse_args(tiny_flags(files, **overrides), cuda=False)
+    ctx = train_gpt.DistributedContext(0, 1, torch.device("cpu"))
+    torch.manual_seed(0)
+    model = train_gpt.build_model(args, ctx.device)
+    return args, ctx, model, train_gpt.build_optimizers(model, args, ctx)
+
+
+def one_step(args, model, optimizers, batches, step=0):
+    window = train_gpt.window_tensor(train_gpt.window_size_blocks(step, args), torch.device("cpu"))
+    loss = train_gpt.accumulate_gradients(model, None, batches, window, args.seqs_per_step)
+    train_gpt.optimizer_step(model, optimizers, step, args)
+    return loss.item()
+
+
+def test_warmup_leaves_no_trace(tmp_path):
+    files = write_synthetic_shards(tmp_path)
+    args, ctx, model, optimizers = build(files)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    random_tokens = iter(lambda: (torch.randint(0, 50257, (128,), dtype=torch.int32),
+                                  torch.randint(0, 50257, (128,))), None)
+    train_gpt.warmup_and_restore(model, optimizers, lambda: one_step(args, model, optimizers, random_tokens, 50), 3)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, initial[k]), k
+    assert all(not opt.state for opt in optimizers)  # no momentum or Adam moments survive
+    assert all(p.grad is None for p in model.parameters())
+    # and training from here is exactly training from a fresh model
+    _, _, fresh, fresh_optimizers = build(files)
+    loader = lambda: train_gpt.distributed_data_generator(args.train_files, 128, args.seqs_per_step, 0, 1, ctx.device)
+    after_warmup, batches = [], loader()
+    reference, fresh_batches = [], loader()
+    for step in range(2):
+        after_warmup.append(one_step(args, model, optimizers, batches, step))
+        reference.append(one_step(args, fresh, fresh_optimizers, fresh_batches, step))
+    assert after_warmup == reference
+    for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
+        assert torch.equal(p, q), name
+
+
+def run_main(tmp_path, files, run_id, **overrides):
+    flags = tiny_flags(files, log_dir=tmp_path / "logs", run_id=run_id, **overrides)
+    final_val_loss = train_gpt.main(flags)
+    log_path = tmp_path / "logs" / f"{run_id}.txt"
+    return final_val_loss, log_path.read_text() if log_path.exists() else None  # only rank 0 logs
+
+
+def test_log_file_holds_source_environment_hyperparameters_and_steps(tmp_path):
+    files = write_synthetic_shards(tmp_path)
+    final_val, log = run_main(tmp_path, files, "logtest", num_iterations=4, val_loss_every=2)
+    source = open(train_gpt.__file__).read()
+    assert log.startswith(source)
+    rest = log[len(source):].splitlines()
+    assert rest[0] == "=" * 100
+    assert rest[1].startswith("Running Python ") and rest[2].startswith(f"Running PyTorch {torch.__version__}")
+    assert rest[3].startswith("CPU: ")
+    assert rest[4] == "=" * 100
+    hparams = json.loads(rest[5].removeprefix("hyperparameters: "))
+    assert hparams["num_iterations"] == 4 and hparams["preset"] == "tiny" and hparams["run_id"] == "logtest"
+    assert rest[6] == "run: id=logtest device=cpu world_size=1 grad_accum_steps=4"
+    steps = rest[7:-1]
+    assert [line.split()[0] for line in steps] == ["step:0/4", "step:1/4", "step:2/4", "step:2/4", "step:3/4",
+                                                   "step:4/4", "step:4/4"]
+    assert [("val_loss" in line) for line in steps] == [True, False, False, True, False, False, True]
+    assert steps[-1].startswith(f"step:4/4 val_loss:{final_val:.4f} train_time:")
+    assert rest[-1].startswith("peak memory rss: ") and rest[-1].endswith(" MiB")
+
+
+def test_short_run_learns(tmp_path):
+    files = write_synthetic_shards(tmp_path)
+    _, log = run_main(tmp_path, files, "learn", num_iterations=30, val_loss_every=30)
+    val = [float(line.split("val_loss:")[1].split()[0]) for line in log.splitlines() if "val_loss:" in line
+           and line.startswith("step:")]
+    assert val[0] == pytest.approx(math.log(50304), abs=0.05)  # zero-init head: uniform logits at the start
+    assert val[-1] < val[0] - 3, val  # the synthetic pattern is easy to learn
+
+
+def run_main_on_rank(rank, world_size, tmp_path, files):
+    return run_main(tmp_path, files, "dp", num_iterations=6, val_loss_every=3)[0]
+
+
+def test_two_process_run_ends_with_the_single_process_val_loss(tmp_path):
+    files = write_synthetic_shards(tmp_path)
+    single, _ = run_main(tmp_path, files, "single", num_iterations=6, val_loss_every=3)
+    for val_loss in run_on_ranks(run_main_on_rank, 2, tmp_path, files):
+        assert abs(val_loss - single) < 1e-3
