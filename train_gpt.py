@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 
 class UserError(Exception):
@@ -39,7 +40,7 @@ class UserError(Exception):
 # FP8 matmul: a custom op so torch.compile sees one opaque node with a fake (shape-only) implementation
 
 def _scale(value: float, like: Tensor) -> Tensor:
-    return torch.tensor(value, dtype=torch.float32, device=like.device)
+    return torch.full((), value, dtype=torch.float32, device=like.device)  # a fill kernel, no host-to-device copy
 
 
 @torch.library.custom_op("nanogpt::mm", mutates_args=())
@@ -245,8 +246,7 @@ class AttentionMask:
     def mask_mod(self, b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) & (self.docs[q_idx] == self.docs[kv_idx])
 
-    def flex(self):
-        from torch.nn.attention.flex_attention import BlockMask
+    def flex(self) -> BlockMask:
         return BlockMask.from_kv_blocks(self.partial_num, self.partial_idx, self.full_num, self.full_idx,
                                         BLOCK_SIZE=ATTENTION_BLOCK_SIZE, mask_mod=self.mask_mod)
 
@@ -293,11 +293,8 @@ def document_causal_masks(input_seq: Tensor, window_blocks: Tensor) -> tuple[Att
     return windowed(window_blocks), windowed(window_blocks // 2)
 
 
-@functools.cache
-def compiled_flex_attention():
-    # always compiled: eager flex_attention applies only mask_mod and ignores the block lists, i.e. the window
-    from torch.nn.attention.flex_attention import flex_attention
-    return torch.compile(flex_attention, dynamic=False)
+# always compiled: eager flex_attention applies only mask_mod and ignores the block lists, i.e. the window
+compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
 
 
 class CausalSelfAttention(nn.Module):
@@ -320,7 +317,7 @@ class CausalSelfAttention(nn.Module):
         v = self.lambdas[0] * v + self.lambdas[1] * ve.view_as(v) if ve is not None else self.lambdas[0] * v
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
         if use_flex:
-            y = compiled_flex_attention()(q, k, v, block_mask=mask.flex(), scale=0.12)
+            y = compiled_flex_attention(q, k, v, block_mask=mask.flex(), scale=0.12)
         else:  # CPU twin: FlexAttention has no backward there; same function through a dense boolean mask
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense(), scale=0.12)
         y = y.transpose(1, 2).contiguous().view(B, T, self.num_heads * self.head_dim)
