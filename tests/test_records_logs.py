@@ -1,0 +1,389 @@
+"""records/logs.py against the log-format contract: real and hand-written logs, statistics checked with scipy."""
+import importlib.util
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib.image
+import numpy as np
+import pytest
+from scipy import stats
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SEPARATOR = "=" * 100
+SOURCE = '"""A stand-in trainer."""\nlearning_rate = 0.1\nprint("train")\n'
+
+
+def _import_logs():
+    # by path: records/ is not a package, and a "records" or "logs" module elsewhere must not shadow it
+    spec = importlib.util.spec_from_file_location("records_logs", REPO_ROOT / "records" / "logs.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up here
+    spec.loader.exec_module(module)
+    return module
+
+
+logs = _import_logs()
+
+
+def log_text(final_loss=5.0, final_time_ms=36000.0, source=SOURCE, num_iterations=4, val_loss_every=2,
+             target=6.0, finished=True, **hyperparameters) -> str:
+    """A log as the contract describes it; val loss falls linearly from 10 to final_loss, time grows linearly."""
+    hyperparameters = dict(preset="cpu", num_iterations=num_iterations, val_loss_every=val_loss_every,
+                           target_val_loss=target, seed=0, run_id="x", **hyperparameters)
+    lines = [source.rstrip("\n"), SEPARATOR, "Running Python 3.11.7 (main) [GCC 12.2.0]",
+             "Running PyTorch 2.13.0+cpu compiled for CUDA None", "CPU: Test CPU (2 cores)", SEPARATOR,
+             "hyperparameters: " + json.dumps(hyperparameters), "run: id=x device=cpu world_size=1 grad_accum_steps=8"]
+
+    def step_line(step, kind, loss):
+        time_ms = final_time_ms * step / num_iterations
+        return f"step:{step}/{num_iterations} {kind}:{loss:.4f} train_time:{time_ms:.0f}ms " \
+               f"step_avg:{time_ms / max(step, 1):.2f}ms"
+
+    for step in range(num_iterations + 1):
+        if step == num_iterations or step % val_loss_every == 0:
+            lines.append(step_line(step, "val_loss", 10 + (final_loss - 10) * step / num_iterations))
+        if step < num_iterations:
+            lines.append(step_line(step + 1, "train_loss", 10.0))
+    if finished:
+        lines.append("peak memory rss: 812 MiB")
+    return "\n".join(lines) + "\n"
+
+
+def write_logs(folder: Path, final_losses, final_times_ms, **kwargs) -> list[str]:
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, (loss, time_ms) in enumerate(zip(final_losses, final_times_ms)):
+        path = folder / f"run{i}.txt"
+        path.write_text(log_text(loss, time_ms, **kwargs))
+        paths.append(str(path))
+    return paths
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    code = logs.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# ----------------------------------------------------------------------------------------------------
+# Parsing: a hand-written log, the README's example, and a real run of the trainer
+
+def test_handwritten_log_parses_to_known_values(tmp_path):
+    path = tmp_path / "a.txt"
+    path.write_text(log_text(final_loss=5.1234, final_time_ms=36000, num_iterations=4, val_loss_every=2))
+    run = logs.read_log(path)
+    assert run.problem is None
+    assert run.source == SOURCE
+    assert (run.final.step, run.final.loss, run.final.time_ms, run.final.step_avg_ms) == (4, 5.1234, 36000, 9000)
+    assert [p.step for p in run.val] == [0, 2, 4] and [p.step for p in run.train] == [1, 2, 3, 4]
+    assert (run.torch, run.device, run.peak_memory) == ("2.13.0+cpu", "CPU: Test CPU (2 cores), world_size 1",
+                                                        "rss: 812 MiB")
+    assert run.hyperparameters["target_val_loss"] == 6.0
+
+
+def test_nvidia_smi_table_names_the_gpus(tmp_path):
+    smi = ["+-----------------------------------------------------------------------------------------+",
+           *[f"|   {i}  NVIDIA H100 80GB HBM3          On  |   00000000:18:00.0 Off |                    0 |"
+             for i in range(8)], ""]
+    text = log_text().replace("CPU: Test CPU (2 cores)", "\n".join(smi)).replace("world_size=1", "world_size=8")
+    path = tmp_path / "gpu.txt"
+    path.write_text(text.replace("peak memory rss: 812 MiB", "peak memory allocated: 1234 MiB reserved: 2345 MiB"))
+    run = logs.read_log(path)
+    assert run.problem is None
+    assert run.device == "8x NVIDIA H100 80GB HBM3, world_size 8"
+    assert run.peak_memory == "allocated: 1234 MiB reserved: 2345 MiB"
+
+
+def test_readme_example_log_parses(tmp_path):
+    readme = (REPO_ROOT / "records" / "README.md").read_text()
+    block = re.search(r"<!-- example-log:.*?-->\n```\n(.*?)```", readme, re.S)
+    assert block, "records/README.md lost its example-log block"
+    path = tmp_path / "example.txt"
+    path.write_text(block[1])
+    run = logs.read_log(path)
+    assert run.problem is None
+    assert (run.final.step, run.final.loss, run.final.time_ms, run.final.step_avg_ms) == (4, 9.3921, 485, 121.25)
+    assert [p.step for p in run.val] == [0, 2, 4] and len(run.train) == 4
+    assert run.source == '"""The source of train_gpt.py, verbatim."""\nprint("train")\n'
+    assert run.hyperparameters["preset"] == "tiny" and run.peak_memory == "rss: 812 MiB"
+
+
+@pytest.fixture(scope="module")
+def real_log(tmp_path_factory) -> Path:
+    """A 4-step run of the tiny preset, written by the trainer itself."""
+    log_dir = tmp_path_factory.mktemp("real_logs")
+    result = subprocess.run([sys.executable, "train_gpt.py", "--preset", "tiny", "--num_iterations", "4",
+                             "--val_loss_every", "2", "--log_dir", str(log_dir), "--run_id", "real"],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=180,
+                            # one thread: on a shared 2-core machine, spinning OpenMP threads make it 4x slower
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, f"the trainer failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    return log_dir / "real.txt"
+
+
+def test_real_trainer_log_parses(real_log):
+    run = logs.read_log(real_log)
+    assert run.problem is None
+    assert run.source == (REPO_ROOT / "train_gpt.py").read_text()
+    assert [p.step for p in run.val] == [0, 2, 4] and [p.step for p in run.train] == [1, 2, 3, 4]
+    assert run.hyperparameters["preset"] == "tiny" and run.num_iterations == 4
+    assert math.isfinite(run.final.loss) and run.final.time_ms > 0
+    # train_time is printed rounded to the ms, step_avg from the unrounded time
+    assert run.final.step_avg_ms == pytest.approx(run.final.time_ms / 4, abs=0.5 / 4 + 0.005)
+    assert run.torch != "unknown" and run.device.startswith("CPU: ") and run.peak_memory.startswith("rss: ")
+
+
+def test_summary_of_a_real_log(real_log, capsys):
+    code, out, _ = run_cli(capsys, "summary", real_log)
+    assert code == 0
+    assert f"{logs.read_log(real_log).final.loss:.4f}" in out and "p = n/a (p needs n >= 2)" in out
+
+
+def test_diff_of_a_real_log_and_a_changed_copy(real_log, tmp_path, capsys):
+    text = real_log.read_text()
+    changed_source = text.replace("    seed: int = 0\n", "    seed: int = 7\n", 1)
+    assert changed_source != text
+    changed = tmp_path / "changed.txt"
+    changed.write_text(changed_source.replace('"seed": 0', '"seed": 7'))
+    code, out, _ = run_cli(capsys, "diff", real_log, changed)
+    assert code == 0
+    assert "-    seed: int = 0\n+    seed: int = 7" in out
+    assert re.search(r"^seed\s+0\s+->\s+7$", out, re.M)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Statistics: the tool's own t distribution and tests against scipy
+
+@pytest.mark.parametrize("df", [1, 2, 3.7, 9, 30, 250.5])
+def test_t_cdf_matches_scipy(df):
+    for t in [-40, -8, -2.5, -0.3, 0, 0.3, 2.5, 8, 40]:
+        assert logs.t_cdf(t, df) == pytest.approx(stats.t.cdf(t, df), rel=1e-9, abs=1e-300)
+
+
+def test_summary_mean_std_and_p_match_scipy(tmp_path, capsys):
+    final_losses, times_ms = [5.91, 5.93, 5.85, 5.90, 5.92], [36000, 36500, 35500, 36200, 35900]
+    paths = write_logs(tmp_path, final_losses, times_ms, target=6.0)
+    code, out, _ = run_cli(capsys, "summary", *paths)
+    assert code == 0
+    expected_p = stats.ttest_1samp(final_losses, 6.0, alternative="less").pvalue
+    assert logs.mean_below_target_p(final_losses, 6.0) == pytest.approx(expected_p, rel=1e-9)
+    assert f"val loss:   {np.mean(final_losses):.4f} ± {np.std(final_losses, ddof=1):.4f} (n=5)" in out
+    assert f"train time: {np.mean(times_ms) / 1000:.3f} s ± {np.std(times_ms, ddof=1) / 1000:.3f} s (n=5)" in out
+    assert "target 6 (the logs' target_val_loss)" in out and f"p = {expected_p:.3g} (significant" in out
+
+
+def test_summary_target_flag_and_disagreeing_logs(tmp_path, capsys):
+    paths = write_logs(tmp_path / "a", [3.27, 3.26], [1000, 1000], target=3.3)
+    paths += write_logs(tmp_path / "b", [3.25, 3.29], [1000, 1000], target=4.0)
+    losses = [3.27, 3.26, 3.25, 3.29]
+    _, out, _ = run_cli(capsys, "summary", *paths)
+    assert "target 3.28 (the record target; the logs' target_val_loss values differ)" in out
+    assert f"p = {stats.ttest_1samp(losses, 3.28, alternative='less').pvalue:.3g}" in out
+    _, out, _ = run_cli(capsys, "summary", *paths, "--target", "3.3")
+    assert f"p = {stats.ttest_1samp(losses, 3.3, alternative='less').pvalue:.3g}" in out
+
+
+def test_summary_of_one_run_says_p_needs_two(tmp_path, capsys):
+    code, out, _ = run_cli(capsys, "summary", *write_logs(tmp_path, [5.5], [1234]))
+    assert code == 0
+    assert "val loss:   5.5000 (n=1: std needs n >= 2)" in out and "p = n/a (p needs n >= 2)" in out
+
+
+def test_compare_welch_tests_match_scipy(tmp_path, capsys):
+    base_losses, base_ms = [5.90, 5.92, 5.88], [36000, 36400, 35800]
+    cand_losses, cand_ms = [5.93, 5.89, 5.95, 5.91], [30000, 31000, 30500, 29800]
+    baseline = write_logs(tmp_path / "base", base_losses, base_ms)
+    candidate = write_logs(tmp_path / "cand", cand_losses, cand_ms)
+    code, out, _ = run_cli(capsys, "compare", *baseline, "--", *candidate)
+    assert code == 0
+    time_p = stats.ttest_ind(np.array(cand_ms) / 1000, np.array(base_ms) / 1000, equal_var=False,
+                             alternative="less").pvalue
+    loss_p = stats.ttest_ind(cand_losses, base_losses, equal_var=False).pvalue
+    assert p_after(out, "Welch one-sided p (candidate faster)") == pytest.approx(time_p, rel=1e-3)
+    assert p_after(out, "Welch two-sided p") == pytest.approx(loss_p, rel=1e-3)
+    assert p_after(out, "one-sided p (mean < target)") == pytest.approx(
+        stats.ttest_1samp(cand_losses, 6.0, alternative="less").pvalue, rel=1e-3)
+    time_change = np.mean(cand_ms) / 1000 - np.mean(base_ms) / 1000
+    assert f"candidate - baseline = {time_change:+.3f} s" in out
+    assert f"candidate - baseline = {np.mean(cand_losses) - np.mean(base_losses):+.4f}" in out
+    assert out.rstrip().endswith("verdict: record")
+
+
+def p_after(text: str, label: str) -> float:
+    return float(re.search(re.escape(label) + r" = (\S+)", text)[1])
+
+
+@pytest.mark.parametrize("cand_losses, cand_ms, expected", [
+    ([5.50, 5.52, 5.49], [30000, 30200, 29900], "record"),
+    ([5.50, 5.52, 5.49], [40000, 40200, 39900], "not faster"),  # slower
+    ([5.50, 5.52, 5.49], [35900, 36100, 36000], "not faster"),  # same speed
+    ([6.10, 6.12, 6.09], [30000, 30200, 29900], "loss not significant"),  # faster, above the target
+    ([5.00, 6.90, 5.50], [30000, 30200, 29900], "loss not significant"),  # faster, mean below but too noisy
+    ([6.10, 6.12, 6.09], [40000, 40200, 39900], "not faster"),  # both fail: speed is checked first
+    ([5.50], [30000], "not faster"),  # one run: no p-value, so nothing is shown
+])
+def test_compare_verdicts_for_clear_cases(tmp_path, capsys, cand_losses, cand_ms, expected):
+    baseline = write_logs(tmp_path / "base", [5.50, 5.51, 5.49], [36000, 36100, 35900])
+    candidate = write_logs(tmp_path / "cand", cand_losses, cand_ms)
+    _, out, _ = run_cli(capsys, "compare", *baseline, "--", *candidate)
+    assert out.rstrip().splitlines()[-1] == f"verdict: {expected}"
+
+
+def test_diverged_run_counts_but_is_never_significant(tmp_path, capsys):
+    baseline = write_logs(tmp_path / "base", [5.50, 5.51, 5.49], [36000, 36100, 35900])
+    candidate = write_logs(tmp_path / "cand", [5.50, float("nan"), 5.49], [30000, 30200, 29900])
+    code, out, _ = run_cli(capsys, "summary", *candidate)
+    assert code == 0 and "val loss:   nan ± nan (n=3)" in out and "p = nan (not significant at 0.01)" in out
+    _, out, _ = run_cli(capsys, "compare", *baseline, "--", *candidate)
+    assert out.rstrip().splitlines()[-1] == "verdict: loss not significant"
+
+
+def test_identical_values_give_extreme_p():
+    assert logs.mean_below_target_p([5.0, 5.0, 5.0], 6.0) == 0.0
+    assert logs.mean_below_target_p([6.0, 6.0], 6.0) == 1.0
+    assert logs.p_less(*logs.welch([2.0, 2.0], [1.0, 1.0])) == 0.0
+
+
+# ----------------------------------------------------------------------------------------------------
+# diff and plot
+
+def test_diff_shows_code_change_hyperparameters_and_curves(tmp_path, capsys):
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text(log_text(5.5, 30000))
+    b.write_text(log_text(5.4, 20000, source=SOURCE.replace("0.1", "0.2"), seed_shift=3))
+    code, out, _ = run_cli(capsys, "diff", a, b)
+    assert code == 0
+    code_diff, hyperparameters, curves = out.split("# source diff (A -> B)\n")[1].split("\n\n# ")
+    assert "-learning_rate = 0.1\n+learning_rate = 0.2" in code_diff
+    assert hyperparameters.splitlines()[1:] == ["seed_shift  (absent)  ->  3"]
+    assert curves.splitlines()[1].split() == ["step", "A", "val_loss", "A", "train_time", "B", "val_loss", "B",
+                                              "train_time"]
+    assert curves.splitlines()[-1].split() == ["4", "5.5000", "30.000", "s", "5.4000", "20.000", "s"]
+
+
+def test_diff_of_identical_sources_says_so(tmp_path, capsys):
+    paths = write_logs(tmp_path, [5.5, 5.4], [30000, 20000])
+    _, out, _ = run_cli(capsys, "diff", *paths)
+    assert "(the embedded sources are identical)" in out and "hyperparameters that differ (A -> B)\n(none)" in out
+
+
+@pytest.fixture
+def figures(monkeypatch) -> list:
+    """The figures `plot` saves, kept for inspection."""
+    made, make_figure = [], logs.make_figure
+    monkeypatch.setattr(logs, "make_figure", lambda *args: made.append(make_figure(*args)) or made[-1])
+    return made
+
+
+def split_lines(axes) -> tuple[list, list]:
+    """The axes' curves, and its target line(s)."""
+    lines = axes.get_lines()
+    return [x for x in lines if x.get_gid() != "target"], [x for x in lines if x.get_gid() == "target"]
+
+
+def test_plot_writes_a_png_with_one_line_per_run(tmp_path, capsys, figures):
+    paths = write_logs(tmp_path, [5.5, 5.4, 5.6], [30000, 31000, 29000])
+    crashed = tmp_path / "crashed.txt"
+    crashed.write_text(log_text(finished=False))
+    out_png = tmp_path / "curves.png"
+    code, out, _ = run_cli(capsys, "plot", *paths, crashed, "-o", out_png)
+    assert code == 0 and out.strip() == f"wrote {out_png}: 4 line(s) and the target 6"
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert matplotlib.image.imread(out_png).shape == (500, 1300, 4)  # decodes, at the figure's size
+    (figure,) = figures
+    assert type(figure.canvas).__name__ == "FigureCanvasAgg"
+    by_time, by_step = figure.axes
+    for axes in (by_time, by_step):
+        curves, targets = split_lines(axes)
+        assert [c.get_label() for c in curves] == ["run0", "run1", "run2", "crashed (incomplete)"]
+        assert [c.get_linestyle() for c in curves] == ["-", "-", "-", "--"]
+        assert len(targets) == 1 and list(targets[0].get_ydata()) == [6.0, 6.0]
+    assert list(by_step.get_lines()[0].get_xdata()) == [0, 2, 4]
+    assert list(by_time.get_lines()[1].get_xdata()) == [0, 15.5, 31.0]
+    assert list(by_time.get_lines()[2].get_ydata()) == [10.0, 7.8, 5.6]
+
+
+def test_plot_groups_draw_one_mean_line_per_group(tmp_path, capsys, figures):
+    base = write_logs(tmp_path / "base", [5.5, 5.7], [30000, 32000])
+    cand = write_logs(tmp_path / "cand", [5.2, 5.4], [20000, 22000])
+    code, out, _ = run_cli(capsys, "plot", *base, "--", *cand, "-o", tmp_path / "groups.png")
+    assert code == 0 and "2 line(s)" in out
+    curves, targets = split_lines(figures[0].axes[0])
+    assert [c.get_label() for c in curves] == ["base (mean of 2)", "cand (mean of 2)"] and len(targets) == 1
+    assert curves[0].get_xdata()[-1] == pytest.approx(31.0) and curves[0].get_ydata()[-1] == pytest.approx(5.6)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Bad inputs: refused with one line naming the file, exit status 2; crashed runs never counted
+
+def assert_refused(capsys, path, reason: str, command="summary"):
+    code, out, err = run_cli(capsys, command, path)
+    assert code == 2 and out == ""
+    assert len(err.splitlines()) == 1 and str(path) in err and reason in err, err
+
+
+@pytest.mark.parametrize("content, reason", [
+    (b"", "empty file"),
+    (b"\n  \n", "empty file"),
+    (b"just some notes\nabout nothing\n", "not a training log"),
+    (b"\x89PNG\r\n\x1a\n\x00\xff\xfe", "not UTF-8"),
+    (SOURCE.encode() + SEPARATOR.encode() + b"\nRunning Python 3.11\n", "ends inside the environment block"),
+])
+def test_unusable_files_are_refused(tmp_path, capsys, content, reason):
+    path = tmp_path / "bad.txt"
+    path.write_bytes(content)
+    assert_refused(capsys, path, reason)
+
+
+def test_log_cut_mid_line(tmp_path, capsys):
+    text = log_text()
+    cut_in_body = tmp_path / "cut_body.txt"
+    cut_in_body.write_text(text[:text.index("step:3/4 train_loss") + 15])
+    assert_refused(capsys, cut_in_body, "cut mid-line after step 2/4")
+    cut_in_header = tmp_path / "cut_header.txt"
+    cut_in_header.write_text(text[:text.index('"num_iterations"')])
+    assert_refused(capsys, cut_in_header, "ends inside the hyperparameters line")
+    cut_in_final_value = tmp_path / "cut_value.txt"  # "val_loss:5.00" parses as a number: only the newline tells
+    cut_in_final_value.write_text(text[:text.index("step:4/4 val_loss:") + len("step:4/4 val_loss:5.0")])
+    assert logs.read_log(cut_in_final_value).problem.startswith("cut mid-line")
+
+
+def test_missing_file_is_refused(tmp_path, capsys):
+    assert_refused(capsys, tmp_path / "nope.txt", "cannot read it")
+    code, _, err = run_cli(capsys, "plot", *write_logs(tmp_path, [5.5], [1000]), "-o", tmp_path / "no" / "x.png")
+    assert code == 2 and "x.png: cannot write it" in err
+
+
+def test_crashed_run_is_reported_and_not_counted(tmp_path, capsys):
+    paths = write_logs(tmp_path, [5.5, 5.7], [30000, 31000])
+    crashed = tmp_path / "crashed.txt"
+    crashed.write_text(log_text(final_loss=1.0, finished=False))
+    stopped = tmp_path / "stopped.txt"
+    stopped.write_text(log_text(final_loss=1.0).replace("step:4/4 val_loss", "stopped: kill switch\nignored:"))
+    code, out, err = run_cli(capsys, "summary", *paths, crashed, stopped)
+    assert code == 0
+    assert "complete runs: 2 of 4" in out and f"val loss:   5.6000 ± {np.std([5.5, 5.7], ddof=1):.4f} (n=2)" in out
+    assert re.search(r"crashed\.txt\s+incomplete\s+36\.000 s\s+9000\.00 ms\s+4/4\s+-", out)
+    assert f"{crashed}: incomplete run, not counted: no 'peak memory' line" in err
+    assert f"{stopped}: incomplete run, not counted: its last val step is not num_iterations=4" in err
+    assert_refused(capsys, crashed, "no complete run to count", command="summary")
+
+
+def test_malformed_step_line_is_not_counted(tmp_path):
+    path = tmp_path / "garbled.txt"
+    path.write_text(log_text().replace("step:3/4 train_loss:10.0000", "step:3/4 train_loss:ten"))
+    assert logs.read_log(path).problem.startswith("malformed step line")
+
+
+def test_command_line_errors_exit_2_without_traceback(tmp_path):
+    not_a_log = tmp_path / "notes.txt"
+    not_a_log.write_text("hello\n")
+    script = str(REPO_ROOT / "records" / "logs.py")
+    for argv in (["summary", str(not_a_log)], ["compare", str(not_a_log)], ["diff", str(not_a_log)]):
+        result = subprocess.run([sys.executable, script, *argv], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
