@@ -16,9 +16,12 @@ import glob
 import json
 import math
 import os
+import pickle
 import platform
+import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -136,6 +139,12 @@ class Muon(torch.optim.Optimizer):
         # flat gather targets (gloo needs 1-D), kept outside param_groups so state_dict() never copies them
         self.update_buffers = [torch.empty(world_size * size, dtype=ns_dtype, device=params[0].device)
                                for size in sizes]
+
+    def param_owners(self):
+        """(parameter, rank that orthogonalises it and so keeps its momentum) for every parameter."""
+        for group in self.param_groups:
+            for i, p in enumerate(group["params"]):
+                yield p, i % self.world_size
 
     @torch.no_grad()
     def step(self):
@@ -464,35 +473,62 @@ def list_shards(pattern: str, flag: str) -> list[Path]:
     return files
 
 
-def distributed_data_generator(pattern: str, seq_len: int, seqs_per_batch: int, rank: int, world_size: int,
-                               device: torch.device, flag: str = "train_files"):
-    """Yield this rank's (inputs, targets) micro-batches, one sequence of seq_len tokens each.
+class DistributedDataLoader:
+    """This rank's (inputs, targets) micro-batches, one sequence of seq_len tokens each, resumable from a position.
 
     A global batch is seqs_per_batch consecutive sequences. Sequence j goes to rank j % world_size as its
     micro-step j // world_size, so every world size dividing seqs_per_batch sees the same global batch.
     A batch never straddles shards: when the current shard cannot hold the next one, move to the next shard.
+    Between global batches, `position()` names the shard and token offset where the next one starts.
     """
-    files = list_shards(pattern, flag)
-    for f in files:  # fail on a bad shard now, not hours into the run
-        read_shard_header(f)
-    pin = device.type == "cuda"
-    batch_tokens = seq_len * seqs_per_batch
-    file_iter = iter(files)
-    tokens, pos = None, 0
-    while True:
-        while tokens is None or pos + batch_tokens + 1 > len(tokens):
-            path = next(file_iter, None)
-            if path is None:
-                raise UserError(f"--{flag} {pattern!r}: out of data after {len(files)} shard(s); a batch needs "
-                                f"{batch_tokens + 1} tokens in one shard. Fetch more shards or train fewer steps")
-            tokens, pos = load_data_shard(path, pin_memory=pin), 0
-        for j in range(rank, seqs_per_batch, world_size):
-            buf = tokens[pos + j * seq_len:][:seq_len + 1]
-            # non_blocking: the copy overlaps the host's next work; no host sync needed
-            inputs = buf[:-1].to(device=device, dtype=torch.int32, non_blocking=True)
-            targets = buf[1:].to(device=device, dtype=torch.int64, non_blocking=True)
-            yield inputs, targets
-        pos += batch_tokens
+
+    def __init__(self, pattern: str, seq_len: int, seqs_per_batch: int, rank: int, world_size: int,
+                 device: torch.device, flag: str = "train_files", position: dict | None = None):
+        self.files = list_shards(pattern, flag)
+        for f in self.files:  # fail on a bad shard now, not hours into the run
+            read_shard_header(f)
+        self.pattern, self.flag = pattern, flag
+        self.seq_len, self.rank, self.world_size, self.device = seq_len, rank, world_size, device
+        self.batch_tokens = seq_len * seqs_per_batch
+        self.micro_steps = seqs_per_batch // world_size
+        self.shard_index, self.offset, self.micro_step, self.tokens = 0, 0, 0, None
+        if position is not None:
+            names = [f.name for f in self.files]
+            if position["shard"] not in names:
+                raise UserError(f"the checkpoint's data position is in shard {position['shard']}, which --{flag} "
+                                f"{pattern!r} does not match: resume with the data the run was started on")
+            self.shard_index, self.offset = names.index(position["shard"]), position["offset"]
+
+    def position(self) -> dict:
+        return dict(shard=self.files[self.shard_index].name, offset=self.offset)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> tuple[Tensor, Tensor]:
+        if self.micro_step == 0:
+            self._ensure_room_for_a_batch()
+        j = self.rank + self.micro_step * self.world_size
+        buf = self.tokens[self.offset + j * self.seq_len:][:self.seq_len + 1]
+        self.micro_step += 1
+        if self.micro_step == self.micro_steps:
+            self.micro_step, self.offset = 0, self.offset + self.batch_tokens
+        # non_blocking: the copy overlaps the host's next work; no host sync needed
+        inputs = buf[:-1].to(device=self.device, dtype=torch.int32, non_blocking=True)
+        targets = buf[1:].to(device=self.device, dtype=torch.int64, non_blocking=True)
+        return inputs, targets
+
+    def _ensure_room_for_a_batch(self) -> None:
+        pin = self.device.type == "cuda"
+        if self.tokens is None:
+            self.tokens = load_data_shard(self.files[self.shard_index], pin_memory=pin)
+        while self.offset + self.batch_tokens + 1 > len(self.tokens):
+            if self.shard_index + 1 == len(self.files):
+                raise UserError(f"--{self.flag} {self.pattern!r}: out of data after {len(self.files)} shard(s); a "
+                                f"batch needs {self.batch_tokens + 1} tokens in one shard. Fetch more shards or "
+                                "train fewer steps")
+            self.shard_index, self.offset = self.shard_index + 1, 0
+            self.tokens = load_data_shard(self.files[self.shard_index], pin_memory=pin)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -530,8 +566,11 @@ class Hyperparameters:
     val_loss_every: int = 125  # 0: only at the end
     target_val_loss: float = 3.28
     log_dir: str = "logs"
-    run_id: str = ""  # empty: a fresh uuid
-    save_checkpoint: bool = False
+    run_id: str = ""  # empty: torchrun's rendezvous id (so elastic restarts share it), else a fresh uuid
+    # checkpoints and stopping
+    save_every: int = 0  # checkpoint every N steps and at the end; 0: only when stopped by kill switch or signal
+    resume: str = ""  # a checkpoint file, or "latest": this run id's newest (none yet: start fresh)
+    kill_switch: str = ""  # stop (with a checkpoint) when this file appears; empty: <log_dir>/<run_id>.stop
     # runtime
     compile: bool | None = None  # None: compile on CUDA, eager elsewhere
     warmup_steps: int = 10  # compile warm-up steps on random tokens, undone afterwards
@@ -602,7 +641,8 @@ def check_hyperparameters(args: Hyperparameters) -> None:
     for name in ("num_iterations", "num_layers", "num_heads", "head_dim", "model_dim", "seqs_per_step",
                  "train_seq_len", "val_seq_len", "val_tokens", "window_max_tokens", "vocab_size"):
         need(getattr(args, name) > 0, f"--{name} must be positive, got {getattr(args, name)}")
-    need(args.val_loss_every >= 0, f"--val_loss_every must be >= 0, got {args.val_loss_every}")
+    for name in ("val_loss_every", "save_every"):
+        need(getattr(args, name) >= 0, f"--{name} must be >= 0, got {getattr(args, name)}")
     need(0 <= args.cooldown_frac <= 1, f"--cooldown_frac must be in [0, 1], got {args.cooldown_frac}")
     need(args.vocab_size <= 2**16, f"--vocab_size {args.vocab_size} does not fit the uint16 token shards")
     for name in ("train_seq_len", "val_seq_len"):
@@ -679,12 +719,25 @@ def setup_distributed() -> DistributedContext:
     else:
         device = torch.device("cpu")
     if world_size > 1 and not dist.is_initialized():  # (tests start the group themselves)
+        store = elastic_attempt_store(world_size)
         if device.type == "cuda":
-            dist.init_process_group(backend="nccl", device_id=device)
+            dist.init_process_group(backend="nccl", device_id=device, store=store, rank=rank, world_size=world_size)
         else:
-            dist.init_process_group(backend="gloo")
+            dist.init_process_group(backend="gloo", store=store, rank=rank, world_size=world_size)
         dist.barrier()
     return DistributedContext(rank, world_size, device)
+
+
+def elastic_attempt_store(world_size: int) -> "dist.Store | None":
+    """torchrun's shared store under a prefix of its own for this restart attempt; None outside torchrun's.
+
+    torchrun keeps one store across elastic restarts, so without the prefix restarted workers can read the dead
+    workers' addresses and fail to connect (pytorch/pytorch#135712).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None  # init_process_group reads MASTER_ADDR and MASTER_PORT itself
+    shared = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False)
+    return dist.PrefixStore(f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", shared)
 
 
 def broadcast_parameters(model: nn.Module) -> None:
@@ -797,6 +850,149 @@ def warmup_and_restore(model: nn.Module, optimizers: list[torch.optim.Optimizer]
 
 
 # ----------------------------------------------------------------------------------------------------
+# Checkpoints and stopping: full tensors keyed by parameter name, so a run resumes under any world size
+
+CHECKPOINT_FORMAT = 1
+EXIT_STOPPED = 3  # kill switch or signal: a checkpoint was saved; continue with --resume latest
+EXIT_DIVERGED = 4  # non-finite training loss or gradient norm
+
+
+class RunEnded(Exception):
+    """The run ended before its last step on purpose; exit_status tells the launcher why."""
+
+    def __init__(self, message: str, exit_status: int):
+        super().__init__(message)
+        self.exit_status = exit_status
+
+
+def agree_on_run_id(args: Hyperparameters, ctx: DistributedContext) -> None:
+    """--run_id, else torchrun's rendezvous id (the same after an elastic restart), else a fresh uuid."""
+    if not args.run_id:
+        rendezvous_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")  # torchrun's default id is "none"
+        run_id = [rendezvous_id if rendezvous_id != "none" else str(uuid.uuid4())]
+        if dist.is_initialized():
+            dist.broadcast_object_list(run_id, 0)
+        args.run_id = run_id[0]
+
+
+def checkpoint_path(args: Hyperparameters, step: int) -> Path:
+    return Path(args.log_dir) / args.run_id / f"step{step:06d}.pt"
+
+
+def find_checkpoint(args: Hyperparameters) -> Path | None:
+    """The file --resume names; with "latest", this run id's newest checkpoint, or None when there is none yet."""
+    if args.resume == "latest":
+        saved = sorted(checkpoint_path(args, 0).parent.glob("step*.pt"))
+        return saved[-1] if saved else None
+    if args.resume and not Path(args.resume).is_file():
+        raise UserError(f"--resume {args.resume}: no such file; name a checkpoint (<log_dir>/<run_id>/stepNNNNNN.pt) "
+                        "or use 'latest'")
+    return Path(args.resume) if args.resume else None
+
+
+def save_checkpoint(path: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer], ctx: DistributedContext,
+                    **run_state) -> None:
+    """Rank 0 writes full tensors keyed by name; the ranks owning Muon momentum send it to rank 0 first.
+
+    Written to a temporary name, then renamed: a crash mid-write leaves the previous checkpoint intact.
+    Model and Adam tensors are saved from where they live, so rank 0 holds at most one extra copy: Muon's.
+    """
+    adam, muon = optimizers
+    names = {p: name for name, p in model.named_parameters()}
+    muon_momentum = {}
+    for p, owner in muon.param_owners():
+        if ctx.is_master:
+            if owner == ctx.rank:
+                muon_momentum[names[p]] = muon.state[p]["momentum_buffer"]
+            else:
+                muon_momentum[names[p]] = torch.empty_like(p)
+                dist.recv(muon_momentum[names[p]], owner)
+        elif owner == ctx.rank:
+            dist.send(muon.state[p]["momentum_buffer"], 0)
+    if ctx.is_master:
+        state = dict(format=CHECKPOINT_FORMAT, model=model.state_dict(), muon=muon_momentum,
+                     adam={names[p]: dict(adam.state[p]) for p in names if p in adam.state},
+                     rng=dict(cpu=torch.get_rng_state(),
+                              cuda=torch.cuda.get_rng_state(ctx.device) if ctx.device.type == "cuda" else None),
+                     code=Path(__file__).read_text(), **run_state)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    if dist.is_initialized():
+        dist.barrier()  # no rank goes on, or exits, before the file is complete
+
+
+def load_checkpoint(path: Path) -> dict:
+    try:  # weights_only: tensors and plain containers only, no code runs; mmap: no copy in memory until used
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
+        raise UserError(f"cannot read checkpoint {path} ({type(e).__name__}: {' '.join(str(e).split())[:300]}): "
+                        "the file is damaged or not a checkpoint; resume from an earlier one") from None
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise UserError(f"{path} is not a checkpoint of this trainer (format {CHECKPOINT_FORMAT})")
+    return state
+
+
+def restore_checkpoint(state: dict, path: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer],
+                       ctx: DistributedContext) -> None:
+    """Load weights, Adam moments, this rank's share of Muon momentum and the RNG; refuse another model's shapes."""
+    def shape(t):
+        return "absent" if t is None else f"of shape {tuple(t.shape)}"
+    current = model.state_dict()
+    for name in [*current, *(n for n in state["model"] if n not in current)]:
+        here, there = current.get(name), state["model"].get(name)
+        if here is None or there is None or here.shape != there.shape:
+            raise UserError(f"checkpoint {path} does not fit this model: tensor {name} is {shape(there)} there and "
+                            f"{shape(here)} here; resume with the model flags it was saved with (its "
+                            "'hyperparameters' entry lists them)")
+    model.load_state_dict(state["model"])
+    adam, muon = optimizers
+    names = {p: name for name, p in model.named_parameters()}
+    for group in adam.param_groups:
+        for p in group["params"]:  # moments in the parameter's dtype (bf16 embeddings on CUDA, fp32 on CPU)
+            adam.state[p] = {k: v.to(p.device, copy=True) if k == "step" else v.to(p.device, p.dtype, copy=True)
+                             for k, v in state["adam"][names[p]].items()}
+    for p, owner in muon.param_owners():
+        if owner == ctx.rank:
+            muon.state[p]["momentum_buffer"] = state["muon"][names[p]].to(p.device, p.dtype, copy=True)
+    torch.set_rng_state(state["rng"]["cpu"])
+    if ctx.device.type == "cuda" and state["rng"]["cuda"] is not None:
+        torch.cuda.set_rng_state(state["rng"]["cuda"], ctx.device)
+
+
+class StopRequests:
+    """Whether to stop after this step: the kill-switch file appeared, or SIGTERM or SIGINT arrived."""
+
+    def __init__(self, kill_switch: Path):
+        self.kill_switch = kill_switch
+        self.reason: str | None = None
+        self.previous_handlers = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self.previous_handlers[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def __exit__(self, *exc_info):
+        for sig, handler in self.previous_handlers.items():
+            signal.signal(sig, handler)
+
+    def _on_signal(self, signum, frame):
+        self.reason = signal.Signals(signum).name
+        signal.signal(signum, self.previous_handlers[signum])  # a second one acts at once
+
+    def check(self) -> str | None:
+        if self.reason is None and self.kill_switch.exists():
+            self.reason = f"kill switch {self.kill_switch}"
+        return self.reason
+
+
+# ----------------------------------------------------------------------------------------------------
 # Logging: the log file starts with this file's source, so a run is reproducible from its log alone
 
 def device_description(device: torch.device) -> str:
@@ -826,11 +1022,7 @@ class RunLog:
     """Writes the log file on the master rank; other ranks' calls do nothing."""
 
     def __init__(self, args: Hyperparameters, ctx: DistributedContext):
-        self.path = None
-        if ctx.is_master:
-            os.makedirs(args.log_dir, exist_ok=True)
-            self.path = Path(args.log_dir) / f"{args.run_id}.txt"
-            self.path.write_text("")
+        self.path = Path(args.log_dir) / f"{args.run_id}.txt" if ctx.is_master else None
 
     def __call__(self, line: str, console: bool = False) -> None:
         if self.path is None:
@@ -840,8 +1032,21 @@ class RunLog:
         if console:
             print(line, flush=True)
 
-    def header(self, args: Hyperparameters, ctx: DistributedContext, grad_accum_steps: int) -> None:
-        self(Path(__file__).read_text().rstrip("\n"))  # the log starts with the source, byte for byte
+    def num_bytes(self) -> int:
+        return self.path.stat().st_size if self.path is not None else 0
+
+    def continue_from(self, num_bytes: int) -> bool:
+        """Cut this run's log back to where a checkpoint was saved, so the resumed run's lines follow on."""
+        if self.path is None or not self.path.is_file() or self.path.stat().st_size < num_bytes:
+            return False
+        os.truncate(self.path, num_bytes)
+        return True
+
+    def start(self, args: Hyperparameters, ctx: DistributedContext, grad_accum_steps: int) -> None:
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(Path(__file__).read_text().rstrip("\n") + "\n")  # the source, byte for byte
         self("=" * 100)
         self(f"Running Python {sys.version}")
         self(f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda}")
@@ -903,7 +1108,7 @@ def optimizer_step(model: nn.Module, optimizers: list[torch.optim.Optimizer], st
 def evaluate(model: nn.Module, args: Hyperparameters, ctx: DistributedContext, step: int) -> float:
     """Mean val loss over val_tokens, the same for every world size (each rank averages equal shares)."""
     val_seqs = args.val_tokens // args.val_seq_len
-    loader = distributed_data_generator(args.val_files, args.val_seq_len, val_seqs, ctx.rank, ctx.world_size,
+    loader = DistributedDataLoader(args.val_files, args.val_seq_len, val_seqs, ctx.rank, ctx.world_size,
                                         ctx.device, flag="val_files")
     window = window_tensor(window_size_blocks(step, args), ctx.device)
     model.eval()
@@ -914,6 +1119,13 @@ def evaluate(model: nn.Module, args: Hyperparameters, ctx: DistributedContext, s
             total += model(inputs, targets, window).float()
     model.train()
     return all_reduce_mean(total / (val_seqs // ctx.world_size)).item()
+
+
+def reduce_step_stats(loss: Tensor, grad_norm: Tensor, stop: bool, device: torch.device) -> tuple[float, float, bool]:
+    """Mean train loss, gradient norm and whether any rank must stop, in one all-reduce and one host sync."""
+    stats = torch.stack([loss.float(), grad_norm.float(), torch.full((), float(stop), device=device)])
+    loss_value, grad_norm_value, stop_value = all_reduce_mean(stats).tolist()
+    return loss_value, grad_norm_value, stop_value > 0
 
 
 def main(argv=None) -> float:
@@ -931,15 +1143,17 @@ def train(args: Hyperparameters, ctx: DistributedContext) -> float:
     for pattern, flag in ((args.train_files, "train_files"), (args.val_files, "val_files")):
         for path in list_shards(pattern, flag):  # refuse bad data before building anything
             read_shard_header(path)
-    if not args.run_id:
-        run_id = [str(uuid.uuid4())]
-        if dist.is_initialized():
-            dist.broadcast_object_list(run_id, 0)
-        args.run_id = run_id[0]
+    agree_on_run_id(args, ctx)
     if args.compile is None:
         args.compile = ctx.device.type == "cuda"
+    stop_requests = StopRequests(Path(args.kill_switch or Path(args.log_dir) / f"{args.run_id}.stop"))
+    if stop_requests.kill_switch.exists():
+        raise UserError(f"the kill switch {stop_requests.kill_switch} exists: delete it to start or resume the run")
+    resume_path = find_checkpoint(args)
+    checkpoint = load_checkpoint(resume_path) if resume_path else None
     log = RunLog(args, ctx)
-    log.header(args, ctx, grad_accum_steps)
+    if checkpoint is None or checkpoint["run_id"] != args.run_id or not log.continue_from(checkpoint["log_bytes"]):
+        log.start(args, ctx, grad_accum_steps)
     if log.path is not None:
         print(f"logging to {log.path}", flush=True)
 
@@ -950,11 +1164,12 @@ def train(args: Hyperparameters, ctx: DistributedContext) -> float:
     buckets = GradientBuckets(raw_model.parameters()) if ctx.world_size > 1 else None
     model = torch.compile(raw_model, dynamic=False) if args.compile else raw_model
 
-    def train_step(batches, step: int) -> Tensor:
-        loss_sum = accumulate_gradients(model, buckets, batches, window_tensor(window_size_blocks(step, args), ctx.device),
-                                        grad_accum_steps)
+    def train_step(batches, step: int) -> tuple[Tensor, Tensor]:
+        window = window_tensor(window_size_blocks(step, args), ctx.device)
+        loss_sum = accumulate_gradients(model, buckets, batches, window, grad_accum_steps)
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in raw_model.parameters()])
         optimizer_step(model, optimizers, step, args)
-        return loss_sum
+        return loss_sum, grad_norm
 
     if args.compile and args.warmup_steps > 0:
         def random_batches():
@@ -964,37 +1179,69 @@ def train(args: Hyperparameters, ctx: DistributedContext) -> float:
         random_stream = random_batches()
         warmup_and_restore(raw_model, optimizers, lambda: train_step(random_stream, 0), args.warmup_steps)
 
-    train_loader = distributed_data_generator(args.train_files, args.train_seq_len, args.seqs_per_step, ctx.rank,
-                                              ctx.world_size, ctx.device)
-    tokens_per_rank_step = grad_accum_steps * args.train_seq_len
-    training_time_ms = 0.0
-    val_loss = float("nan")
-    device_synchronize(ctx.device)
-    t0 = time.perf_counter()
-    for step in range(args.num_iterations + 1):
-        last_step = step == args.num_iterations
-        if last_step or (args.val_loss_every > 0 and step % args.val_loss_every == 0):
-            device_synchronize(ctx.device)
-            training_time_ms += 1000 * (time.perf_counter() - t0)  # validation is not timed
-            val_loss = evaluate(model, args, ctx, step)
-            log(f"step:{step}/{args.num_iterations} val_loss:{val_loss:.4f} train_time:{training_time_ms:.0f}ms "
-                f"step_avg:{training_time_ms / max(step, 1):.2f}ms", console=True)
-            device_synchronize(ctx.device)
-            t0 = time.perf_counter()
-        if last_step:
-            break
-        loss_sum = train_step(train_loader, step)
-        train_loss = all_reduce_mean(loss_sum / tokens_per_rank_step).item()
-        elapsed_ms = training_time_ms + 1000 * (time.perf_counter() - t0)
-        log(f"step:{step + 1}/{args.num_iterations} train_loss:{train_loss:.4f} train_time:{elapsed_ms:.0f}ms "
-            f"step_avg:{elapsed_ms / (step + 1):.2f}ms", console=True)
+    start_step, training_time_ms, data_position = 0, 0.0, None
+    if checkpoint is not None:
+        restore_checkpoint(checkpoint, resume_path, raw_model, optimizers, ctx)
+        start_step, training_time_ms, data_position = checkpoint["step"], checkpoint["training_time_ms"], \
+            checkpoint["data"]
+        log(f"resumed: step:{start_step}/{args.num_iterations} from {resume_path}", console=True)
+        bookkeeping = ("run_id", "resume", "save_every", "kill_switch")
+        changed = [f"{k}={v}" for k, v in dataclasses.asdict(args).items()
+                   if k not in bookkeeping and checkpoint["hyperparameters"].get(k) != v]
+        if changed:
+            log(f"resumed with changed hyperparameters: {' '.join(changed)}", console=True)
+        del checkpoint  # unmaps the file
+    elif args.resume:
+        log(f"no checkpoint of run {args.run_id} yet: starting from step 0", console=True)
 
-    if args.save_checkpoint and ctx.is_master:
-        path = Path(args.log_dir) / args.run_id / f"state_step{args.num_iterations:06d}.pt"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(dict(step=args.num_iterations, code=Path(__file__).read_text(), model=raw_model.state_dict(),
-                        optimizers=[opt.state_dict() for opt in optimizers]), path)
-        log(f"checkpoint: {path}", console=True)
+    train_loader = DistributedDataLoader(args.train_files, args.train_seq_len, args.seqs_per_step, ctx.rank,
+                                         ctx.world_size, ctx.device, position=data_position)
+    tokens_per_rank_step = grad_accum_steps * args.train_seq_len
+    last_checkpoint = resume_path
+    val_loss = float("nan")
+    with stop_requests:
+        device_synchronize(ctx.device)
+        t0 = time.perf_counter()
+        for step in range(start_step, args.num_iterations + 1):
+            last_step = step == args.num_iterations
+            if last_step or (args.val_loss_every > 0 and step % args.val_loss_every == 0):
+                device_synchronize(ctx.device)
+                training_time_ms += 1000 * (time.perf_counter() - t0)  # validation is not timed
+                val_loss = evaluate(model, args, ctx, step)
+                log(f"step:{step}/{args.num_iterations} val_loss:{val_loss:.4f} train_time:{training_time_ms:.0f}ms "
+                    f"step_avg:{training_time_ms / max(step, 1):.2f}ms", console=True)
+                device_synchronize(ctx.device)
+                t0 = time.perf_counter()
+            if last_step:
+                break
+            loss_sum, grad_norm = train_step(train_loader, step)
+            train_loss, grad_norm, stop = reduce_step_stats(loss_sum / tokens_per_rank_step, grad_norm,
+                                                            stop_requests.check() is not None, ctx.device)
+            done = step + 1
+            elapsed_ms = training_time_ms + 1000 * (time.perf_counter() - t0)
+            log(f"step:{done}/{args.num_iterations} train_loss:{train_loss:.4f} train_time:{elapsed_ms:.0f}ms "
+                f"step_avg:{elapsed_ms / done:.2f}ms", console=True)
+            if not (math.isfinite(train_loss) and math.isfinite(grad_norm)):
+                message = (f"training diverged at step {done}: train loss {train_loss}, gradient norm {grad_norm}; "
+                           + (f"the last good checkpoint is {last_checkpoint}" if last_checkpoint
+                              else "there is no checkpoint to go back to (see --save_every)"))
+                log(f"diverged: {message}", console=True)
+                raise RunEnded(message, EXIT_DIVERGED)
+            if stop or (args.save_every > 0 and (done % args.save_every == 0 or done == args.num_iterations)):
+                training_time_ms = elapsed_ms  # checkpoints are not timed
+                last_checkpoint = checkpoint_path(args, done)
+                save_checkpoint(last_checkpoint, raw_model, optimizers, ctx, step=done, run_id=args.run_id,
+                                data=train_loader.position(), training_time_ms=training_time_ms,
+                                log_bytes=log.num_bytes(), hyperparameters=dataclasses.asdict(args))
+                log(f"checkpoint: {last_checkpoint}", console=True)
+                if stop:
+                    reason = stop_requests.reason or "another rank was asked to stop"
+                    log(f"stopped: step:{done}/{args.num_iterations} reason:{reason}", console=True)
+                    raise RunEnded(f"stopped after step {done} ({reason}); to continue, remove the kill switch if "
+                                   f"it is there and run again with --run_id {args.run_id} --resume latest",
+                                   EXIT_STOPPED)
+                device_synchronize(ctx.device)
+                t0 = time.perf_counter()
     log(peak_memory_line(ctx.device), console=True)
     return val_loss
 
@@ -1005,3 +1252,6 @@ if __name__ == "__main__":
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except RunEnded as e:
+        print(e, file=sys.stderr)
+        sys.exit(e.exit_status)

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from train_gpt import (SHARD_HEADER_BYTES, SHARD_MAGIC, UserError, distributed_data_generator, load_data_shard,
+from train_gpt import (SHARD_HEADER_BYTES, SHARD_MAGIC, UserError, DistributedDataLoader, load_data_shard,
                        read_shard_header, write_data_shard)
 
 CPU = torch.device("cpu")
@@ -48,12 +48,12 @@ def test_bad_shard_is_refused_naming_file(tmp_path, kind, words):
     assert str(path) in str(err.value)
     # the generator checks every shard before yielding anything
     with pytest.raises(UserError, match=str(path)):
-        next(distributed_data_generator(str(tmp_path / "*.bin"), 8, 2, 0, 1, CPU))
+        next(DistributedDataLoader(str(tmp_path / "*.bin"), 8, 2, 0, 1, CPU))
 
 
 def test_pattern_matching_nothing_is_refused(tmp_path):
     with pytest.raises(UserError, match="matches no file"):
-        next(distributed_data_generator(str(tmp_path / "nothing_*.bin"), 8, 2, 0, 1, CPU))
+        next(DistributedDataLoader(str(tmp_path / "nothing_*.bin"), 8, 2, 0, 1, CPU))
 
 
 def write_shards(tmp_path, sizes):
@@ -70,8 +70,8 @@ def test_rank_slices_together_equal_the_single_rank_batch(tmp_path, world_size):
     seq_len, seqs = 16, 8
     write_shards(tmp_path, [300, 200])  # the second batch does not fit shard 0: moves to shard 1
     pattern = str(tmp_path / "train_*.bin")
-    single = distributed_data_generator(pattern, seq_len, seqs, 0, 1, CPU)
-    ranks = [distributed_data_generator(pattern, seq_len, seqs, r, world_size, CPU) for r in range(world_size)]
+    single = DistributedDataLoader(pattern, seq_len, seqs, 0, 1, CPU)
+    ranks = [DistributedDataLoader(pattern, seq_len, seqs, r, world_size, CPU) for r in range(world_size)]
     for _ in range(3):  # three global batches
         expected = [next(single) for _ in range(seqs)]
         got = [None] * seqs
@@ -84,7 +84,7 @@ def test_rank_slices_together_equal_the_single_rank_batch(tmp_path, world_size):
 
 def test_batches_are_contiguous_and_move_to_the_next_shard(tmp_path):
     write_shards(tmp_path, [300, 200])
-    gen = distributed_data_generator(str(tmp_path / "train_*.bin"), 16, 8, 0, 1, CPU)
+    gen = DistributedDataLoader(str(tmp_path / "train_*.bin"), 16, 8, 0, 1, CPU)
     first = [next(gen) for _ in range(8)]
     assert first[0][0].dtype == torch.int32 and first[0][1].dtype == torch.int64
     inputs = torch.cat([x for x, _ in first])
@@ -97,3 +97,20 @@ def test_batches_are_contiguous_and_move_to_the_next_shard(tmp_path):
     with pytest.raises(UserError, match="out of data"):
         for _ in range(20):
             next(gen)
+
+
+def test_a_loader_resumed_from_its_position_continues_the_same_stream(tmp_path):
+    write_shards(tmp_path, [300, 200, 400])
+    pattern = str(tmp_path / "train_*.bin")
+    loader = DistributedDataLoader(pattern, 16, 8, 1, 2, CPU)  # rank 1 of 2: four micro-batches a batch
+    for _ in range(3 * 4):
+        next(loader)
+    # batches of 128 (+1) tokens start at 0 and 128 of shard 0, then 0 of shard 1; the next starts at 128
+    assert loader.position() == {"shard": "train_000001.bin", "offset": 128}
+    resumed = DistributedDataLoader(pattern, 16, 8, 1, 2, CPU, position=loader.position())
+    for _ in range(2 * 4):  # across the move to shard 2
+        (a, b), (c, d) = next(loader), next(resumed)
+        assert torch.equal(a, c) and torch.equal(b, d)
+    assert resumed.position() == loader.position() == {"shard": "train_000002.bin", "offset": 256}
+    with pytest.raises(UserError, match="shard train_000009.bin, which --train_files"):
+        DistributedDataLoader(pattern, 16, 8, 1, 2, CPU, position={"shard": "train_000009.bin", "offset": 0})

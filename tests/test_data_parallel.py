@@ -17,8 +17,8 @@ def train_steps(rank, world_size, files, steps):
     train_gpt.broadcast_parameters(model)
     optimizers = train_gpt.build_optimizers(model, args, ctx)
     buckets = train_gpt.GradientBuckets(model.parameters()) if world_size > 1 else None
-    batches = train_gpt.distributed_data_generator(args.train_files, args.train_seq_len, args.seqs_per_step, rank,
-                                                   world_size, ctx.device)
+    batches = train_gpt.DistributedDataLoader(args.train_files, args.train_seq_len, args.seqs_per_step, rank,
+                                              world_size, ctx.device)
     first_grads, losses = None, []
     for step in range(steps):
         window = train_gpt.window_tensor(train_gpt.window_size_blocks(step, args), ctx.device)

@@ -78,7 +78,7 @@ def test_warmup_leaves_no_trace(tmp_path):
     assert all(p.grad is None for p in model.parameters())
     # and training from here is exactly training from a fresh model
     _, _, fresh, fresh_optimizers = build(files)
-    loader = lambda: train_gpt.distributed_data_generator(args.train_files, 128, args.seqs_per_step, 0, 1, ctx.device)
+    loader = lambda: train_gpt.DistributedDataLoader(args.train_files, 128, args.seqs_per_step, 0, 1, ctx.device)
     after_warmup, batches = [], loader()
     reference, fresh_batches = [], loader()
     for step in range(2):

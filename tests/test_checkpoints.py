@@ -1,0 +1,274 @@
+"""Faults: exact resume from checkpoints under any world size, kill switch and signals, divergence guard, and
+an elastic restart after a killed worker."""
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import train_gpt
+from conftest import REPO_ROOT
+from distributed import run_on_ranks
+from synthetic import tiny_flags, write_synthetic_shards
+
+STEPS = 8
+
+
+def run(tmp_path, files, world_size, run_id, **overrides):
+    """A tiny run of STEPS steps on world_size processes (1: in this one); returns its log text."""
+    flags = tiny_flags(files, **dict(dict(log_dir=tmp_path / "logs", run_id=run_id, num_iterations=STEPS,
+                                          val_loss_every=2), **overrides))
+    if world_size == 1:
+        train_gpt.main(flags)
+    else:
+        run_on_ranks(main_on_rank, world_size, flags)
+    return (tmp_path / "logs" / f"{run_id}.txt").read_text()
+
+
+def main_on_rank(rank, world_size, flags):
+    return train_gpt.main(flags)
+
+
+def checkpoint(tmp_path, run_id, step) -> dict:
+    return torch.load(tmp_path / "logs" / run_id / f"step{step:06d}.pt", weights_only=True)
+
+
+def flatten(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        flat |= flatten(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value}
+    return flat
+
+
+def trained_state(state: dict) -> dict:
+    """Every tensor that training changes (weights, Muon momentum, Adam moments), flattened to name -> tensor."""
+    return flatten({part: state[part] for part in ("model", "muon", "adam")})
+
+
+def after_source(log: str) -> str:
+    return log[len(Path(train_gpt.__file__).read_text()):]
+
+
+def step_lines(log: str) -> list[str]:
+    """The step lines with the wall-clock fields removed: what two equal runs must print alike."""
+    return [re.sub(r" train_time:\S+ step_avg:\S+", "", line) for line in log.splitlines() if line.startswith("step:")]
+
+
+def after_step(lines: list[str], step: int) -> list[str]:
+    return [line for line in lines if int(line.split()[0].split(":")[1].split("/")[0]) >= step and
+            not (line.split()[0] == f"step:{step}/{STEPS}" and "train_loss" in line)]
+
+
+def assert_states_equal(a: dict, b: dict, relative_error: float = 0.0):
+    """Bit-identical, or each tensor within relative_error in norm: ||a - b|| <= relative_error * ||a||.
+
+    A norm, not elementwise: Adam with eps 1e-10 turns rounding in a rare token's tiny gradient into a visible
+    step for that one embedding row, while the tensor as a whole agrees to ~1e-5.
+    """
+    a, b = trained_state(a), trained_state(b)
+    assert a.keys() == b.keys()
+    for name in a:
+        if relative_error == 0:
+            assert torch.equal(a[name], b[name]), name
+        else:
+            x, y = a[name].double(), b[name].double()
+            assert (x - y).norm() <= relative_error * x.norm(), (name, ((x - y).norm() / x.norm()).item())
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    return write_synthetic_shards(tmp_path_factory.mktemp("shards"))
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_resumed_run_ends_bit_identical_to_the_uninterrupted_one(tmp_path, files, world_size):
+    full_log = run(tmp_path, files, world_size, "full", save_every=4)
+    resumed_log = run(tmp_path, files, world_size, "resumed", save_every=4,
+                      resume=tmp_path / "logs" / "full" / "step000004.pt")
+    assert f"resumed: step:4/{STEPS} from {tmp_path / 'logs' / 'full' / 'step000004.pt'}" in resumed_log
+    assert_states_equal(checkpoint(tmp_path, "full", STEPS), checkpoint(tmp_path, "resumed", STEPS))
+    assert checkpoint(tmp_path, "full", STEPS)["data"] == checkpoint(tmp_path, "resumed", STEPS)["data"]
+    assert step_lines(resumed_log) == after_step(step_lines(full_log), 4)
+
+
+@pytest.mark.parametrize("saved_on, resumed_on", [(2, 1), (1, 2)])
+def test_a_checkpoint_resumes_under_another_world_size(tmp_path, files, saved_on, resumed_on):
+    run(tmp_path, files, saved_on, "saved", save_every=4)
+    run(tmp_path, files, resumed_on, "reference", save_every=4)
+    run(tmp_path, files, resumed_on, "resumed", save_every=4, resume=tmp_path / "logs" / "saved" / "step000004.pt")
+    # 1 and 2 processes sum gradients in another order: equal up to float rounding (measured <= 1e-5 here)
+    assert_states_equal(checkpoint(tmp_path, "reference", STEPS), checkpoint(tmp_path, "resumed", STEPS),
+                        relative_error=1e-4)
+
+
+def restore_on_rank(rank, world_size, path, flags):
+    """This rank's model, Adam state and the Muon momentum it owns after restoring the checkpoint at path."""
+    args = train_gpt.parse_args(flags, cuda=False)
+    ctx = train_gpt.DistributedContext(rank, world_size, torch.device("cpu"))
+    model = train_gpt.build_model(args, ctx.device)
+    optimizers = train_gpt.build_optimizers(model, args, ctx)
+    train_gpt.restore_checkpoint(train_gpt.load_checkpoint(path), path, model, optimizers, ctx)
+    adam, muon = optimizers
+    names = {p: n for n, p in model.named_parameters()}
+    return dict(model={n: p.detach().clone() for n, p in model.named_parameters()},
+                adam={names[p]: dict(s) for p, s in adam.state.items()},
+                muon={names[p]: s["momentum_buffer"] for p, s in muon.state.items()})
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_restore_puts_back_every_saved_tensor_with_muon_momentum_on_its_owner(tmp_path, files, world_size):
+    run(tmp_path, files, 3 - world_size, "saved", save_every=4)  # saved under the other world size
+    path = tmp_path / "logs" / "saved" / "step000004.pt"
+    flags = tiny_flags(files)
+    ranks = [restore_on_rank(0, 1, path, flags)] if world_size == 1 else run_on_ranks(restore_on_rank, 2, path, flags)
+    saved = checkpoint(tmp_path, "saved", 4)
+    muon_names = [n for rank in ranks for n in rank["muon"]]
+    assert sorted(muon_names) == sorted(saved["muon"])  # each matrix's momentum on exactly one rank
+    for rank in ranks:
+        restored = dict(model=rank["model"], adam=rank["adam"], muon=rank["muon"])
+        for part in restored:
+            for name, value in flatten(restored[part]).items():
+                assert torch.equal(torch.as_tensor(value), flatten(saved[part])[name]), (part, name)
+        assert flatten(restored["model"]).keys() == flatten(saved["model"]).keys()
+        assert flatten(restored["adam"]).keys() == flatten(saved["adam"]).keys()
+
+
+def interrupt_at_call(monkeypatch, calls: int, action, before=False):
+    """Run action(model) in the calls-th training step, before or after its forward and backward."""
+    real, count = train_gpt.accumulate_gradients, [0]
+
+    def wrapped(model, *args, **kwargs):
+        count[0] += 1
+        if before and count[0] == calls:
+            action(model)
+        result = real(model, *args, **kwargs)
+        if not before and count[0] == calls:
+            action(model)
+        return result
+    monkeypatch.setattr(train_gpt, "accumulate_gradients", wrapped)
+
+
+@pytest.mark.parametrize("how", ["kill_switch", "sigterm"])
+def test_stopped_run_saves_exits_3_and_resumes_to_the_uninterrupted_log(tmp_path, files, monkeypatch, how):
+    reference = run(tmp_path, files, 1, "reference", save_every=STEPS)
+    kill_switch = tmp_path / "logs" / "stopme.stop"
+    action = (lambda _: kill_switch.touch()) if how == "kill_switch" else \
+        (lambda _: os.kill(os.getpid(), signal.SIGTERM))
+    handler_before = signal.getsignal(signal.SIGTERM)
+    interrupt_at_call(monkeypatch, 3, action)
+    with pytest.raises(train_gpt.RunEnded) as stopped:
+        run(tmp_path, files, 1, "stopme", save_every=STEPS)
+    assert stopped.value.exit_status == train_gpt.EXIT_STOPPED == 3
+    reason = f"kill switch {kill_switch}" if how == "kill_switch" else "SIGTERM"
+    log = (tmp_path / "logs" / "stopme.txt").read_text()
+    assert log.endswith(f"checkpoint: {tmp_path / 'logs' / 'stopme' / 'step000003.pt'}\n"
+                        f"stopped: step:3/{STEPS} reason:{reason}\n")
+    assert signal.getsignal(signal.SIGTERM) is handler_before  # the handler is put back
+
+    monkeypatch.undo()
+    if how == "kill_switch":
+        with pytest.raises(train_gpt.UserError, match="kill switch .* exists: delete it"):
+            run(tmp_path, files, 1, "stopme", resume="latest")
+        kill_switch.unlink()
+    resumed = run(tmp_path, files, 1, "stopme", save_every=STEPS, resume="latest")
+    # the log is continued from the checkpoint: same lines as the uninterrupted run, plus where it resumed
+    assert step_lines(resumed) == step_lines(reference)
+    assert f"resumed: step:3/{STEPS} from {tmp_path / 'logs' / 'stopme' / 'step000003.pt'}" in resumed
+    assert not any(line.startswith(("stopped:", "checkpoint:")) for line in after_source(resumed).splitlines()[:-3])
+    assert_states_equal(checkpoint(tmp_path, "reference", STEPS), checkpoint(tmp_path, "stopme", STEPS))
+
+
+@pytest.mark.parametrize("what", ["loss", "gradient"])
+def test_divergence_stops_at_the_step_and_names_the_last_good_checkpoint(tmp_path, files, monkeypatch, what):
+    def poison(model):
+        if what == "gradient":  # after the backward: this step's loss is finite, its gradient is not
+            model.blocks[0].mlp.c_fc.weight.grad.view(-1)[0] = float("inf")
+        else:  # before the forward: NaN logits
+            model.lm_head.weight.data.fill_(float("nan"))
+    interrupt_at_call(monkeypatch, 3, poison, before=what == "loss")
+    with pytest.raises(train_gpt.RunEnded) as diverged:
+        run(tmp_path, files, 1, "nan", save_every=2)
+    assert diverged.value.exit_status == train_gpt.EXIT_DIVERGED
+    last_good = tmp_path / "logs" / "nan" / "step000002.pt"
+    assert str(diverged.value).startswith("training diverged at step 3: ")
+    assert str(diverged.value).endswith(f"the last good checkpoint is {last_good}")
+    assert sorted(p.name for p in (tmp_path / "logs" / "nan").iterdir()) == ["step000002.pt"]
+    assert "\ndiverged: training diverged at step 3" in after_source((tmp_path / "logs" / "nan.txt").read_text())
+
+
+def test_bad_checkpoints_are_refused_by_name(tmp_path, files):
+    run(tmp_path, files, 1, "small", save_every=4)
+    path = tmp_path / "logs" / "small" / "step000004.pt"
+    with pytest.raises(train_gpt.UserError, match=r"tensor embed.weight is of shape \(50257, 32\) there and of "
+                                                  r"shape \(50257, 64\) here"):
+        run(tmp_path, files, 1, "wider", model_dim=64, resume=path)
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"not a checkpoint")
+    with pytest.raises(train_gpt.UserError, match=f"cannot read checkpoint {garbage}"):
+        run(tmp_path, files, 1, "x", resume=garbage)
+    unsafe = tmp_path / "unsafe.pt"
+    torch.save({"format": 1, "payload": Path("/etc/passwd")}, unsafe)  # an arbitrary object: weights_only says no
+    with pytest.raises(train_gpt.UserError, match=f"cannot read checkpoint {unsafe}"):
+        run(tmp_path, files, 1, "x", resume=unsafe)
+    with pytest.raises(train_gpt.UserError, match="--resume nowhere.pt: no such file"):
+        run(tmp_path, files, 1, "x", resume="nowhere.pt")
+
+
+def test_a_crash_while_writing_leaves_the_previous_checkpoint_intact(tmp_path, files, monkeypatch):
+    run(tmp_path, files, 1, "crash", save_every=4)
+    previous = (tmp_path / "logs" / "crash" / "step000008.pt").read_bytes()
+
+    def crash_mid_write(obj, f):
+        f.write(b"half a checkpoint")
+        raise OSError("disk full")
+    monkeypatch.setattr(train_gpt.torch, "save", crash_mid_write)
+    with pytest.raises(OSError, match="disk full"):
+        run(tmp_path, files, 1, "crash", save_every=4, resume="latest", num_iterations=STEPS + 4)
+    assert (tmp_path / "logs" / "crash" / "step000008.pt").read_bytes() == previous
+    assert not (tmp_path / "logs" / "crash" / "step000012.pt").exists()
+
+
+def child_pids(pid: int) -> list[int]:
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            children.append(int(stat.parent.name))
+    return children
+
+
+def torchrun(files, tmp_path, run_id, *extra, max_restarts=0):
+    flags = tiny_flags(files, log_dir=tmp_path / "logs", run_id=run_id, num_iterations=40, val_loss_every=0,
+                       save_every=4, resume="latest")
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             f"--max-restarts={max_restarts}", str(REPO_ROOT / "train_gpt.py"), *flags, *extra],
+                            cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def test_elastic_restart_after_a_killed_worker_ends_like_an_uninterrupted_run(tmp_path, files):
+    reference = torchrun(files, tmp_path, "reference")
+    output = reference.communicate(timeout=300)[0]
+    assert reference.returncode == 0, output
+
+    elastic = torchrun(files, tmp_path, "elastic", max_restarts=1)
+    first_checkpoint = tmp_path / "logs" / "elastic" / "step000004.pt"
+    deadline = time.time() + 240
+    while not first_checkpoint.exists() and elastic.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    workers = child_pids(elastic.pid)
+    assert len(workers) == 2, (workers, elastic.poll())
+    os.kill(workers[1], signal.SIGKILL)
+    output = elastic.communicate(timeout=300)[0]
+    assert elastic.returncode == 0, output
+    log = (tmp_path / "logs" / "elastic.txt").read_text()
+    assert re.search(r"^resumed: step:\d+/40 from ", log, re.MULTILINE), log[-3000:]
+    assert_states_equal(checkpoint(tmp_path, "reference", 40), checkpoint(tmp_path, "elastic", 40))
