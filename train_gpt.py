@@ -574,6 +574,7 @@ class Hyperparameters:
     # runtime
     compile: bool | None = None  # None: compile on CUDA, eager elsewhere
     warmup_steps: int = 10  # compile warm-up steps on random tokens, undone afterwards
+    fp64_grad_sum: bool = False  # sum gradients in float64: every world size trains bit-identical models
     seed: int = 0
 
 
@@ -585,14 +586,14 @@ PRESETS = {
                 val_tokens=16 * 1024, train_seq_len=256, val_seq_len=1024, seqs_per_step=4, num_layers=6,
                 num_heads=2, head_dim=64, model_dim=128, window_pattern="LSSSSL", attention_free_layers="",
                 window_max_tokens=512, fp8_head=False, num_iterations=200, muon_momentum_warmup_steps=50,
-                val_loss_every=25, target_val_loss=5.8),
+                val_loss_every=25, target_val_loss=5.8, fp64_grad_sum=True),
     # seconds, for tests and smoke runs
     "tiny": dict(train_files="data/shakespeare/shakespeare_train_*.bin",
                  val_files="data/shakespeare/shakespeare_val_*.bin",
                  val_tokens=4 * 256, train_seq_len=256, val_seq_len=256, num_layers=6, num_heads=2, head_dim=16,
                  model_dim=32, window_pattern="LSSSSL", attention_free_layers="4", window_max_tokens=256,
                  fp8_head=False, num_iterations=20, muon_momentum_warmup_steps=5, val_loss_every=10,
-                 target_val_loss=8.0),
+                 target_val_loss=8.0, fp64_grad_sum=True),
 }
 
 
@@ -752,9 +753,15 @@ class GradientBuckets:
     Hooks run after a parameter's gradient is accumulated, so communication overlaps the rest of backward.
     Buckets follow reverse registration order (roughly the order backward produces gradients) and never mix
     dtypes. With gradient accumulation set `sync = False` for all but the last micro-batch.
+
+    With sum_dtype=torch.float64 the micro-batches' gradients are summed and all-reduced in float64 (call
+    set_aside_micro_batch() after each backward but the last) and rounded to the parameters' dtype once. Each
+    micro-batch's gradient is exact in float64 and so are the few sums, so the result no longer depends on how
+    the global batch was split over ranks and micro-batches: every world size trains bit-identical models.
+    It costs a float64 copy of the gradients and twice the all-reduce bytes.
     """
 
-    def __init__(self, params, bucket_mb: float = 25):
+    def __init__(self, params, bucket_mb: float = 25, sum_dtype: torch.dtype | None = None):
         self.buckets: list[list[Tensor]] = []
         sizes: list[float] = []
         for param in reversed([p for p in params if p.requires_grad]):
@@ -766,7 +773,11 @@ class GradientBuckets:
             self.buckets[-1].append(param)
             sizes[-1] += mb
         self.bucket_of = {param: i for i, bucket in enumerate(self.buckets) for param in bucket}
+        self.sums = None if sum_dtype is None else [
+            torch.zeros(sum(p.numel() for p in bucket), dtype=sum_dtype, device=bucket[0].device)
+            for bucket in self.buckets]
         self.ready = [0] * len(self.buckets)
+        self.reduced = [False] * len(self.buckets)
         self.handles: list = [None] * len(self.buckets)
         self.sync = True
         for param in self.bucket_of:
@@ -778,19 +789,47 @@ class GradientBuckets:
         i = self.bucket_of[param]
         self.ready[i] += 1
         if self.ready[i] == len(self.buckets[i]):
-            grads = [p.grad for p in self.buckets[i]]
-            self.handles[i] = (dist.all_reduce(grads[0], op=dist.ReduceOp.AVG, async_op=True) if len(grads) == 1
-                               else dist.all_reduce_coalesced(grads, op=dist.ReduceOp.AVG, async_op=True))
+            self.reduced[i] = True
+            if self.sums is not None:
+                self._add_to_sum(i)
+                tensors = [self.sums[i]]
+            else:
+                tensors = [p.grad for p in self.buckets[i]]
+            if dist.is_initialized():
+                self.handles[i] = (dist.all_reduce(tensors[0], op=dist.ReduceOp.AVG, async_op=True)
+                                   if len(tensors) == 1 else
+                                   dist.all_reduce_coalesced(tensors, op=dist.ReduceOp.AVG, async_op=True))
+
+    def _add_to_sum(self, i: int) -> None:
+        offset = 0
+        for p in self.buckets[i]:
+            self.sums[i][offset:offset + p.numel()] += p.grad.view(-1)
+            offset += p.numel()
+            p.grad = None
+
+    def set_aside_micro_batch(self) -> None:
+        """Move this micro-batch's gradients into the float64 sums (nothing to do without them)."""
+        if self.sums is not None:
+            for i in range(len(self.buckets)):
+                self._add_to_sum(i)
 
     def wait_for_gradients(self) -> None:
-        missing = [i for i, h in enumerate(self.handles) if h is None]
+        missing = [i for i, done in enumerate(self.reduced) if not done]
         if missing:
             shapes = [tuple(p.shape) for p in self.buckets[missing[0]] if p.grad is None]
             raise RuntimeError(f"gradient bucket {missing[0]} was never reduced; parameters without a gradient "
                                f"this step: {shapes}")
-        for handle in self.handles:
-            handle.wait()
+        for i, handle in enumerate(self.handles):
+            if handle is not None:
+                handle.wait()
+            if self.sums is not None:  # round the exact sum once, into each parameter's gradient
+                offset = 0
+                for p in self.buckets[i]:
+                    p.grad = self.sums[i][offset:offset + p.numel()].view_as(p).to(p.dtype)
+                    offset += p.numel()
+                self.sums[i].zero_()
         self.ready = [0] * len(self.buckets)
+        self.reduced = [False] * len(self.buckets)
         self.handles = [None] * len(self.buckets)
 
 
@@ -875,14 +914,18 @@ def agree_on_run_id(args: Hyperparameters, ctx: DistributedContext) -> None:
         args.run_id = run_id[0]
 
 
+def checkpoint_dir(args: Hyperparameters) -> Path:
+    return Path(args.log_dir) / args.run_id
+
+
 def checkpoint_path(args: Hyperparameters, step: int) -> Path:
-    return Path(args.log_dir) / args.run_id / f"step{step:06d}.pt"
+    return checkpoint_dir(args) / f"step{step:06d}.pt"
 
 
 def find_checkpoint(args: Hyperparameters) -> Path | None:
     """The file --resume names; with "latest", this run id's newest checkpoint, or None when there is none yet."""
     if args.resume == "latest":
-        saved = sorted(checkpoint_path(args, 0).parent.glob("step*.pt"))
+        saved = sorted(checkpoint_dir(args).glob("step*.pt"))
         return saved[-1] if saved else None
     if args.resume and not Path(args.resume).is_file():
         raise UserError(f"--resume {args.resume}: no such file; name a checkpoint (<log_dir>/<run_id>/stepNNNNNN.pt) "
@@ -1087,10 +1130,13 @@ def accumulate_gradients(model: nn.Module, buckets: "GradientBuckets | None", ba
     loss_sum = torch.zeros((), device=window.device)
     for micro_step in range(grad_accum_steps):
         inputs, targets = next(batches)
+        last = micro_step == grad_accum_steps - 1
         if buckets is not None:
-            buckets.sync = micro_step == grad_accum_steps - 1  # reduce once, during the last backward
+            buckets.sync = last  # reduce once, during the last backward
         loss = model(inputs, targets, window)
         (loss / grad_accum_steps).backward()
+        if buckets is not None and not last:
+            buckets.set_aside_micro_batch()
         loss_sum += loss.detach()
     if buckets is not None:
         buckets.wait_for_gradients()
@@ -1161,7 +1207,9 @@ def train(args: Hyperparameters, ctx: DistributedContext) -> float:
     raw_model = build_model(args, ctx.device)
     broadcast_parameters(raw_model)
     optimizers = build_optimizers(raw_model, args, ctx)
-    buckets = GradientBuckets(raw_model.parameters()) if ctx.world_size > 1 else None
+    sum_dtype = torch.float64 if args.fp64_grad_sum else None
+    buckets = GradientBuckets(raw_model.parameters(), sum_dtype=sum_dtype) if ctx.world_size > 1 or sum_dtype \
+        else None
     model = torch.compile(raw_model, dynamic=False) if args.compile else raw_model
 
     def train_step(batches, step: int) -> tuple[Tensor, Tensor]:

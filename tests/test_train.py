@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import train_gpt
+from conftest import REPO_ROOT
 from distributed import run_on_ranks
 from synthetic import tiny_flags, write_synthetic_shards
 
@@ -126,6 +127,19 @@ def test_short_run_learns(tmp_path):
     assert val[-1] < val[0] - 3, val  # the synthetic pattern is easy to learn
 
 
+def test_tiny_preset_learns_on_the_embedded_shakespeare(tmp_path):
+    shards = REPO_ROOT / "data" / "shakespeare"
+    files = dict(train_files=shards / "shakespeare_train_*.bin", val_files=shards / "shakespeare_val_*.bin")
+    flags = [f"--{k}={v}" for k, v in dict(preset="tiny", log_dir=tmp_path, run_id="shakespeare", num_iterations=30,
+                                             val_loss_every=30, **files).items()]
+    train_gpt.main(flags)
+    log = (tmp_path / "shakespeare.txt").read_text()
+    val = [float(line.split("val_loss:")[1].split()[0]) for line in log.splitlines() if line.startswith("step:")
+           and "val_loss:" in line]
+    assert val[0] == pytest.approx(math.log(50304), abs=0.05)
+    assert val[-1] < val[0] - 2, val  # real English: unigram statistics alone are worth several nats
+
+
 def run_main_on_rank(rank, world_size, tmp_path, files):
     return run_main(tmp_path, files, "dp", num_iterations=6, val_loss_every=3)[0]
 
@@ -134,4 +148,6 @@ def test_two_process_run_ends_with_the_single_process_val_loss(tmp_path):
     files = write_synthetic_shards(tmp_path)
     single, _ = run_main(tmp_path, files, "single", num_iterations=6, val_loss_every=3)
     for val_loss in run_on_ranks(run_main_on_rank, 2, tmp_path, files):
-        assert abs(val_loss - single) < 1e-3
+        # float64 gradient sums (the tiny preset's) make the models bit-identical; the val loss itself is
+        # averaged over ranks in float32, so it may differ in the last bits
+        assert abs(val_loss - single) < 1e-5
