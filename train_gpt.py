@@ -580,7 +580,7 @@ class Hyperparameters:
 
 PRESETS = {
     "record": {},
-    # ~6 minutes on 2 CPU cores, on the embedded Shakespeare shards (most of a step is the 50304-wide lm_head)
+    # ~6.5 minutes on 2 CPU cores, on the embedded Shakespeare shards (most of a step is the 50304-wide lm_head)
     "cpu": dict(train_files="data/shakespeare/shakespeare_train_*.bin",
                 val_files="data/shakespeare/shakespeare_val_*.bin",
                 val_tokens=16 * 1024, train_seq_len=256, val_seq_len=1024, seqs_per_step=4, num_layers=6,
@@ -904,14 +904,22 @@ class RunEnded(Exception):
         self.exit_status = exit_status
 
 
+def from_master(value):
+    """Rank 0's `value`, on every rank: decisions that all ranks must take alike (paths, files, ids)."""
+    box = [value]
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, 0)
+    return box[0]
+
+
 def agree_on_run_id(args: Hyperparameters, ctx: DistributedContext) -> None:
     """--run_id, else torchrun's rendezvous id (the same after an elastic restart), else a fresh uuid."""
     if not args.run_id:
         rendezvous_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")  # torchrun's default id is "none"
-        run_id = [rendezvous_id if rendezvous_id != "none" else str(uuid.uuid4())]
-        if dist.is_initialized():
-            dist.broadcast_object_list(run_id, 0)
-        args.run_id = run_id[0]
+        if rendezvous_id == "none" and args.resume == "latest":
+            raise UserError("--resume latest needs the run's id: pass --run_id (or launch with torchrun --standalone "
+                            "or --rdzv-id, whose id the restarts share)")
+        args.run_id = from_master(rendezvous_id if rendezvous_id != "none" else str(uuid.uuid4()))
 
 
 def checkpoint_dir(args: Hyperparameters) -> Path:
@@ -922,15 +930,23 @@ def checkpoint_path(args: Hyperparameters, step: int) -> Path:
     return checkpoint_dir(args) / f"step{step:06d}.pt"
 
 
-def find_checkpoint(args: Hyperparameters) -> Path | None:
-    """The file --resume names; with "latest", this run id's newest checkpoint, or None when there is none yet."""
-    if args.resume == "latest":
+def find_checkpoint(args: Hyperparameters, ctx: DistributedContext) -> Path | None:
+    """The file --resume names; with "latest", this run id's newest checkpoint, or None when there is none yet.
+
+    Rank 0 looks and tells the others, so all ranks resume from the same file (or none). Ranks on other nodes
+    need to see the same file system to read it.
+    """
+    found = None
+    if ctx.is_master and args.resume == "latest":
         saved = sorted(checkpoint_dir(args).glob("step*.pt"))
-        return saved[-1] if saved else None
-    if args.resume and not Path(args.resume).is_file():
+        found = str(saved[-1]) if saved else None
+    elif ctx.is_master and args.resume:
+        found = args.resume if Path(args.resume).is_file() else ""
+    found = from_master(found)
+    if found == "":
         raise UserError(f"--resume {args.resume}: no such file; name a checkpoint (<log_dir>/<run_id>/stepNNNNNN.pt) "
                         "or use 'latest'")
-    return Path(args.resume) if args.resume else None
+    return Path(found) if found else None
 
 
 def save_checkpoint(path: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer], ctx: DistributedContext,
@@ -965,6 +981,11 @@ def save_checkpoint(path: Path, model: nn.Module, optimizers: list[torch.optim.O
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        directory = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)  # the rename survives a power cut too
+        finally:
+            os.close(directory)
     if dist.is_initialized():
         dist.barrier()  # no rank goes on, or exits, before the file is complete
 
@@ -1193,15 +1214,10 @@ def train(args: Hyperparameters, ctx: DistributedContext) -> float:
     if args.compile is None:
         args.compile = ctx.device.type == "cuda"
     stop_requests = StopRequests(Path(args.kill_switch or Path(args.log_dir) / f"{args.run_id}.stop"))
-    if stop_requests.kill_switch.exists():
+    if from_master(stop_requests.kill_switch.exists()):
         raise UserError(f"the kill switch {stop_requests.kill_switch} exists: delete it to start or resume the run")
-    resume_path = find_checkpoint(args)
+    resume_path = find_checkpoint(args, ctx)
     checkpoint = load_checkpoint(resume_path) if resume_path else None
-    log = RunLog(args, ctx)
-    if checkpoint is None or checkpoint["run_id"] != args.run_id or not log.continue_from(checkpoint["log_bytes"]):
-        log.start(args, ctx, grad_accum_steps)
-    if log.path is not None:
-        print(f"logging to {log.path}", flush=True)
 
     torch.manual_seed(args.seed)
     raw_model = build_model(args, ctx.device)
@@ -1230,6 +1246,12 @@ def train(args: Hyperparameters, ctx: DistributedContext) -> float:
     start_step, training_time_ms, data_position = 0, 0.0, None
     if checkpoint is not None:
         restore_checkpoint(checkpoint, resume_path, raw_model, optimizers, ctx)
+    log = RunLog(args, ctx)  # opened only now, so a refused checkpoint leaves the previous log as it was
+    if checkpoint is None or checkpoint["run_id"] != args.run_id or not log.continue_from(checkpoint["log_bytes"]):
+        log.start(args, ctx, grad_accum_steps)
+    if log.path is not None:
+        print(f"logging to {log.path}", flush=True)
+    if checkpoint is not None:
         start_step, training_time_ms, data_position = checkpoint["step"], checkpoint["training_time_ms"], \
             checkpoint["data"]
         log(f"resumed: step:{start_step}/{args.num_iterations} from {resume_path}", console=True)

@@ -100,7 +100,9 @@ def test_resumed_run_ends_bit_identical_to_the_uninterrupted_one(tmp_path, files
 def test_a_checkpoint_resumes_under_another_world_size(tmp_path, files, saved_on, resumed_on):
     run(tmp_path, files, saved_on, "saved", save_every=4)
     run(tmp_path, files, resumed_on, "reference", save_every=4)
-    run(tmp_path, files, resumed_on, "resumed", save_every=4, resume=tmp_path / "logs" / "saved" / "step000004.pt")
+    log = run(tmp_path, files, resumed_on, "resumed", save_every=4,
+              resume=tmp_path / "logs" / "saved" / "step000004.pt")
+    assert f"\nresumed: step:4/{STEPS} from " in log
     # the tiny preset sums gradients in float64 (--fp64_grad_sum), which makes world sizes bit-identical
     assert_states_equal(checkpoint(tmp_path, "reference", STEPS), checkpoint(tmp_path, "resumed", STEPS))
     # without it, 1 and 2 processes sum gradients in another order: equal up to float rounding (measured <= 1e-5)
@@ -212,7 +214,7 @@ def test_bad_checkpoints_are_refused_by_name(tmp_path, files):
     path = tmp_path / "logs" / "small" / "step000004.pt"
     with pytest.raises(train_gpt.UserError, match=r"tensor embed.weight is of shape \(50257, 32\) there and of "
                                                   r"shape \(50257, 64\) here"):
-        run(tmp_path, files, 1, "wider", model_dim=64, resume=path)
+        run(tmp_path, files, 1, "small", model_dim=64, resume=path)  # the same run id: its log is at stake
     garbage = tmp_path / "garbage.pt"
     garbage.write_bytes(b"not a checkpoint")
     with pytest.raises(train_gpt.UserError, match=f"cannot read checkpoint {garbage}"):
@@ -223,6 +225,10 @@ def test_bad_checkpoints_are_refused_by_name(tmp_path, files):
         run(tmp_path, files, 1, "x", resume=unsafe)
     with pytest.raises(train_gpt.UserError, match="--resume nowhere.pt: no such file"):
         run(tmp_path, files, 1, "x", resume="nowhere.pt")
+    with pytest.raises(train_gpt.UserError, match="--resume latest needs the run's id: pass --run_id"):
+        run(tmp_path, files, 1, "", resume="latest")
+    log = (tmp_path / "logs" / "small.txt").read_text()
+    assert f"\nstep:{STEPS}/{STEPS} val_loss:" in log and log.endswith(" MiB\n")  # the refusal left it alone
 
 
 def test_a_crash_while_writing_leaves_the_previous_checkpoint_intact(tmp_path, files, monkeypatch):
