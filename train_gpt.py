@@ -70,9 +70,10 @@ def fp8_mm_backward(grad: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s: f
     # grad_x = grad @ w: (M, N) @ (N, K); w_f8 made column-major
     grad_x = torch._scaled_mm(grad_f8, w_f8.T.contiguous().T, out_dtype=grad.dtype,
                               scale_a=_scale(grad_s, grad), scale_b=_scale(w_s, grad), use_fast_accum=False)
-    # grad_w = (x.T @ grad).T: (K, M) @ (M, N), kept in fp32 for the optimizer
-    grad_w = torch._scaled_mm(x_f8.T.contiguous(), grad_f8.T.contiguous().T, out_dtype=torch.float32,
-                              scale_a=_scale(x_s, grad), scale_b=_scale(grad_s, grad), use_fast_accum=False).T
+    # grad_w = grad.T @ x: (N, M) @ (M, K), row-major like w (the fake promises that layout to torch.compile);
+    # kept in fp32 for the optimizer
+    grad_w = torch._scaled_mm(grad_f8.T.contiguous(), x_f8.T.contiguous().T, out_dtype=torch.float32,
+                              scale_a=_scale(grad_s, grad), scale_b=_scale(x_s, grad), use_fast_accum=False)
     return grad_x, grad_w
 
 

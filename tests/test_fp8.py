@@ -52,6 +52,14 @@ def test_custom_op_registration_passes_opcheck():
                           test_utils=("test_faketensor", "test_autograd_registration"))
 
 
+def test_backward_op_fake_matches_real_layout():
+    # torch.compile trusts the fake's strides: a column-major real grad_w crashed the compiled backward on CUDA
+    x, w, grad = operands(3)
+    x_f8, w_f8 = (x / X_S).to(torch.float8_e4m3fn), (w / W_S).to(torch.float8_e4m3fn)
+    torch.library.opcheck(train_gpt.fp8_mm_backward, (grad, x_f8, w_f8, X_S, W_S, GRAD_S),
+                          test_utils=("test_faketensor",))
+
+
 def test_casted_linear_uses_fp8_only_in_training():
     torch.manual_seed(0)
     layer = CastedLinear(64, 48, use_fp8=True, x_s=X_S, w_s=W_S, grad_s=GRAD_S)
