@@ -9,6 +9,7 @@ Every hyperparameter is a flag (`--num_iterations 50`); `--preset cpu|record|tin
 `import train_gpt` has no side effects: `main()` trains.
 """
 import argparse
+import collections
 import copy
 import dataclasses
 import functools
@@ -100,6 +101,16 @@ fp8_mm.register_autograd(_fp8_mm_backward, setup_context=_fp8_mm_setup_context)
 
 
 # ----------------------------------------------------------------------------------------------------
+# Communication accounting: the bytes each collective is handed, per rank, so a run can be set against --plan
+
+comm_bytes: collections.Counter = collections.Counter()  # collective name -> bytes since the last clear()
+
+
+def count_comm(op: str, *tensors: Tensor) -> None:
+    comm_bytes[op] += sum(t.numel() * t.element_size() for t in tensors)
+
+
+# ----------------------------------------------------------------------------------------------------
 # Optimizers: Muon for hidden matrices (Newton-Schulz orthogonalised momentum), Adam for the rest
 
 def zeropower_via_newtonschulz5(G: Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16) -> Tensor:
@@ -141,11 +152,22 @@ class Muon(torch.optim.Optimizer):
         self.update_buffers = [torch.empty(world_size * size, dtype=ns_dtype, device=params[0].device)
                                for size in sizes]
 
+    @staticmethod
+    def owners(params, world_size: int) -> dict[Tensor, int]:
+        """The rank that orthogonalises each parameter and so alone keeps its momentum: r, r+W, ... of each size."""
+        params = list(params)
+        owner_of = {}
+        for size in sorted({p.numel() for p in params}, reverse=True):
+            for i, p in enumerate(p for p in params if p.numel() == size):
+                owner_of[p] = i % world_size
+        return owner_of
+
     def param_owners(self):
-        """(parameter, rank that orthogonalises it and so keeps its momentum) for every parameter."""
+        """(parameter, owner rank) for every parameter, in param_groups order."""
+        owner_of = self.owners([p for group in self.param_groups for p in group["params"]], self.world_size)
         for group in self.param_groups:
-            for i, p in enumerate(group["params"]):
-                yield p, i % self.world_size
+            for p in group["params"]:
+                yield p, owner_of[p]
 
     @torch.no_grad()
     def step(self):
@@ -160,6 +182,7 @@ class Muon(torch.optim.Optimizer):
                 if pending is not None:
                     self._apply(*pending, views, group)
                 if self.world_size > 1:
+                    count_comm("all_gather_into_tensor", update_buffer)
                     handle = dist.all_gather_into_tensor(update_buffer, update, async_op=True)
                 else:
                     views[0].copy_(update)
@@ -576,6 +599,10 @@ class Hyperparameters:
     compile: bool | None = None  # None: compile on CUDA, eager elsewhere
     warmup_steps: int = 10  # compile warm-up steps on random tokens, undone afterwards
     fp64_grad_sum: bool = False  # sum gradients in float64: every world size trains bit-identical models
+    zero: int = 0  # ZeRO stage over the data-parallel ranks: 1 shards optimizer states, 2 also gradients, 3 also params
+    plan: bool = False  # print each rank's memory and each collective's bytes per step for this layout; no training
+    nproc: int = 0  # with --plan: the number of processes to plan for (0: WORLD_SIZE, else 1)
+    plan_device: str = "cuda"  # with --plan: the dtypes of a run on cuda (bf16 embeddings) or cpu
     seed: int = 0
 
 
@@ -645,6 +672,9 @@ def check_hyperparameters(args: Hyperparameters) -> None:
         need(getattr(args, name) > 0, f"--{name} must be positive, got {getattr(args, name)}")
     for name in ("val_loss_every", "save_every"):
         need(getattr(args, name) >= 0, f"--{name} must be >= 0, got {getattr(args, name)}")
+    need(args.zero in (0, 1, 2, 3), f"--zero must be 0, 1, 2 or 3, got {args.zero}")
+    need(args.nproc >= 0, f"--nproc must be >= 0, got {args.nproc}")
+    need(args.plan_device in ("cuda", "cpu"), f"--plan_device must be cuda or cpu, got {args.plan_device!r}")
     need(0 <= args.cooldown_frac <= 1, f"--cooldown_frac must be in [0, 1], got {args.cooldown_frac}")
     need(args.vocab_size <= 2**16, f"--vocab_size {args.vocab_size} does not fit the uint16 token shards")
     for name in ("train_seq_len", "val_seq_len"):
@@ -749,26 +779,32 @@ def broadcast_parameters(model: nn.Module) -> None:
 
 
 class GradientBuckets:
-    """All-reduce (AVG) gradients in ~bucket_mb buckets as soon as each bucket's gradients are final.
+    """Average gradients over the data-parallel ranks in ~bucket_mb buckets, as soon as a bucket's gradients are final.
 
     Hooks run after a parameter's gradient is accumulated, so communication overlaps the rest of backward.
     Buckets follow reverse registration order (roughly the order backward produces gradients) and never mix
     dtypes. With gradient accumulation set `sync = False` for all but the last micro-batch.
 
-    With sum_dtype=torch.float64 the micro-batches' gradients are summed and all-reduced in float64 (call
+    owner_of (ZeRO 2 and 3): a bucket then holds one owner's parameters and is reduced to that rank alone; the
+    other ranks drop those gradients, so each rank keeps only the gradients of the parameters it updates.
+
+    With sum_dtype=torch.float64 the micro-batches' gradients are summed and reduced in float64 (call
     set_aside_micro_batch() after each backward but the last) and rounded to the parameters' dtype once. Each
     micro-batch's gradient is exact in float64 and so are the few sums, so the result no longer depends on how
     the global batch was split over ranks and micro-batches: every world size trains bit-identical models.
-    It costs a float64 copy of the gradients and twice the all-reduce bytes.
+    It costs a full float64 copy of the gradients (unsharded, even under ZeRO 2) and twice the bytes sent.
     """
 
-    def __init__(self, params, bucket_mb: float = 25, sum_dtype: torch.dtype | None = None):
+    def __init__(self, params, bucket_mb: float = 25, sum_dtype: torch.dtype | None = None,
+                 owner_of: dict | None = None, rank: int = 0, world_size: int = 1):
+        self.rank, self.world_size, self.owner_of, self.sum_dtype = rank, world_size, owner_of, sum_dtype
         self.buckets: list[list[Tensor]] = []
         sizes: list[float] = []
         for param in reversed([p for p in params if p.requires_grad]):
             mb = param.numel() * param.element_size() / 2**20
             last = self.buckets[-1] if self.buckets else None
-            if last is None or sizes[-1] + mb > bucket_mb or last[0].dtype != param.dtype:
+            if (last is None or sizes[-1] + mb > bucket_mb or last[0].dtype != param.dtype
+                    or self.owner(last[0]) != self.owner(param)):
                 self.buckets.append([])
                 sizes.append(0.0)
             self.buckets[-1].append(param)
@@ -777,12 +813,16 @@ class GradientBuckets:
         self.sums = None if sum_dtype is None else [
             torch.zeros(sum(p.numel() for p in bucket), dtype=sum_dtype, device=bucket[0].device)
             for bucket in self.buckets]
+        self.flat: list[Tensor | None] = [None] * len(self.buckets)
         self.ready = [0] * len(self.buckets)
-        self.reduced = [False] * len(self.buckets)
         self.handles: list = [None] * len(self.buckets)
         self.sync = True
         for param in self.bucket_of:
             param.register_post_accumulate_grad_hook(self._hook)
+
+    def owner(self, param: Tensor) -> int | None:
+        """The rank that keeps this parameter's reduced gradient; None: every rank (plain all-reduce)."""
+        return None if self.owner_of is None else self.owner_of[param]
 
     def _hook(self, param: Tensor) -> None:
         if not self.sync:
@@ -790,16 +830,26 @@ class GradientBuckets:
         i = self.bucket_of[param]
         self.ready[i] += 1
         if self.ready[i] == len(self.buckets[i]):
-            self.reduced[i] = True
-            if self.sums is not None:
-                self._add_to_sum(i)
-                tensors = [self.sums[i]]
-            else:
-                tensors = [p.grad for p in self.buckets[i]]
-            if dist.is_initialized():
-                self.handles[i] = (dist.all_reduce(tensors[0], op=dist.ReduceOp.AVG, async_op=True)
-                                   if len(tensors) == 1 else
-                                   dist.all_reduce_coalesced(tensors, op=dist.ReduceOp.AVG, async_op=True))
+            self._launch(i)
+
+    def _launch(self, i: int) -> None:
+        if self.sums is not None:
+            self._add_to_sum(i)
+            flat = self.sums[i]
+        else:
+            flat = torch.cat([p.grad.view(-1) for p in self.buckets[i]])
+            for p in self.buckets[i]:
+                p.grad = None
+        self.flat[i] = flat
+        if self.world_size == 1:
+            return
+        owner = self.owner(self.buckets[i][0])
+        if owner is None:
+            count_comm("all_reduce", flat)
+            self.handles[i] = dist.all_reduce(flat, op=dist.ReduceOp.AVG, async_op=True)
+        else:  # (no AVG for reduce on gloo: the owner divides)
+            count_comm("reduce", flat)
+            self.handles[i] = dist.reduce(flat, dst=owner, op=dist.ReduceOp.SUM, async_op=True)
 
     def _add_to_sum(self, i: int) -> None:
         offset = 0
@@ -815,51 +865,62 @@ class GradientBuckets:
                 self._add_to_sum(i)
 
     def wait_for_gradients(self) -> None:
-        missing = [i for i, done in enumerate(self.reduced) if not done]
+        missing = [i for i, flat in enumerate(self.flat) if flat is None]
         if missing:
             shapes = [tuple(p.shape) for p in self.buckets[missing[0]] if p.grad is None]
             raise RuntimeError(f"gradient bucket {missing[0]} was never reduced; parameters without a gradient "
                                f"this step: {shapes}")
-        for i, handle in enumerate(self.handles):
+        for i, (bucket, flat, handle) in enumerate(zip(self.buckets, self.flat, self.handles)):
             if handle is not None:
                 handle.wait()
-            if self.sums is not None:  # round the exact sum once, into each parameter's gradient
+            owner = self.owner(bucket[0])
+            if owner is None or owner == self.rank:  # (another rank's shard: its gradients stay dropped)
+                if owner is not None and self.world_size > 1:
+                    flat.div_(self.world_size)
                 offset = 0
-                for p in self.buckets[i]:
-                    p.grad = self.sums[i][offset:offset + p.numel()].view_as(p).to(p.dtype)
+                for p in bucket:  # views of the flat buffer, or (float64 sums) rounded once to the parameter's dtype
+                    p.grad = flat[offset:offset + p.numel()].view_as(p).to(p.dtype)
                     offset += p.numel()
-                self.sums[i].zero_()
+            if self.sums is not None:
+                flat.zero_()
         self.ready = [0] * len(self.buckets)
-        self.reduced = [False] * len(self.buckets)
+        self.flat = [None] * len(self.buckets)
         self.handles = [None] * len(self.buckets)
 
 
 # ----------------------------------------------------------------------------------------------------
 # Building the run: model, optimizers, compile warm-up
 
-def build_model(args: Hyperparameters, device: torch.device) -> GPT:
+def build_model(args: Hyperparameters, device: torch.device, cuda_dtypes: bool | None = None) -> GPT:
+    """The model on device; cuda_dtypes (default: on CUDA) gives it the CUDA run's dtypes, for --plan on meta."""
     model = GPT(vocab_size=args.vocab_size, num_layers=args.num_layers, num_heads=args.num_heads,
                 head_dim=args.head_dim, model_dim=args.model_dim, max_seq_len=max(args.train_seq_len, args.val_seq_len),
                 window_pattern=args.window_pattern, attention_free_layers=attention_free_layers(args),
                 fp8_head=args.fp8_head).to(device)
-    if device.type == "cuda":
-        model.use_flex = True
+    model.use_flex = device.type == "cuda"
+    if device.type == "cuda" if cuda_dtypes is None else cuda_dtypes:
         for m in model.modules():  # bf16 embeddings make the activations bf16; CPU stays fp32 (bf16 is slow there)
             if isinstance(m, nn.Embedding):
                 m.bfloat16()
     return model
 
 
+def optimizer_param_groups(model: GPT) -> dict[str, list[Tensor]]:
+    """Muon takes the hidden matrices; Adam the head, the embeddings and the scalars, each with its own lr."""
+    return dict(muon=[p for p in model.blocks.parameters() if p.ndim >= 2],
+                head=[model.lm_head.weight],
+                embed=[p for m in [model.embed, *model.value_embeds] for p in m.parameters()],
+                scalar=[p for p in model.parameters() if p.ndim < 2])
+
+
 def build_optimizers(model: GPT, args: Hyperparameters, ctx: DistributedContext) -> list[torch.optim.Optimizer]:
-    hidden_matrix_params = [p for p in model.blocks.parameters() if p.ndim >= 2]
-    embed_params = [p for m in [model.embed, *model.value_embeds] for p in m.parameters()]
-    scalar_params = [p for p in model.parameters() if p.ndim < 2]
-    adam = torch.optim.Adam([dict(params=[model.lm_head.weight], lr=args.lr_head),
-                             dict(params=embed_params, lr=args.lr_embed),
-                             dict(params=scalar_params, lr=args.lr_scalar)],
+    groups = optimizer_param_groups(model)
+    adam = torch.optim.Adam([dict(params=groups["head"], lr=args.lr_head),
+                             dict(params=groups["embed"], lr=args.lr_embed),
+                             dict(params=groups["scalar"], lr=args.lr_scalar)],
                             betas=(0.8, 0.95), eps=1e-10, fused=True)
     on_cuda = ctx.device.type == "cuda"
-    muon = Muon(hidden_matrix_params, lr=args.lr_muon, momentum=0.95, rank=ctx.rank, world_size=ctx.world_size,
+    muon = Muon(groups["muon"], lr=args.lr_muon, momentum=0.95, rank=ctx.rank, world_size=ctx.world_size,
                 orthogonalize=torch.compile(zeropower_via_newtonschulz5) if on_cuda else zeropower_via_newtonschulz5,
                 ns_dtype=torch.bfloat16 if on_cuda else torch.float32)
     optimizers = [adam, muon]
@@ -867,6 +928,38 @@ def build_optimizers(model: GPT, args: Hyperparameters, ctx: DistributedContext)
         for group in opt.param_groups:
             group["initial_lr"] = group["lr"]
     return optimizers
+
+
+@dataclass
+class Zero:
+    """The ZeRO stage over the data-parallel ranks and which rank owns (updates) each parameter.
+
+    Stage 1: Adam's moments live only on the parameter's owner, which broadcasts the updated parameter (Muon's
+    momentum is always kept by the one rank that orthogonalises the matrix). Stage 2: gradients are reduced to
+    the owner alone. Stage 3: parameters too live only on their owner between uses.
+    """
+    stage: int
+    rank: int
+    world_size: int
+    owner_of: dict  # parameter -> data-parallel rank
+
+    @staticmethod
+    def build(stage: int, groups: dict[str, list[Tensor]], rank: int, world_size: int) -> "Zero":
+        owner_of = Muon.owners(groups["muon"], world_size)
+        load = [0] * world_size
+        adam_params = groups["head"] + groups["embed"] + groups["scalar"]
+        for p in sorted(adam_params, key=lambda p: -p.numel()):  # largest first, to the least loaded rank
+            owner = load.index(min(load))
+            owner_of[p] = owner
+            load[owner] += p.numel()
+        return Zero(stage, rank, world_size, owner_of)
+
+    def owns(self, param: Tensor) -> bool:
+        return self.owner_of[param] == self.rank
+
+    def gradient_owners(self) -> dict | None:
+        """For GradientBuckets: reduce each gradient to its owner (stage 2 and up), or all-reduce (None)."""
+        return self.owner_of if self.stage >= 2 else None
 
 
 def set_schedules(optimizers: list[torch.optim.Optimizer], step: int, args: Hyperparameters) -> None:
@@ -887,6 +980,87 @@ def warmup_and_restore(model: nn.Module, optimizers: list[torch.optim.Optimizer]
     for opt, state in zip(optimizers, initial["optimizers"]):
         opt.load_state_dict(state)
     model.zero_grad(set_to_none=True)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Plan: each rank's memory and each collective's bytes per step, predicted from the model's shapes
+
+def nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def plan_layout(args: Hyperparameters, world_size: int, cuda: bool) -> dict:
+    """What a run of args on world_size processes holds per rank and sends per training step, in bytes.
+
+    Built from the model on the meta device (nothing allocated) and the same ownership rules the run uses, so
+    parameters, gradients, optimizer states and collectives are exact; activations are an estimate (the tensors
+    autograd keeps for one micro-batch). Bytes of a collective are those of the tensor handed to it, per rank.
+    """
+    grad_accum_steps = check_world_size(args, world_size)
+    with torch.device("meta"):
+        model = build_model(args, torch.device("meta"), cuda_dtypes=cuda)
+    groups = optimizer_param_groups(model)
+    params = list(model.parameters())
+    adam_params = groups["head"] + groups["embed"] + groups["scalar"]
+    ns_bytes = 2 if cuda else 4  # Newton-Schulz (and the update exchange) in bf16 on CUDA, fp32 on CPU
+    sum_bytes = 8 if args.fp64_grad_sum else None
+
+    ranks = []
+    for rank in range(world_size):
+        zero = Zero.build(args.zero, groups, rank, world_size)
+        owned = [p for p in params if zero.owns(p)]
+        ranks.append(dict(
+            parameters=sum(map(nbytes, owned if args.zero >= 3 else params)),
+            gradients=sum(map(nbytes, owned if args.zero >= 2 else params)),
+            optimizer_states=sum(2 * nbytes(p) + 4 for p in adam_params if args.zero == 0 or zero.owns(p))
+            + sum(nbytes(p) for p in groups["muon"] if zero.owns(p)),
+            gradient_sums=sum(sum_bytes * p.numel() for p in params) if sum_bytes else 0,
+            activations=activation_estimate(args, cuda)))
+
+    comm = collections.Counter()
+    if world_size > 1:
+        grad_bytes = sum(sum_bytes * p.numel() if sum_bytes else nbytes(p) for p in params)
+        comm["reduce" if args.zero >= 2 else "all_reduce"] += grad_bytes
+        for size, count in collections.Counter(p.numel() for p in groups["muon"]).items():
+            comm["all_gather_into_tensor"] += math.ceil(count / world_size) * world_size * size * ns_bytes
+        if args.zero >= 1:
+            comm["broadcast"] += sum(map(nbytes, adam_params))
+        if args.zero >= 2:
+            comm["all_reduce"] += 4  # the gradient norm's squared shares
+        comm["all_reduce"] += 3 * 4  # loss, gradient norm and stop flag, in one float32 all-reduce
+    return dict(world_size=world_size, grad_accum_steps=grad_accum_steps, zero=args.zero, ranks=ranks,
+                comm=dict(comm), num_params=sum(p.numel() for p in params))
+
+
+def activation_estimate(args: Hyperparameters, cuda: bool) -> int:
+    """Bytes autograd keeps for one micro-batch: per layer, the inputs of each matmul, norm and nonlinearity."""
+    tokens, d, hdim = args.train_seq_len, args.model_dim, args.num_heads * args.head_dim
+    act_bytes = 2 if cuda else 4
+    attention = len(args.window_pattern) - len(attention_free_layers(args))
+    per_token = (args.num_layers * (3 * d + 2 * 4 * d + 4 * d)  # residual mix, norms; MLP in, ReLU, ReLU^2
+                 + attention * (2 * d + 5 * hdim))  # attention norm and input; q, k, v (normed, rotated), output
+    logits = tokens * next_multiple_of_n(args.vocab_size, n=128) * 4 * 2  # fp32 soft-capped logits, log-softmax
+    return tokens * per_token * act_bytes + logits
+
+
+def format_plan(plan: dict) -> str:
+    mib = 2 ** 20
+    psi = plan["num_params"]
+    lines = [f"plan: {plan['world_size']} processes (data parallel), ZeRO stage {plan['zero']}, "
+             f"{plan['grad_accum_steps']} micro-batches per rank per step, {psi:,} parameters",
+             "rank  parameters  gradients  optimizer  grad sums  activations (est.)    total   [MiB]"]
+    for rank, r in enumerate(plan["ranks"]):
+        total = sum(r.values())
+        lines.append(f"{rank:4d}  {r['parameters'] / mib:10.1f} {r['gradients'] / mib:10.1f} "
+                     f"{r['optimizer_states'] / mib:10.1f} {r['gradient_sums'] / mib:10.1f} "
+                     f"{r['activations'] / mib:19.1f} {total / mib:8.1f}")
+    lines.append("collectives per training step, bytes handed over per rank: " + (", ".join(
+        f"{op} {n:,}" for op, n in sorted(plan["comm"].items())) or "none (one process)"))
+    n = plan["world_size"]  # seed 003's mixed-precision Adam formulas (2-byte params and grads, K = 12), for scale
+    formula = {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n, 3: 16 * psi / n}[plan["zero"]]
+    lines.append(f"seed 003 formula for this stage (fp16 params, fp32 Adam states, K=12): {formula / mib:.1f} MiB "
+                 "per rank for model states")
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -950,28 +1124,47 @@ def find_checkpoint(args: Hyperparameters, ctx: DistributedContext) -> Path | No
     return Path(found) if found else None
 
 
+def optimizer_state_owners(optimizers: list[torch.optim.Optimizer], zero: Zero | None) -> list[dict]:
+    """Per optimizer, the rank holding each parameter's state: Muon's owner; Adam's under ZeRO, else None (all)."""
+    adam, muon = optimizers
+    adam_owners = {p: zero.owner_of[p] if zero else None for group in adam.param_groups for p in group["params"]}
+    return [adam_owners, dict(muon.param_owners())]
+
+
+OPTIMIZER_STATE_KEYS = {torch.optim.Adam: ("step", "exp_avg", "exp_avg_sq"), Muon: ("momentum_buffer",)}
+
+
+def optimizer_state_on_master(opt: torch.optim.Optimizer, owners: dict, names: dict,
+                              ctx: DistributedContext) -> dict[str, dict[str, Tensor]]:
+    """{parameter name: its state} on rank 0 (empty elsewhere); owners other than rank 0 send theirs."""
+    gathered = {}
+    for p, owner in owners.items():
+        if ctx.is_master and owner in (None, 0):
+            gathered[names[p]] = dict(opt.state[p])
+        elif ctx.is_master:
+            gathered[names[p]] = {key: torch.empty((), dtype=torch.float32, device=p.device) if key == "step"
+                                  else torch.empty_like(p) for key in OPTIMIZER_STATE_KEYS[type(opt)]}
+            for tensor in gathered[names[p]].values():
+                dist.recv(tensor, owner)
+        elif owner == ctx.rank:
+            for key in OPTIMIZER_STATE_KEYS[type(opt)]:
+                dist.send(opt.state[p][key], 0)
+    return gathered
+
+
 def save_checkpoint(path: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer], ctx: DistributedContext,
-                    **run_state) -> None:
-    """Rank 0 writes full tensors keyed by name; the ranks owning Muon momentum send it to rank 0 first.
+                    zero: Zero | None = None, **run_state) -> None:
+    """Rank 0 writes full tensors keyed by name; ranks owning optimizer state (Muon's, Adam's under ZeRO) send it.
 
     Written to a temporary name, then renamed: a crash mid-write leaves the previous checkpoint intact.
-    Model and Adam tensors are saved from where they live, so rank 0 holds at most one extra copy: Muon's.
+    Tensors rank 0 holds are saved from where they live, so it holds at most one extra copy of the others' state.
     """
-    adam, muon = optimizers
     names = {p: name for name, p in model.named_parameters()}
-    muon_momentum = {}
-    for p, owner in muon.param_owners():
-        if ctx.is_master:
-            if owner == ctx.rank:
-                muon_momentum[names[p]] = muon.state[p]["momentum_buffer"]
-            else:
-                muon_momentum[names[p]] = torch.empty_like(p)
-                dist.recv(muon_momentum[names[p]], owner)
-        elif owner == ctx.rank:
-            dist.send(muon.state[p]["momentum_buffer"], 0)
+    adam_state, muon_state = (optimizer_state_on_master(opt, owners, names, ctx)
+                              for opt, owners in zip(optimizers, optimizer_state_owners(optimizers, zero)))
     if ctx.is_master:
-        state = dict(format=CHECKPOINT_FORMAT, model=model.state_dict(), muon=muon_momentum,
-                     adam={names[p]: dict(adam.state[p]) for p in names if p in adam.state},
+        state = dict(format=CHECKPOINT_FORMAT, model=model.state_dict(), adam=adam_state,
+                     muon={name: s["momentum_buffer"] for name, s in muon_state.items()},
                      rng=dict(cpu=torch.get_rng_state(),
                               cuda=torch.cuda.get_rng_state(ctx.device) if ctx.device.type == "cuda" else None),
                      code=Path(__file__).read_text(), **run_state)
@@ -1003,8 +1196,8 @@ def load_checkpoint(path: Path) -> dict:
 
 
 def restore_checkpoint(state: dict, path: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer],
-                       ctx: DistributedContext) -> None:
-    """Load weights, Adam moments, this rank's share of Muon momentum and the RNG; refuse another model's shapes."""
+                       ctx: DistributedContext, zero: Zero | None = None) -> None:
+    """Load weights, the optimizer state this rank holds, and the RNG; refuse another model's shapes."""
     def shape(t):
         return "absent" if t is None else f"of shape {tuple(t.shape)}"
     current = model.state_dict()
@@ -1016,12 +1209,13 @@ def restore_checkpoint(state: dict, path: Path, model: nn.Module, optimizers: li
                             "'hyperparameters' entry lists them)")
     model.load_state_dict(state["model"])
     adam, muon = optimizers
+    adam_owners, muon_owners = optimizer_state_owners(optimizers, zero)
     names = {p: name for name, p in model.named_parameters()}
-    for group in adam.param_groups:
-        for p in group["params"]:  # moments in the parameter's dtype (bf16 embeddings on CUDA, fp32 on CPU)
+    for p, owner in adam_owners.items():  # moments in the parameter's dtype (bf16 embeddings on CUDA, fp32 on CPU)
+        if owner in (None, ctx.rank):
             adam.state[p] = {k: v.to(p.device, copy=True) if k == "step" else v.to(p.device, p.dtype, copy=True)
                              for k, v in state["adam"][names[p]].items()}
-    for p, owner in muon.param_owners():
+    for p, owner in muon_owners.items():
         if owner == ctx.rank:
             muon.state[p]["momentum_buffer"] = state["muon"][names[p]].to(p.device, p.dtype, copy=True)
     torch.set_rng_state(state["rng"]["cpu"])
@@ -1132,6 +1326,7 @@ def device_synchronize(device: torch.device) -> None:
 
 def all_reduce_mean(value: Tensor) -> Tensor:
     if dist.is_initialized():
+        count_comm("all_reduce", value)
         dist.all_reduce(value, op=dist.ReduceOp.AVG)
     return value
 
@@ -1165,12 +1360,35 @@ def accumulate_gradients(model: nn.Module, buckets: "GradientBuckets | None", ba
     return loss_sum
 
 
-def optimizer_step(model: nn.Module, optimizers: list[torch.optim.Optimizer], step: int,
-                   args: Hyperparameters) -> None:
+def optimizer_step(model: nn.Module, optimizers: list[torch.optim.Optimizer], step: int, args: Hyperparameters,
+                   zero: Zero | None = None) -> None:
     set_schedules(optimizers, step, args)
+    adam = optimizers[0]
+    adam_params = [p for group in adam.param_groups for p in group["params"]]
+    if zero is not None and zero.stage >= 1:
+        for p in adam_params:
+            if not zero.owns(p):
+                p.grad = None  # Adam skips a parameter without a gradient: no moments for it here
     for opt in optimizers:
         opt.step()
+    if zero is not None and zero.stage >= 1 and zero.world_size > 1:
+        handles = []
+        for p in adam_params:
+            count_comm("broadcast", p)
+            handles.append(dist.broadcast(p.detach(), zero.owner_of[p], async_op=True))
+        for handle in handles:
+            handle.wait()
     model.zero_grad(set_to_none=True)
+
+
+def gradient_norm(params, zero: Zero | None, device: torch.device) -> Tensor:
+    """Global gradient norm; under ZeRO 2 and 3 each rank holds a disjoint share of the gradients."""
+    grads = [p.grad for p in params if p.grad is not None]
+    squared = torch.nn.utils.get_total_norm(grads).square() if grads else torch.zeros((), device=device)
+    if zero is not None and zero.stage >= 2 and zero.world_size > 1:
+        count_comm("all_reduce", squared)
+        dist.all_reduce(squared)
+    return squared.sqrt()
 
 
 def evaluate(model: nn.Module, args: Hyperparameters, ctx: DistributedContext, step: int) -> float:
@@ -1196,11 +1414,16 @@ def reduce_step_stats(loss: Tensor, grad_norm: Tensor, stop: bool, device: torch
     return loss_value, grad_norm_value, stop_value > 0
 
 
-def main(argv=None) -> float:
-    """Train; return the final validation loss."""
+def main(argv=None) -> float | None:
+    """Train and return the final validation loss; with --plan, print the plan instead."""
+    args = parse_args(argv)
+    if args.plan:
+        print(format_plan(plan_layout(args, args.nproc or int(os.environ.get("WORLD_SIZE", 1)),
+                                      cuda=args.plan_device == "cuda")))
+        return None
     ctx = setup_distributed()
     try:
-        return train(parse_args(argv), ctx)
+        return train(args, ctx)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -1224,16 +1447,19 @@ def train(args: Hyperparameters, ctx: DistributedContext) -> float:
     raw_model = build_model(args, ctx.device)
     broadcast_parameters(raw_model)
     optimizers = build_optimizers(raw_model, args, ctx)
+    zero = Zero.build(args.zero, optimizer_param_groups(raw_model), ctx.rank, ctx.world_size) if args.zero else None
     sum_dtype = torch.float64 if args.fp64_grad_sum else None
-    buckets = GradientBuckets(raw_model.parameters(), sum_dtype=sum_dtype) if ctx.world_size > 1 or sum_dtype \
-        else None
+    buckets = None
+    if ctx.world_size > 1 or sum_dtype:
+        buckets = GradientBuckets(raw_model.parameters(), sum_dtype=sum_dtype, rank=ctx.rank,
+                                  world_size=ctx.world_size, owner_of=zero.gradient_owners() if zero else None)
     model = torch.compile(raw_model, dynamic=False) if args.compile else raw_model
 
     def train_step(batches, step: int) -> tuple[Tensor, Tensor]:
         window = window_tensor(window_size_blocks(step, args), ctx.device)
         loss_sum = accumulate_gradients(model, buckets, batches, window, grad_accum_steps)
-        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in raw_model.parameters()])
-        optimizer_step(model, optimizers, step, args)
+        grad_norm = gradient_norm(raw_model.parameters(), zero, ctx.device)
+        optimizer_step(model, optimizers, step, args, zero)
         return loss_sum, grad_norm
 
     if args.compile and args.warmup_steps > 0:
@@ -1246,7 +1472,7 @@ def train(args: Hyperparameters, ctx: DistributedContext) -> float:
 
     start_step, training_time_ms, data_position = 0, 0.0, None
     if checkpoint is not None:
-        restore_checkpoint(checkpoint, resume_path, raw_model, optimizers, ctx)
+        restore_checkpoint(checkpoint, resume_path, raw_model, optimizers, ctx, zero)
     log = RunLog(args, ctx)  # opened only now, so a refused checkpoint leaves the previous log as it was
     if checkpoint is None or checkpoint["run_id"] != args.run_id or not log.continue_from(checkpoint["log_bytes"]):
         log.start(args, ctx, grad_accum_steps)
@@ -1270,6 +1496,7 @@ def train(args: Hyperparameters, ctx: DistributedContext) -> float:
     tokens_per_rank_step = grad_accum_steps * args.train_seq_len
     last_checkpoint = resume_path
     val_loss = float("nan")
+    last_comm_bytes = collections.Counter()
     with stop_requests:
         device_synchronize(ctx.device)
         t0 = time.perf_counter()
@@ -1285,10 +1512,15 @@ def train(args: Hyperparameters, ctx: DistributedContext) -> float:
                 t0 = time.perf_counter()
             if last_step:
                 break
+            comm_bytes.clear()
             loss_sum, grad_norm = train_step(train_loader, step)
             train_loss, grad_norm, stop = reduce_step_stats(loss_sum / tokens_per_rank_step, grad_norm,
                                                             stop_requests.check() is not None, ctx.device)
             done = step + 1
+            if comm_bytes != last_comm_bytes:  # the same every step: logged when it first appears or changes
+                last_comm_bytes = collections.Counter(comm_bytes)
+                log(f"comm: step:{done} bytes per rank "
+                    + " ".join(f"{op}:{n}" for op, n in sorted(comm_bytes.items())))
             elapsed_ms = training_time_ms + 1000 * (time.perf_counter() - t0)
             log(f"step:{done}/{args.num_iterations} train_loss:{train_loss:.4f} train_time:{elapsed_ms:.0f}ms "
                 f"step_avg:{elapsed_ms / done:.2f}ms", console=True)
@@ -1301,7 +1533,7 @@ def train(args: Hyperparameters, ctx: DistributedContext) -> float:
             if stop or (args.save_every > 0 and (done % args.save_every == 0 or done == args.num_iterations)):
                 training_time_ms = elapsed_ms  # checkpoints are not timed
                 last_checkpoint = checkpoint_path(args, done)
-                save_checkpoint(last_checkpoint, raw_model, optimizers, ctx, step=done, run_id=args.run_id,
+                save_checkpoint(last_checkpoint, raw_model, optimizers, ctx, zero, step=done, run_id=args.run_id,
                                 data=train_loader.position(), training_time_ms=training_time_ms,
                                 log_bytes=log.num_bytes(), hyperparameters=dataclasses.asdict(args))
                 log(f"checkpoint: {last_checkpoint}", console=True)

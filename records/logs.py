@@ -139,6 +139,10 @@ def read_body(run: Run, lines: list[str], first_number: int) -> str | None:
         if line.startswith("step:"):
             point = parse_step(line, run.num_iterations)
             if point is None:
+                total = STEP_LINE.fullmatch(line)
+                if total and int(total[2]) != run.num_iterations:
+                    return (f"step line {number} counts to {total[2]} steps, but the hyperparameters line says "
+                            f"num_iterations={run.num_iterations} (resumed with another --num_iterations?)")
                 return f"malformed step line {number}: {line[:80]!r}"
             (run.val if " val_loss:" in line else run.train).append(point)
         elif line.startswith("peak memory"):

@@ -114,6 +114,17 @@ def test_a_checkpoint_resumes_under_another_world_size(tmp_path, files, saved_on
                         relative_error=1e-4)
 
 
+@pytest.mark.parametrize("saved_zero, resumed_zero", [(2, 0), (0, 1)])
+def test_a_checkpoint_resumes_under_another_zero_stage(tmp_path, files, saved_zero, resumed_zero):
+    # optimizer state sharded over the ranks is gathered into full tensors on save and split again on load
+    run(tmp_path, files, 2, "saved", save_every=4, zero=saved_zero)
+    run(tmp_path, files, 2, "reference", save_every=4, zero=resumed_zero)
+    run(tmp_path, files, 2, "resumed", save_every=4, zero=resumed_zero,
+        resume=tmp_path / "logs" / "saved" / "step000004.pt")
+    assert_states_equal(checkpoint(tmp_path, "saved", 4), checkpoint(tmp_path, "reference", 4))
+    assert_states_equal(checkpoint(tmp_path, "reference", STEPS), checkpoint(tmp_path, "resumed", STEPS))
+
+
 def restore_on_rank(rank, world_size, path, flags):
     """This rank's model, Adam state and the Muon momentum it owns after restoring the checkpoint at path."""
     args = train_gpt.parse_args(flags, cuda=False)
@@ -284,3 +295,59 @@ def test_elastic_restart_after_a_killed_worker_ends_like_an_uninterrupted_run(tm
     log = (tmp_path / "logs" / "elastic.txt").read_text()
     assert re.search(r"^resumed: step:\d+/40 from ", log, re.MULTILINE), log[-3000:]
     assert_states_equal(checkpoint(tmp_path, "reference", 40), checkpoint(tmp_path, "elastic", 40))
+
+
+def stop_on_rank(rank, world_size, flags, signalled_rank):
+    """train_gpt.main on this rank; only signalled_rank gets SIGTERM, during its third step. Returns how it ended."""
+    real, calls = train_gpt.accumulate_gradients, [0]
+
+    def wrapped(*args, **kwargs):
+        result = real(*args, **kwargs)
+        calls[0] += 1
+        if rank == signalled_rank and calls[0] == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return result
+    train_gpt.accumulate_gradients = wrapped  # a fresh process per rank: nothing to undo
+    try:
+        train_gpt.main(flags)
+    except train_gpt.RunEnded as e:
+        return e.exit_status, str(e)
+    return 0, "finished"
+
+
+def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path, files):
+    reference = run(tmp_path, files, 2, "reference", save_every=STEPS)
+    flags = tiny_flags(files, log_dir=tmp_path / "logs", run_id="stopme", num_iterations=STEPS, val_loss_every=2,
+                       save_every=STEPS)
+    ended = run_on_ranks(stop_on_rank, 2, flags, 1)
+    assert [status for status, _ in ended] == [train_gpt.EXIT_STOPPED] * 2
+    assert ended[0][1].startswith("stopped after step 3 (another rank was asked to stop)")
+    assert ended[1][1].startswith("stopped after step 3 (SIGTERM)")
+    saved = tmp_path / "logs" / "stopme" / "step000003.pt"
+    assert sorted(p.name for p in saved.parent.iterdir()) == [saved.name]  # one complete file, no .tmp
+    assert (tmp_path / "logs" / "stopme.txt").read_text().endswith(
+        f"checkpoint: {saved}\nstopped: step:3/{STEPS} reason:another rank was asked to stop\n")
+    resumed = run(tmp_path, files, 2, "stopme", save_every=STEPS, resume="latest")
+    assert step_lines(resumed) == step_lines(reference)
+    assert_states_equal(checkpoint(tmp_path, "reference", STEPS), checkpoint(tmp_path, "stopme", STEPS))
+
+
+def test_ctrl_c_stops_the_trainer_process_with_a_checkpoint_and_exit_status_3(tmp_path, files):
+    flags = tiny_flags(files, log_dir=tmp_path / "logs", run_id="ctrlc", num_iterations=100, val_loss_every=0)
+    proc = subprocess.Popen([sys.executable, str(REPO_ROOT / "train_gpt.py"), *flags], cwd=tmp_path,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    log = tmp_path / "logs" / "ctrlc.txt"
+    deadline = time.time() + 120
+    while proc.poll() is None and time.time() < deadline and \
+            not (log.exists() and "\nstep:1/100 train_loss:" in log.read_text()):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)  # inside the training loop: the first step is logged
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == train_gpt.EXIT_STOPPED == 3, err[-3000:]
+    stopped = re.search(r"\ncheckpoint: (\S+)\nstopped: step:(\d+)/100 reason:SIGINT\n$", log.read_text())
+    assert stopped, log.read_text()[-1000:]
+    step = int(stopped[2])
+    assert stopped[1] == str(tmp_path / "logs" / "ctrlc" / f"step{step:06d}.pt")
+    assert torch.load(stopped[1], weights_only=True)["step"] == step
+    assert f"stopped after step {step} (SIGINT)" in err and "Traceback" not in err

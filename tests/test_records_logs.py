@@ -156,6 +156,50 @@ def test_diff_of_a_real_log_and_a_changed_copy(real_log, tmp_path, capsys):
     assert re.search(r"^seed\s+0\s+->\s+7$", out, re.M)
 
 
+def test_real_logs_of_stopped_and_resumed_runs(tmp_path, monkeypatch):
+    """The trainer's fault lines (checkpoint:, stopped:, resumed:) between its step lines: a stopped run is
+    reported as incomplete; the same run resumed counts, with the val losses of an uninterrupted run."""
+    import train_gpt
+    from synthetic import tiny_flags, write_synthetic_shards
+    files, log_dir = write_synthetic_shards(tmp_path), tmp_path / "logs"
+
+    def train(run_id, **flags):
+        train_gpt.main(tiny_flags(files, log_dir=log_dir, run_id=run_id, num_iterations=4, val_loss_every=2,
+                                  save_every=2, **flags))
+
+    train("full")
+    full = logs.read_log(log_dir / "full.txt")
+    assert full.problem is None and "\ncheckpoint: " in (log_dir / "full.txt").read_text()
+
+    real_step, calls = train_gpt.accumulate_gradients, []
+    monkeypatch.setattr(train_gpt, "accumulate_gradients", lambda *args, **kwargs: (
+        calls.append(1), len(calls) == 3 and (log_dir / "stopped.stop").touch(), real_step(*args, **kwargs))[-1])
+    with pytest.raises(train_gpt.RunEnded):
+        train("stopped")
+    monkeypatch.undo()
+    assert (log_dir / "stopped.txt").read_text().endswith("reason:kill switch " + str(log_dir / "stopped.stop") + "\n")
+    stopped = logs.read_log(log_dir / "stopped.txt")
+    assert stopped.problem == "no 'peak memory' line: it stopped at step 3/4 (crashed, killed, or still running)"
+
+    (log_dir / "stopped.stop").unlink()
+    train("stopped", resume="latest")
+    text = (log_dir / "stopped.txt").read_text()
+    assert "\nresumed: step:3/4 from " in text and "\nstopped: " not in text  # the log was cut back, then continued
+    resumed = logs.read_log(log_dir / "stopped.txt")
+    assert resumed.problem is None
+    assert [(p.step, p.loss) for p in resumed.val] == [(p.step, p.loss) for p in full.val]
+    assert [p.step for p in resumed.train] == [1, 2, 3, 4]
+
+
+def test_step_lines_counting_to_another_num_iterations_are_named(tmp_path):
+    path = tmp_path / "extended.txt"
+    path.write_text(log_text().replace("step:4/4 val_loss", "step:4/6 val_loss"))
+    number = next(i for i, line in enumerate(path.read_text().splitlines(), 1) if line.startswith("step:4/6"))
+    assert number == 17  # 3 source lines, 5 of environment, hyperparameters, run:, 7 step lines
+    assert logs.read_log(path).problem == (f"step line {number} counts to 6 steps, but the hyperparameters line says "
+                                           "num_iterations=4 (resumed with another --num_iterations?)")
+
+
 # ----------------------------------------------------------------------------------------------------
 # Statistics: the tool's own t distribution and tests against scipy
 
