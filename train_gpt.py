@@ -138,12 +138,14 @@ class Muon(torch.optim.Optimizer):
     Parameters are grouped by size; within a group rank r orthogonalises parameters r, r+W, r+2W, ... and the
     flattened updates are exchanged with async all_gather_into_tensor, so every rank applies every update while
     the next chunk is being orthogonalised. Gradients must already be averaged across ranks.
+    With owner_applies (ZeRO 3, where a parameter lives on its owner alone) the owner applies its own update and
+    nothing is exchanged.
     """
 
     def __init__(self, params, lr=0.05, momentum=0.95, nesterov=True, ns_steps=5, rank=0, world_size=1,
-                 orthogonalize=zeropower_via_newtonschulz5, ns_dtype=torch.bfloat16):
+                 orthogonalize=zeropower_via_newtonschulz5, ns_dtype=torch.bfloat16, owner_applies=False):
         params = list(params)
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.owner_applies = rank, world_size, owner_applies
         self.orthogonalize, self.ns_dtype = orthogonalize, ns_dtype
         sizes = sorted({p.numel() for p in params}, reverse=True)
         groups = [dict(params=[p for p in params if p.numel() == size]) for size in sizes]
@@ -171,6 +173,11 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self):
+        if self.owner_applies:
+            for p, owner in self.param_owners():
+                if owner == self.rank:
+                    self._apply(None, [p], [self._orthogonalized_momentum(p, self._group_of(p))], self._group_of(p))
+            return
         for group, update_buffer in zip(self.param_groups, self.update_buffers):
             params, views = group["params"], update_buffer.view(self.world_size, -1).unbind(0)
             pending = None  # (handle, params of the chunk in flight)
@@ -202,6 +209,9 @@ class Muon(torch.optim.Optimizer):
         buf.lerp_(g, 1 - group["momentum"])
         g = g.lerp_(buf, group["momentum"]) if group["nesterov"] else buf
         return self.orthogonalize(g, steps=group["ns_steps"], dtype=self.ns_dtype)
+
+    def _group_of(self, p: Tensor) -> dict:
+        return next(group for group in self.param_groups if group["params"][0].numel() == p.numel())
 
     @staticmethod
     def _apply(handle, chunk, views, group):
@@ -673,6 +683,8 @@ def check_hyperparameters(args: Hyperparameters) -> None:
     for name in ("val_loss_every", "save_every"):
         need(getattr(args, name) >= 0, f"--{name} must be >= 0, got {getattr(args, name)}")
     need(args.zero in (0, 1, 2, 3), f"--zero must be 0, 1, 2 or 3, got {args.zero}")
+    need(not (args.zero >= 3 and args.compile), "--zero 3 gathers parameters in module hooks that torch.compile "
+         "does not trace: run it with --compile false")
     need(args.nproc >= 0, f"--nproc must be >= 0, got {args.nproc}")
     need(args.plan_device in ("cuda", "cpu"), f"--plan_device must be cuda or cpu, got {args.plan_device!r}")
     need(0 <= args.cooldown_frac <= 1, f"--cooldown_frac must be in [0, 1], got {args.cooldown_frac}")
@@ -922,7 +934,7 @@ def build_optimizers(model: GPT, args: Hyperparameters, ctx: DistributedContext)
     on_cuda = ctx.device.type == "cuda"
     muon = Muon(groups["muon"], lr=args.lr_muon, momentum=0.95, rank=ctx.rank, world_size=ctx.world_size,
                 orthogonalize=torch.compile(zeropower_via_newtonschulz5) if on_cuda else zeropower_via_newtonschulz5,
-                ns_dtype=torch.bfloat16 if on_cuda else torch.float32)
+                ns_dtype=torch.bfloat16 if on_cuda else torch.float32, owner_applies=args.zero >= 3)
     optimizers = [adam, muon]
     for opt in optimizers:
         for group in opt.param_groups:
@@ -960,6 +972,87 @@ class Zero:
     def gradient_owners(self) -> dict | None:
         """For GradientBuckets: reduce each gradient to its owner (stage 2 and up), or all-reduce (None)."""
         return self.owner_of if self.stage >= 2 else None
+
+
+class ShardedParameters:
+    """ZeRO 3: a parameter's values live on its owner alone except while a forward or backward needs them.
+
+    Units are the blocks and the rest of the model (embeddings, head, scalars). A block is gathered (broadcast
+    from the owners into storage re-allocated for the purpose) just before its forward, with the next block's
+    gather already under way, and dropped after; a hook on its output gathers it again, and starts on the block
+    before it, when backward reaches it; it is dropped once all its gradients are in. The rest is gathered when
+    the forward starts and dropped after its gradients (or, without grad, after the forward). Autograd's saved
+    tensors share the parameters' storage, so they see the values again when backward runs.
+    """
+
+    def __init__(self, model: GPT, zero: Zero):
+        self.zero = zero
+        in_blocks = {p for block in model.blocks for p in block.parameters()}
+        self.units = [list(block.parameters()) for block in model.blocks]
+        self.units.append([p for p in model.parameters() if p not in in_blocks])
+        self.root = len(self.units) - 1
+        self.unit_of = {p: u for u, unit in enumerate(self.units) for p in unit}
+        self.handles: dict[int, list] = {}  # unit -> broadcasts in flight
+        self.resident: set[int] = set(range(len(self.units)))
+        self.grads_in = [0] * len(self.units)
+        model.register_forward_pre_hook(lambda module, args: self._enter(self.root, prefetch=0))
+        model.register_forward_hook(lambda module, args, out: self.drop(self.root) if not torch.is_grad_enabled()
+                                    else None)
+        for i, block in enumerate(model.blocks):
+            block.register_forward_pre_hook(lambda module, args, i=i: self._enter(i, i + 1))
+            block.register_forward_hook(lambda module, args, out, i=i: self._after_forward(i, out))
+        for p in self.unit_of:
+            p.register_post_accumulate_grad_hook(self._gradient_in)
+        self.drop_all()
+
+    def _start(self, u: int) -> None:
+        """Start gathering unit u (no-op past either end, or when it is resident or on its way)."""
+        if not 0 <= u < len(self.units) or u in self.resident or u in self.handles:
+            return
+        handles = []
+        for p in self.units[u]:
+            if not self.zero.owns(p):
+                p.data.untyped_storage().resize_(nbytes(p))
+            count_comm("broadcast", p)
+            # .data: its own version counter, so refilling does not invalidate what autograd saved
+            handles.append(dist.broadcast(p.data, self.zero.owner_of[p], async_op=True))
+        self.handles[u] = handles
+
+    def gather(self, u: int) -> None:
+        self._start(u)
+        for handle in self.handles.pop(u, []):
+            handle.wait()
+        self.resident.add(u)
+
+    def drop(self, u: int) -> None:
+        for p in self.units[u]:
+            if not self.zero.owns(p):
+                p.data.untyped_storage().resize_(0)
+        self.resident.discard(u)
+
+    def gather_all(self) -> None:
+        for u in range(len(self.units)):
+            self.gather(u)
+
+    def drop_all(self) -> None:
+        for u in range(len(self.units)):
+            self.drop(u)
+
+    def _enter(self, u: int, prefetch: int) -> None:
+        self.gather(u)
+        self._start(prefetch)
+
+    def _after_forward(self, i: int, out: Tensor) -> None:
+        self.drop(i)
+        if out.requires_grad:
+            out.register_hook(lambda grad: self._enter(i, i - 1))
+
+    def _gradient_in(self, p: Tensor) -> None:
+        u = self.unit_of[p]
+        self.grads_in[u] += 1
+        if self.grads_in[u] == len(self.units[u]):
+            self.grads_in[u] = 0
+            self.drop(u)
 
 
 def set_schedules(optimizers: list[torch.optim.Optimizer], step: int, args: Hyperparameters) -> None:
@@ -1021,10 +1114,14 @@ def plan_layout(args: Hyperparameters, world_size: int, cuda: bool) -> dict:
     if world_size > 1:
         grad_bytes = sum(sum_bytes * p.numel() if sum_bytes else nbytes(p) for p in params)
         comm["reduce" if args.zero >= 2 else "all_reduce"] += grad_bytes
-        for size, count in collections.Counter(p.numel() for p in groups["muon"]).items():
-            comm["all_gather_into_tensor"] += math.ceil(count / world_size) * world_size * size * ns_bytes
-        if args.zero >= 1:
-            comm["broadcast"] += sum(map(nbytes, adam_params))
+        if args.zero >= 3:  # every parameter gathered for each micro-batch's forward, the blocks' again for backward
+            block_bytes = sum(map(nbytes, model.blocks.parameters()))
+            comm["broadcast"] += grad_accum_steps * (sum(map(nbytes, params)) + block_bytes)
+        else:  # Muon's updates exchanged; under ZeRO 1 and 2, Adam's updated parameters sent by their owners
+            for size, count in collections.Counter(p.numel() for p in groups["muon"]).items():
+                comm["all_gather_into_tensor"] += math.ceil(count / world_size) * world_size * size * ns_bytes
+            if args.zero >= 1:
+                comm["broadcast"] += sum(map(nbytes, adam_params))
         if args.zero >= 2:
             comm["all_reduce"] += 4  # the gradient norm's squared shares
         comm["all_reduce"] += 3 * 4  # loss, gradient norm and stop flag, in one float32 all-reduce
@@ -1371,7 +1468,7 @@ def optimizer_step(model: nn.Module, optimizers: list[torch.optim.Optimizer], st
                 p.grad = None  # Adam skips a parameter without a gradient: no moments for it here
     for opt in optimizers:
         opt.step()
-    if zero is not None and zero.stage >= 1 and zero.world_size > 1:
+    if zero is not None and zero.stage in (1, 2) and zero.world_size > 1:  # (stage 3 gathers before each use)
         handles = []
         for p in adam_params:
             count_comm("broadcast", p)
@@ -1436,7 +1533,7 @@ def train(args: Hyperparameters, ctx: DistributedContext) -> float:
             read_shard_header(path)
     agree_on_run_id(args, ctx)
     if args.compile is None:
-        args.compile = ctx.device.type == "cuda"
+        args.compile = ctx.device.type == "cuda" and args.zero < 3
     stop_requests = StopRequests(Path(args.kill_switch or Path(args.log_dir) / f"{args.run_id}.stop"))
     if from_master(stop_requests.kill_switch.exists()):
         raise UserError(f"the kill switch {stop_requests.kill_switch} exists: delete it to start or resume the run")
@@ -1473,6 +1570,7 @@ def train(args: Hyperparameters, ctx: DistributedContext) -> float:
     start_step, training_time_ms, data_position = 0, 0.0, None
     if checkpoint is not None:
         restore_checkpoint(checkpoint, resume_path, raw_model, optimizers, ctx, zero)
+    shards = ShardedParameters(raw_model, zero) if args.zero >= 3 and ctx.world_size > 1 else None
     log = RunLog(args, ctx)  # opened only now, so a refused checkpoint leaves the previous log as it was
     if checkpoint is None or checkpoint["run_id"] != args.run_id or not log.continue_from(checkpoint["log_bytes"]):
         log.start(args, ctx, grad_accum_steps)
@@ -1533,9 +1631,13 @@ def train(args: Hyperparameters, ctx: DistributedContext) -> float:
             if stop or (args.save_every > 0 and (done % args.save_every == 0 or done == args.num_iterations)):
                 training_time_ms = elapsed_ms  # checkpoints are not timed
                 last_checkpoint = checkpoint_path(args, done)
+                if shards is not None:
+                    shards.gather_all()
                 save_checkpoint(last_checkpoint, raw_model, optimizers, ctx, zero, step=done, run_id=args.run_id,
                                 data=train_loader.position(), training_time_ms=training_time_ms,
                                 log_bytes=log.num_bytes(), hyperparameters=dataclasses.asdict(args))
+                if shards is not None:
+                    shards.drop_all()
                 log(f"checkpoint: {last_checkpoint}", console=True)
                 if stop:
                     reason = stop_requests.reason or "another rank was asked to stop"

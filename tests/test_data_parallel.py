@@ -21,6 +21,7 @@ def train_steps(rank, world_size, files, steps, sum_dtype=None, zero=0):
     buckets = (train_gpt.GradientBuckets(model.parameters(), sum_dtype=sum_dtype, rank=rank, world_size=world_size,
                                          owner_of=layout.gradient_owners() if layout else None)
                if world_size > 1 or sum_dtype else None)
+    shards = train_gpt.ShardedParameters(model, layout) if zero >= 3 else None
     batches = train_gpt.DistributedDataLoader(args.train_files, args.train_seq_len, args.seqs_per_step, rank,
                                               world_size, ctx.device)
     first_grads, losses, held = None, [], {}
@@ -35,6 +36,9 @@ def train_steps(rank, world_size, files, steps, sum_dtype=None, zero=0):
         if step == 0:
             held["optimizer_states"] = sum(train_gpt.nbytes(t) for opt in optimizers for state in opt.state.values()
                                            for t in state.values())
+            held["parameters"] = sum(p.untyped_storage().nbytes() for p in model.parameters())
+    if shards is not None:
+        shards.gather_all()  # full parameters to compare
     return dict(grads=first_grads, losses=losses, params=dict(model.named_parameters()), held=held,
                 num_buckets=len(buckets.buckets) if buckets else 0)
 

@@ -1,4 +1,4 @@
-"""ZeRO 1 and 2 over two gloo processes: the same training as one process, and the memory and bytes --plan predicts."""
+"""ZeRO 1, 2 and 3 over two gloo processes: the same training as one process, and the memory and bytes --plan predicts."""
 import re
 
 import pytest
@@ -21,7 +21,7 @@ def single(files):
     return train_steps(0, 1, files, 3)
 
 
-@pytest.mark.parametrize("zero", [1, 2])
+@pytest.mark.parametrize("zero", [1, 2, 3])
 def test_zero_on_two_ranks_trains_the_one_process_model(files, single, zero):
     ranks = run_on_ranks(train_steps, 2, files, 3, None, zero)
     # gradients after the first step, compared directly (an Adam update would hide a constant factor); under
@@ -39,20 +39,20 @@ def test_zero_on_two_ranks_trains_the_one_process_model(files, single, zero):
                                        msg=lambda m: f"parameter {name}: {m}")
 
 
-@pytest.mark.parametrize("zero", [0, 1, 2])
-def test_gradient_and_optimizer_bytes_per_rank_match_the_plan(files, zero):
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_parameter_gradient_and_optimizer_bytes_per_rank_match_the_plan(files, zero):
     args = train_gpt.parse_args(tiny_flags(files, zero=zero), cuda=False)
     plan = train_gpt.plan_layout(args, 2, cuda=False)
     ranks = run_on_ranks(train_steps, 2, files, 1, None, zero)
     for rank, predicted in zip(ranks, plan["ranks"]):
-        for kind in ("gradients", "optimizer_states"):
+        for kind in ("parameters", "gradients", "optimizer_states"):
             assert rank["held"][kind] == pytest.approx(predicted[kind], rel=0.1), kind
     full = sum(train_gpt.nbytes(p) for p in train_gpt.build_model(args, torch.device("cpu")).parameters())
     held_gradients = sum(rank["held"]["gradients"] for rank in ranks)
     assert held_gradients == (full if zero >= 2 else 2 * full)  # ZeRO 2: one copy across the ranks
 
 
-@pytest.mark.parametrize("zero", [0, 2])
+@pytest.mark.parametrize("zero", [0, 2, 3])
 def test_counted_collective_bytes_per_step_equal_the_plan(tmp_path, files, zero):
     flags = tiny_flags(files, zero=zero, log_dir=tmp_path, run_id="comm", num_iterations=2)
     run_on_ranks(main_on_rank, 2, flags)
