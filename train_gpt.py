@@ -101,13 +101,105 @@ fp8_mm.register_autograd(_fp8_mm_backward, setup_context=_fp8_mm_setup_context)
 
 
 # ----------------------------------------------------------------------------------------------------
-# Communication accounting: the bytes each collective is handed, per rank, so a run can be set against --plan
+# Communication: byte accounting, axes of the rank grid, and the tensor-parallel conjugate operators
 
 comm_bytes: collections.Counter = collections.Counter()  # collective name -> bytes since the last clear()
 
 
 def count_comm(op: str, *tensors: Tensor) -> None:
+    """Bytes of the tensors handed to a collective on this rank, so a run can be set against --plan."""
     comm_bytes[op] += sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One axis of the rank grid as this rank sees it: its coordinate, the axis length, the process group along
+    it (None: the default group), and that group's global ranks in order (collectives name peers globally)."""
+    rank: int = 0
+    size: int = 1
+    group: object = None
+    ranks: tuple = (0,)
+
+    def global_rank(self, axis_rank: int) -> int:
+        return self.ranks[axis_rank]
+
+
+def world_axis(rank: int, size: int) -> Axis:
+    return Axis(rank, size, None, tuple(range(size)))
+
+
+class _CopyToTensorParallel(torch.autograd.Function):
+    """f: identity forward; backward all-reduces, summing the input gradients of the ranks' shards."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, tp: Axis) -> Tensor:
+        ctx.tp = tp
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad = grad.contiguous().clone()
+        count_comm("all_reduce", grad)
+        dist.all_reduce(grad, group=ctx.tp.group)
+        return grad, None
+
+
+class _ReduceFromTensorParallel(torch.autograd.Function):
+    """g: forward all-reduces the ranks' partial sums; identity backward (each rank's part has the same gradient)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, tp: Axis) -> Tensor:
+        out = x.contiguous().clone()
+        count_comm("all_reduce", out)
+        dist.all_reduce(out, group=tp.group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, None
+
+
+def copy_to_tensor_parallel(x: Tensor, tp: Axis) -> Tensor:
+    return x if tp.size == 1 else _CopyToTensorParallel.apply(x, tp)
+
+
+def reduce_from_tensor_parallel(x: Tensor, tp: Axis) -> Tensor:
+    return x if tp.size == 1 else _ReduceFromTensorParallel.apply(x, tp)
+
+
+def tp_shard(full: Tensor, dim: int, tp: Axis) -> Tensor:
+    """This rank's equal slice of full along dim (zero-padded first to a multiple of tp.size)."""
+    n = -(-full.size(dim) // tp.size)
+    pad = n * tp.size - full.size(dim)
+    if pad:
+        full = torch.cat([full, full.new_zeros(*full.shape[:dim], pad, *full.shape[dim + 1:])], dim)
+    return full.narrow(dim, tp.rank * n, n).contiguous()
+
+
+def tp_gather(local: Tensor, dim: int, full_size: int, tp: Axis) -> Tensor:
+    """The whole tensor from every rank's tp_shard slice (inverse of tp_shard)."""
+    parts = [torch.empty_like(local) for _ in range(tp.size)]
+    count_comm("all_gather", *parts)
+    dist.all_gather(parts, local.contiguous(), group=tp.group)
+    return torch.cat(parts, dim).narrow(dim, 0, full_size)
+
+
+def mark_tensor_parallel(param: Tensor, dim: int, full_size: int, tp: Axis) -> None:
+    """Record that param is one rank's tp_shard slice along dim of a tensor full_size long there."""
+    if tp.size > 1:
+        param.tp_dim, param.tp_full = dim, full_size
+
+
+def is_tensor_parallel(param: Tensor) -> bool:
+    return getattr(param, "tp_dim", None) is not None
+
+
+def full_shape(param: Tensor) -> tuple:
+    """The shape param has in a one-process model."""
+    shape = list(param.shape)
+    if is_tensor_parallel(param):
+        shape[param.tp_dim] = param.tp_full
+    return tuple(shape)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -138,20 +230,24 @@ class Muon(torch.optim.Optimizer):
     Parameters are grouped by size; within a group rank r orthogonalises parameters r, r+W, r+2W, ... and the
     flattened updates are exchanged with async all_gather_into_tensor, so every rank applies every update while
     the next chunk is being orthogonalised. Gradients must already be averaged across ranks.
+    Under tensor parallelism the owner's tensor-parallel group gathers each matrix's gradient and orthogonalises
+    the whole matrix (every member alike, keeping the whole momentum), each applying its own slice.
     With owner_applies (ZeRO 3, where a parameter lives on its owner alone) the owner applies its own update and
     nothing is exchanged.
     """
 
-    def __init__(self, params, lr=0.05, momentum=0.95, nesterov=True, ns_steps=5, rank=0, world_size=1,
-                 orthogonalize=zeropower_via_newtonschulz5, ns_dtype=torch.bfloat16, owner_applies=False):
+    def __init__(self, params, lr=0.05, momentum=0.95, nesterov=True, ns_steps=5, dp: Axis = Axis(),
+                 tp: Axis = Axis(), orthogonalize=zeropower_via_newtonschulz5, ns_dtype=torch.bfloat16,
+                 owner_applies=False):
         params = list(params)
-        self.rank, self.world_size, self.owner_applies = rank, world_size, owner_applies
+        self.dp, self.tp, self.owner_applies = dp, tp, owner_applies
+        self.rank, self.world_size = dp.rank, dp.size
         self.orthogonalize, self.ns_dtype = orthogonalize, ns_dtype
         sizes = sorted({p.numel() for p in params}, reverse=True)
         groups = [dict(params=[p for p in params if p.numel() == size]) for size in sizes]
         super().__init__(groups, dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps))
         # flat gather targets (gloo needs 1-D), kept outside param_groups so state_dict() never copies them
-        self.update_buffers = [torch.empty(world_size * size, dtype=ns_dtype, device=params[0].device)
+        self.update_buffers = [torch.empty(dp.size * size, dtype=ns_dtype, device=params[0].device)
                                for size in sizes]
 
     @staticmethod
@@ -190,7 +286,7 @@ class Muon(torch.optim.Optimizer):
                     self._apply(*pending, views, group)
                 if self.world_size > 1:
                     count_comm("all_gather_into_tensor", update_buffer)
-                    handle = dist.all_gather_into_tensor(update_buffer, update, async_op=True)
+                    handle = dist.all_gather_into_tensor(update_buffer, update, group=self.dp.group, async_op=True)
                 else:
                     views[0].copy_(update)
                     handle = None
@@ -202,13 +298,16 @@ class Muon(torch.optim.Optimizer):
         g = p.grad
         if g is None:
             raise RuntimeError(f"Muon parameter of shape {tuple(p.shape)} has no gradient")
+        if is_tensor_parallel(p):
+            g = tp_gather(g, p.tp_dim, p.tp_full, self.tp)  # Newton-Schulz needs the whole matrix
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(g)
         buf = state["momentum_buffer"]
         buf.lerp_(g, 1 - group["momentum"])
         g = g.lerp_(buf, group["momentum"]) if group["nesterov"] else buf
-        return self.orthogonalize(g, steps=group["ns_steps"], dtype=self.ns_dtype)
+        update = self.orthogonalize(g, steps=group["ns_steps"], dtype=self.ns_dtype)
+        return tp_shard(update, p.tp_dim, self.tp) if is_tensor_parallel(p) else update
 
     def _group_of(self, p: Tensor) -> dict:
         return next(group for group in self.param_groups if group["params"][0].numel() == p.numel())
@@ -218,7 +317,8 @@ class Muon(torch.optim.Optimizer):
         if handle is not None:
             handle.wait()
         for p, update in zip(chunk, views):
-            p.add_(update.view_as(p), alpha=-group["lr"] * max(1, p.size(-2) / p.size(-1)) ** 0.5)
+            rows, cols = full_shape(p)[-2:]  # the whole matrix's aspect, also for a tensor-parallel slice
+            p.add_(update.view_as(p), alpha=-group["lr"] * max(1, rows / cols) ** 0.5)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -341,48 +441,62 @@ compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, dim: int, num_heads: int, head_dim: int, max_seq_len: int):
+    """Tensor parallel over heads (Megatron): q, k, v column-parallel, the output projection row-parallel."""
+
+    def __init__(self, dim: int, num_heads: int, head_dim: int, max_seq_len: int, tp: Axis = Axis()):
         super().__init__()
-        self.num_heads, self.head_dim = num_heads, head_dim
-        hdim = num_heads * head_dim
+        self.tp = tp
+        self.num_heads, self.head_dim = num_heads // tp.size, head_dim  # this rank's heads
+        hdim = self.num_heads * head_dim
         bound = 3 ** 0.5 * 0.5 * dim ** -0.5
         self.qkv_w = nn.Parameter(torch.empty(3, hdim, dim).uniform_(-bound, bound))
         self.lambdas = nn.Parameter(torch.tensor([0.5, 0.5]))  # mix of v and the value embedding
         self.rotary = Rotary(head_dim, max_seq_len)
         self.c_proj = CastedLinear(hdim, dim)
         self.c_proj.weight.detach().zero_()  # zero-init: each block starts as the identity
+        mark_tensor_parallel(self.qkv_w, 1, num_heads * head_dim, tp)
+        mark_tensor_parallel(self.c_proj.weight, 1, num_heads * head_dim, tp)
 
     def forward(self, x: Tensor, ve: Tensor | None, mask: AttentionMask, use_flex: bool) -> Tensor:
         B, T = x.size(0), x.size(1)  # B == 1: masks are per sequence
+        x = copy_to_tensor_parallel(x, self.tp)
         qkv = F.linear(x, self.qkv_w.flatten(end_dim=1).type_as(x))
         q, k, v = qkv.view(B, T, 3 * self.num_heads, self.head_dim).chunk(3, dim=-2)  # (B, T, H, D) each
         q, k = self.rotary(norm(q)), self.rotary(norm(k))  # QK-norm, then rotate
-        v = self.lambdas[0] * v + self.lambdas[1] * ve.view_as(v) if ve is not None else self.lambdas[0] * v
+        lambdas = copy_to_tensor_parallel(self.lambdas, self.tp)  # each rank's heads hold part of their gradient
+        v = lambdas[0] * v + lambdas[1] * ve.view_as(v) if ve is not None else lambdas[0] * v
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
         if use_flex:
             y = compiled_flex_attention(q, k, v, block_mask=mask.flex(), scale=0.12)
         else:  # CPU twin: FlexAttention has no backward there; same function through a dense boolean mask
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense(), scale=0.12)
         y = y.transpose(1, 2).contiguous().view(B, T, self.num_heads * self.head_dim)
-        return self.c_proj(y)
+        return reduce_from_tensor_parallel(self.c_proj(y), self.tp)
 
 
 class MLP(nn.Module):
-    def __init__(self, dim: int):
+    """Tensor parallel (Megatron): the up projection column-parallel, the down projection row-parallel."""
+
+    def __init__(self, dim: int, tp: Axis = Axis()):
         super().__init__()
-        self.c_fc = CastedLinear(dim, 4 * dim)
-        self.c_proj = CastedLinear(4 * dim, dim)
+        self.tp = tp
+        self.c_fc = CastedLinear(dim, 4 * dim // tp.size)
+        self.c_proj = CastedLinear(4 * dim // tp.size, dim)
         self.c_proj.weight.detach().zero_()
+        mark_tensor_parallel(self.c_fc.weight, 0, 4 * dim, tp)
+        mark_tensor_parallel(self.c_proj.weight, 1, 4 * dim, tp)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.c_proj(F.relu(self.c_fc(x)).square())  # ReLU^2
+        hidden = F.relu(self.c_fc(copy_to_tensor_parallel(x, self.tp))).square()  # ReLU^2
+        return reduce_from_tensor_parallel(self.c_proj(hidden), self.tp)
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, num_heads: int, head_dim: int, max_seq_len: int, has_attention: bool):
+    def __init__(self, dim: int, num_heads: int, head_dim: int, max_seq_len: int, has_attention: bool,
+                 tp: Axis = Axis()):
         super().__init__()
-        self.attn = CausalSelfAttention(dim, num_heads, head_dim, max_seq_len) if has_attention else None
-        self.mlp = MLP(dim)
+        self.attn = CausalSelfAttention(dim, num_heads, head_dim, max_seq_len, tp) if has_attention else None
+        self.mlp = MLP(dim, tp)
         self.lambdas = nn.Parameter(torch.tensor([1.0, 0.0]))  # mix of the residual stream and the embedding x0
 
     def forward(self, x: Tensor, ve: Tensor | None, x0: Tensor, mask: AttentionMask, use_flex: bool) -> Tensor:
@@ -400,19 +514,36 @@ class GPT(nn.Module):
     NUM_VALUE_EMBEDS = 3
 
     def __init__(self, vocab_size: int, num_layers: int, num_heads: int, head_dim: int, model_dim: int,
-                 max_seq_len: int, window_pattern: str, attention_free_layers=(), fp8_head=True):
+                 max_seq_len: int, window_pattern: str, attention_free_layers=(), fp8_head=True, tp: Axis = Axis()):
         super().__init__()
-        self.window_pattern = window_pattern
+        self.window_pattern, self.tp = window_pattern, tp
         self.use_flex = False  # set by the trainer: FlexAttention on CUDA, the dense twin elsewhere
-        self.embed = nn.Embedding(vocab_size, model_dim)
-        self.value_embeds = nn.ModuleList([nn.Embedding(vocab_size, model_dim) for _ in range(self.NUM_VALUE_EMBEDS)])
-        self.blocks = nn.ModuleList([Block(model_dim, num_heads, head_dim, max_seq_len, i not in attention_free_layers)
-                                     for i in range(num_layers)])
+        # tensor parallel: the token embedding and the head split by vocabulary, the value embeddings by the heads
+        # they feed (no communication), the blocks by heads and MLP width
+        self.embed = nn.Embedding(-(-vocab_size // tp.size), model_dim)
+        self.value_embeds = nn.ModuleList([nn.Embedding(vocab_size, model_dim // tp.size)
+                                           for _ in range(self.NUM_VALUE_EMBEDS)])
+        self.blocks = nn.ModuleList([Block(model_dim, num_heads, head_dim, max_seq_len, i not in attention_free_layers,
+                                           tp) for i in range(num_layers)])
         # vocab padded to a multiple of 128 for faster kernels; the FP8 scales are the record's
-        self.lm_head = CastedLinear(model_dim, next_multiple_of_n(vocab_size, n=128), use_fp8=fp8_head,
+        padded_vocab = next_multiple_of_n(vocab_size, n=128)
+        self.lm_head = CastedLinear(model_dim, padded_vocab // tp.size, use_fp8=fp8_head,
                                     x_s=model_dim ** 0.5 / 448, w_s=24 / 448, grad_s=1 / 448)
         self.lm_head.weight.detach().zero_()
         self.skip_weights = nn.Parameter(torch.ones(num_layers // 2))
+        mark_tensor_parallel(self.embed.weight, 0, vocab_size, tp)
+        for value_embed in self.value_embeds:
+            mark_tensor_parallel(value_embed.weight, 1, model_dim, tp)
+        mark_tensor_parallel(self.lm_head.weight, 0, padded_vocab, tp)
+
+    def embed_tokens(self, input_seq: Tensor) -> Tensor:
+        if self.tp.size == 1:
+            return self.embed(input_seq)
+        rows = self.embed.num_embeddings  # vocabulary-parallel: look up this rank's rows, zero elsewhere, sum
+        local = input_seq - self.tp.rank * rows
+        inside = (local >= 0) & (local < rows)
+        found = self.embed(local.clamp(0, rows - 1)) * inside[:, None].to(self.embed.weight.dtype)
+        return reduce_from_tensor_parallel(found, self.tp)
 
     def forward(self, input_seq: Tensor, target_seq: Tensor, window_blocks: Tensor) -> Tensor:
         """input_seq, target_seq: (T,). Loss summed over tokens in training, averaged in evaluation."""
@@ -422,7 +553,7 @@ class GPT(nn.Module):
         long_mask, short_mask = document_causal_masks(input_seq, window_blocks)
         masks = [long_mask if c == "L" else short_mask for c in self.window_pattern]
 
-        x = x0 = norm(self.embed(input_seq)[None])  # (1, T, D)
+        x = x0 = norm(self.embed_tokens(input_seq)[None])  # (1, T, D)
         skips, n_enc = [], len(self.skip_weights)
         for i, block in enumerate(self.blocks):
             if i >= n_enc:
@@ -431,10 +562,28 @@ class GPT(nn.Module):
             if i < n_enc:
                 skips.append(x)
         x = norm(x)
-        logits = self.lm_head(x).float()
-        logits = 30 * torch.sigmoid(logits / (7.5 * x.size(-1) ** 0.5))  # soft cap in (0, 30)
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), target_seq,
-                               reduction="sum" if self.training else "mean")
+        logits = self.lm_head(copy_to_tensor_parallel(x, self.tp)).float()
+        logits = 30 * torch.sigmoid(logits / (7.5 * x.size(-1) ** 0.5))  # soft cap in (0, 30), element-wise
+        reduction = "sum" if self.training else "mean"
+        if self.tp.size == 1:
+            return F.cross_entropy(logits.view(-1, logits.size(-1)), target_seq, reduction=reduction)
+        return vocab_parallel_cross_entropy(logits.view(-1, logits.size(-1)), target_seq, self.tp, reduction)
+
+
+def vocab_parallel_cross_entropy(logits: Tensor, targets: Tensor, tp: Axis, reduction: str) -> Tensor:
+    """Cross-entropy over logits split by vocabulary across tp: (T, V / tp) here, full (T, V) nowhere."""
+    n = logits.size(-1)
+    with torch.no_grad():
+        top = logits.max(dim=-1).values
+        count_comm("all_reduce", top)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=tp.group)
+    shifted = logits - top[:, None]
+    sum_exp = reduce_from_tensor_parallel(shifted.exp().sum(dim=-1), tp)
+    local = targets - tp.rank * n
+    inside = (local >= 0) & (local < n)
+    target_logit = shifted.gather(1, local.clamp(0, n - 1)[:, None]).squeeze(1) * inside
+    losses = sum_exp.log() - reduce_from_tensor_parallel(target_logit, tp)
+    return losses.sum() if reduction == "sum" else losses.mean()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -609,6 +758,7 @@ class Hyperparameters:
     compile: bool | None = None  # None: compile on CUDA, eager elsewhere
     warmup_steps: int = 10  # compile warm-up steps on random tokens, undone afterwards
     fp64_grad_sum: bool = False  # sum gradients in float64: every world size trains bit-identical models
+    tp: int = 1  # tensor-parallel size: consecutive ranks split heads, MLP width and vocabulary
     zero: int = 0  # ZeRO stage over the data-parallel ranks: 1 shards optimizer states, 2 also gradients, 3 also params
     plan: bool = False  # print each rank's memory and each collective's bytes per step for this layout; no training
     nproc: int = 0  # with --plan: the number of processes to plan for (0: WORLD_SIZE, else 1)
@@ -682,6 +832,9 @@ def check_hyperparameters(args: Hyperparameters) -> None:
         need(getattr(args, name) > 0, f"--{name} must be positive, got {getattr(args, name)}")
     for name in ("val_loss_every", "save_every"):
         need(getattr(args, name) >= 0, f"--{name} must be >= 0, got {getattr(args, name)}")
+    need(args.tp >= 1, f"--tp must be >= 1, got {args.tp}")
+    need(args.model_dim == args.num_heads * args.head_dim, f"--model_dim {args.model_dim} must equal --num_heads x "
+         f"--head_dim ({args.num_heads * args.head_dim}): the value embeddings are added to the values")
     need(args.zero in (0, 1, 2, 3), f"--zero must be 0, 1, 2 or 3, got {args.zero}")
     need(not (args.zero >= 3 and args.compile), "--zero 3 gathers parameters in module hooks that torch.compile "
          "does not trace: run it with --compile false")
@@ -705,16 +858,28 @@ def check_hyperparameters(args: Hyperparameters) -> None:
 
 
 def check_world_size(args: Hyperparameters, world_size: int) -> int:
-    """Gradient-accumulation steps for this world size; refuses one that does not divide the global batch."""
-    if args.seqs_per_step % world_size:
-        divisors = [d for d in range(1, args.seqs_per_step + 1) if args.seqs_per_step % d == 0]
-        raise UserError(f"world size {world_size} does not divide --seqs_per_step {args.seqs_per_step}: run on "
+    """Gradient-accumulation steps for this world size and --tp; refuses a layout that does not fit, before any
+    process group or model is built."""
+    tp = args.tp
+    if world_size % tp:
+        raise UserError(f"--tp {tp} does not divide the world size {world_size}: the ranks form a grid of "
+                        "data-parallel size x tp; launch a multiple of --tp processes")
+    for what, size in (("--num_heads", args.num_heads), ("--model_dim", args.model_dim),
+                       ("the MLP width (4 x --model_dim)", 4 * args.model_dim),
+                       ("the padded vocabulary", next_multiple_of_n(args.vocab_size, n=128))):
+        if size % tp:
+            raise UserError(f"--tp {tp} does not divide {what} ({size}): tensor parallelism splits it evenly")
+    dp = world_size // tp
+    name = f"world size {world_size}" if tp == 1 else f"data-parallel size {dp} (world size / --tp {tp})"
+    if args.seqs_per_step % dp:
+        divisors = [d * tp for d in range(1, args.seqs_per_step + 1) if args.seqs_per_step % d == 0]
+        raise UserError(f"{name} does not divide --seqs_per_step {args.seqs_per_step}: run on "
                         f"{divisors} processes, or change --seqs_per_step")
     val_seqs = args.val_tokens // args.val_seq_len
-    if val_seqs % world_size:
+    if val_seqs % dp:
         raise UserError(f"--val_tokens {args.val_tokens} is {val_seqs} sequences of --val_seq_len "
-                        f"{args.val_seq_len}, which world size {world_size} does not divide")
-    return args.seqs_per_step // world_size
+                        f"{args.val_seq_len}, which {name} does not divide")
+    return args.seqs_per_step // dp
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -744,17 +909,45 @@ def muon_momentum(step: int, args: Hyperparameters) -> float:
 # Data parallel: setup, parameter broadcast, bucketed async gradient all-reduce
 
 @dataclass
-class DistributedContext:
+class ParallelContext:
+    """This rank's place in the grid world = dp x tp and the process group along each axis; built once.
+
+    Tensor-parallel groups are runs of consecutive ranks (torchrun puts those on one node, where the links are
+    fast); data-parallel groups take every tp-th rank.
+    """
     rank: int
     world_size: int
     device: torch.device
+    dp: Axis
+    tp: Axis
 
     @property
     def is_master(self) -> bool:
         return self.rank == 0
 
+    def grid_rank(self, dp_rank: int, tp_rank: int) -> int:
+        return dp_rank * self.tp.size + tp_rank
 
-def setup_distributed() -> DistributedContext:
+
+def build_parallel_context(rank: int, world_size: int, device: torch.device, tp: int = 1) -> ParallelContext:
+    """(check_world_size has refused a tp that does not divide world_size.)"""
+    if tp == 1:
+        return ParallelContext(rank, world_size, device, world_axis(rank, world_size), Axis(ranks=(rank,)))
+    dp_size, axes = world_size // tp, {}
+    for d in range(dp_size):  # every rank creates every group, in the same order
+        ranks = tuple(d * tp + t for t in range(tp))
+        group = dist.new_group(list(ranks))
+        if rank in ranks:
+            axes["tp"] = Axis(ranks.index(rank), tp, group, ranks)
+    for t in range(tp):
+        ranks = tuple(d * tp + t for d in range(dp_size))
+        group = dist.new_group(list(ranks))
+        if rank in ranks:
+            axes["dp"] = Axis(ranks.index(rank), dp_size, group, ranks)
+    return ParallelContext(rank, world_size, device, **axes)
+
+
+def setup_distributed(tp: int = 1) -> ParallelContext:
     """torchrun's environment (or none: one process); NCCL on CUDA, gloo on CPU."""
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if torch.cuda.is_available():
@@ -769,7 +962,7 @@ def setup_distributed() -> DistributedContext:
         else:
             dist.init_process_group(backend="gloo", store=store, rank=rank, world_size=world_size)
         dist.barrier()
-    return DistributedContext(rank, world_size, device)
+    return build_parallel_context(rank, world_size, device, tp)
 
 
 def elastic_attempt_store(world_size: int) -> "dist.Store | None":
@@ -784,10 +977,10 @@ def elastic_attempt_store(world_size: int) -> "dist.Store | None":
     return dist.PrefixStore(f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", shared)
 
 
-def broadcast_parameters(model: nn.Module) -> None:
-    if dist.is_initialized():
+def broadcast_parameters(model: nn.Module, dp: Axis) -> None:
+    if dp.size > 1:
         for param in model.parameters():
-            dist.broadcast(param.detach(), 0)
+            dist.broadcast(param.detach(), dp.global_rank(0), group=dp.group)
 
 
 class GradientBuckets:
@@ -808,8 +1001,8 @@ class GradientBuckets:
     """
 
     def __init__(self, params, bucket_mb: float = 25, sum_dtype: torch.dtype | None = None,
-                 owner_of: dict | None = None, rank: int = 0, world_size: int = 1):
-        self.rank, self.world_size, self.owner_of, self.sum_dtype = rank, world_size, owner_of, sum_dtype
+                 owner_of: dict | None = None, dp: Axis = Axis()):
+        self.dp, self.owner_of, self.sum_dtype = dp, owner_of, sum_dtype
         self.buckets: list[list[Tensor]] = []
         sizes: list[float] = []
         for param in reversed([p for p in params if p.requires_grad]):
@@ -853,15 +1046,16 @@ class GradientBuckets:
             for p in self.buckets[i]:
                 p.grad = None
         self.flat[i] = flat
-        if self.world_size == 1:
+        if self.dp.size == 1:
             return
         owner = self.owner(self.buckets[i][0])
         if owner is None:
             count_comm("all_reduce", flat)
-            self.handles[i] = dist.all_reduce(flat, op=dist.ReduceOp.AVG, async_op=True)
+            self.handles[i] = dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=self.dp.group, async_op=True)
         else:  # (no AVG for reduce on gloo: the owner divides)
             count_comm("reduce", flat)
-            self.handles[i] = dist.reduce(flat, dst=owner, op=dist.ReduceOp.SUM, async_op=True)
+            self.handles[i] = dist.reduce(flat, dst=self.dp.global_rank(owner), op=dist.ReduceOp.SUM,
+                                          group=self.dp.group, async_op=True)
 
     def _add_to_sum(self, i: int) -> None:
         offset = 0
@@ -886,9 +1080,9 @@ class GradientBuckets:
             if handle is not None:
                 handle.wait()
             owner = self.owner(bucket[0])
-            if owner is None or owner == self.rank:  # (another rank's shard: its gradients stay dropped)
-                if owner is not None and self.world_size > 1:
-                    flat.div_(self.world_size)
+            if owner is None or owner == self.dp.rank:  # (another rank's shard: its gradients stay dropped)
+                if owner is not None and self.dp.size > 1:
+                    flat.div_(self.dp.size)
                 offset = 0
                 for p in bucket:  # views of the flat buffer, or (float64 sums) rounded once to the parameter's dtype
                     p.grad = flat[offset:offset + p.numel()].view_as(p).to(p.dtype)
@@ -903,18 +1097,35 @@ class GradientBuckets:
 # ----------------------------------------------------------------------------------------------------
 # Building the run: model, optimizers, compile warm-up
 
-def build_model(args: Hyperparameters, device: torch.device, cuda_dtypes: bool | None = None) -> GPT:
-    """The model on device; cuda_dtypes (default: on CUDA) gives it the CUDA run's dtypes, for --plan on meta."""
-    model = GPT(vocab_size=args.vocab_size, num_layers=args.num_layers, num_heads=args.num_heads,
-                head_dim=args.head_dim, model_dim=args.model_dim, max_seq_len=max(args.train_seq_len, args.val_seq_len),
-                window_pattern=args.window_pattern, attention_free_layers=attention_free_layers(args),
-                fp8_head=args.fp8_head).to(device)
+def build_model(args: Hyperparameters, device: torch.device, tp: Axis = Axis(),
+                cuda_dtypes: bool | None = None) -> GPT:
+    """The model on device; cuda_dtypes (default: on CUDA) gives it the CUDA run's dtypes, for --plan on meta.
+
+    With tensor parallelism the one-process model is built first, so every layout starts from the same weights,
+    and this rank keeps its slices of them.
+    """
+    def make(tp: Axis) -> GPT:
+        return GPT(vocab_size=args.vocab_size, num_layers=args.num_layers, num_heads=args.num_heads,
+                   head_dim=args.head_dim, model_dim=args.model_dim,
+                   max_seq_len=max(args.train_seq_len, args.val_seq_len), window_pattern=args.window_pattern,
+                   attention_free_layers=attention_free_layers(args), fp8_head=args.fp8_head, tp=tp).to(device)
+    model = make(Axis())
+    if tp.size > 1:
+        full = model.state_dict()
+        model = make(tp)
+        model.load_state_dict(shard_state_dict(full, model))
     model.use_flex = device.type == "cuda"
     if device.type == "cuda" if cuda_dtypes is None else cuda_dtypes:
         for m in model.modules():  # bf16 embeddings make the activations bf16; CPU stays fp32 (bf16 is slow there)
             if isinstance(m, nn.Embedding):
                 m.bfloat16()
     return model
+
+
+def shard_state_dict(full: dict[str, Tensor], model: GPT) -> dict[str, Tensor]:
+    """A one-process model's tensors cut to this tensor-parallel rank's slices of model."""
+    return {name: tp_shard(full[name], p.tp_dim, model.tp) if is_tensor_parallel(p) else full[name]
+            for name, p in model.named_parameters()}
 
 
 def optimizer_param_groups(model: GPT) -> dict[str, list[Tensor]]:
@@ -925,14 +1136,14 @@ def optimizer_param_groups(model: GPT) -> dict[str, list[Tensor]]:
                 scalar=[p for p in model.parameters() if p.ndim < 2])
 
 
-def build_optimizers(model: GPT, args: Hyperparameters, ctx: DistributedContext) -> list[torch.optim.Optimizer]:
+def build_optimizers(model: GPT, args: Hyperparameters, ctx: ParallelContext) -> list[torch.optim.Optimizer]:
     groups = optimizer_param_groups(model)
     adam = torch.optim.Adam([dict(params=groups["head"], lr=args.lr_head),
                              dict(params=groups["embed"], lr=args.lr_embed),
                              dict(params=groups["scalar"], lr=args.lr_scalar)],
                             betas=(0.8, 0.95), eps=1e-10, fused=True)
     on_cuda = ctx.device.type == "cuda"
-    muon = Muon(groups["muon"], lr=args.lr_muon, momentum=0.95, rank=ctx.rank, world_size=ctx.world_size,
+    muon = Muon(groups["muon"], lr=args.lr_muon, momentum=0.95, dp=ctx.dp, tp=ctx.tp,
                 orthogonalize=torch.compile(zeropower_via_newtonschulz5) if on_cuda else zeropower_via_newtonschulz5,
                 ns_dtype=torch.bfloat16 if on_cuda else torch.float32, owner_applies=args.zero >= 3)
     optimizers = [adam, muon]
@@ -951,23 +1162,28 @@ class Zero:
     the owner alone. Stage 3: parameters too live only on their owner between uses.
     """
     stage: int
-    rank: int
-    world_size: int
+    dp: Axis
     owner_of: dict  # parameter -> data-parallel rank
 
     @staticmethod
-    def build(stage: int, groups: dict[str, list[Tensor]], rank: int, world_size: int) -> "Zero":
-        owner_of = Muon.owners(groups["muon"], world_size)
-        load = [0] * world_size
+    def build(stage: int, groups: dict[str, list[Tensor]], dp: Axis) -> "Zero":
+        owner_of = Muon.owners(groups["muon"], dp.size)
+        load = [0] * dp.size
         adam_params = groups["head"] + groups["embed"] + groups["scalar"]
         for p in sorted(adam_params, key=lambda p: -p.numel()):  # largest first, to the least loaded rank
             owner = load.index(min(load))
             owner_of[p] = owner
             load[owner] += p.numel()
-        return Zero(stage, rank, world_size, owner_of)
+        return Zero(stage, dp, owner_of)
 
     def owns(self, param: Tensor) -> bool:
-        return self.owner_of[param] == self.rank
+        return self.owner_of[param] == self.dp.rank
+
+    def broadcast_from_owner(self, param: Tensor):
+        """Async: the owner's values of param to the other data-parallel ranks (.data: see ShardedParameters)."""
+        count_comm("broadcast", param)
+        return dist.broadcast(param.data, self.dp.global_rank(self.owner_of[param]), group=self.dp.group,
+                              async_op=True)
 
     def gradient_owners(self) -> dict | None:
         """For GradientBuckets: reduce each gradient to its owner (stage 2 and up), or all-reduce (None)."""
@@ -1009,14 +1225,11 @@ class ShardedParameters:
         """Start gathering unit u (no-op past either end, or when it is resident or on its way)."""
         if not 0 <= u < len(self.units) or u in self.resident or u in self.handles:
             return
-        handles = []
         for p in self.units[u]:
             if not self.zero.owns(p):
                 p.data.untyped_storage().resize_(nbytes(p))
-            count_comm("broadcast", p)
-            # .data: its own version counter, so refilling does not invalidate what autograd saved
-            handles.append(dist.broadcast(p.data, self.zero.owner_of[p], async_op=True))
-        self.handles[u] = handles
+        # into .data, which has its own version counter: refilling does not invalidate what autograd saved
+        self.handles[u] = [self.zero.broadcast_from_owner(p) for p in self.units[u]]
 
     def gather(self, u: int) -> None:
         self._start(u)
@@ -1087,46 +1300,57 @@ def plan_layout(args: Hyperparameters, world_size: int, cuda: bool) -> dict:
 
     Built from the model on the meta device (nothing allocated) and the same ownership rules the run uses, so
     parameters, gradients, optimizer states and collectives are exact; activations are an estimate (the tensors
-    autograd keeps for one micro-batch). Bytes of a collective are those of the tensor handed to it, per rank.
+    autograd keeps for one micro-batch). Bytes of a collective are those of the tensors handed to it, per rank.
     """
     grad_accum_steps = check_world_size(args, world_size)
+    tp, dp = args.tp, world_size // args.tp
     with torch.device("meta"):
-        model = build_model(args, torch.device("meta"), cuda_dtypes=cuda)
+        model = build_model(args, torch.device("meta"), Axis(0, tp, None, tuple(range(tp))), cuda_dtypes=cuda)
     groups = optimizer_param_groups(model)
     params = list(model.parameters())
     adam_params = groups["head"] + groups["embed"] + groups["scalar"]
-    ns_bytes = 2 if cuda else 4  # Newton-Schulz (and the update exchange) in bf16 on CUDA, fp32 on CPU
+    ns_bytes = act_bytes = 2 if cuda else 4  # bf16 on CUDA (activations, Newton-Schulz), fp32 on CPU
     sum_bytes = 8 if args.fp64_grad_sum else None
+    tokens, n_layers = args.train_seq_len, args.num_layers
+    n_attention = n_layers - len(attention_free_layers(args))
 
     ranks = []
     for rank in range(world_size):
-        zero = Zero.build(args.zero, groups, rank, world_size)
+        zero = Zero.build(args.zero, groups, Axis(rank // tp, dp))
         owned = [p for p in params if zero.owns(p)]
+        comm = collections.Counter()
+        if dp > 1:
+            grad_bytes = sum(sum_bytes * p.numel() if sum_bytes else nbytes(p) for p in params)
+            comm["reduce" if args.zero >= 2 else "all_reduce"] += grad_bytes
+            if args.zero >= 3:  # every parameter gathered for each micro-batch's forward, the blocks' again for backward
+                block_bytes = sum(map(nbytes, model.blocks.parameters()))
+                comm["broadcast"] += grad_accum_steps * (sum(map(nbytes, params)) + block_bytes)
+            else:  # Muon's updates exchanged; under ZeRO 1 and 2, Adam's updated parameters sent by their owners
+                for size, count in collections.Counter(p.numel() for p in groups["muon"]).items():
+                    comm["all_gather_into_tensor"] += math.ceil(count / dp) * dp * size * ns_bytes
+                if args.zero >= 1:
+                    comm["broadcast"] += sum(map(nbytes, adam_params))
+            if args.zero >= 2:
+                comm["all_reduce"] += 4  # the gradient norm's squared shares
+        if tp > 1:
+            activation = tokens * args.model_dim * act_bytes
+            # g after the embedding, each attention and each MLP; f's backward before each of them and the head;
+            # f's backward for each attention's lambdas; the loss's max, sum of exponentials and target logit
+            comm["all_reduce"] += grad_accum_steps * (activation * (2 * (n_attention + n_layers) + 2)
+                                                      + n_attention * 2 * 4 + 3 * tokens * 4)
+            comm["all_gather"] += sum(tp * nbytes(p) for p in groups["muon"] if zero.owns(p))  # Muon's whole matrices
+            comm["all_reduce"] += 4  # the gradient norm's sliced part
+        if world_size > 1:
+            comm["all_reduce"] += 3 * 4  # loss, gradient norm and stop flag, in one float32 all-reduce
         ranks.append(dict(
             parameters=sum(map(nbytes, owned if args.zero >= 3 else params)),
             gradients=sum(map(nbytes, owned if args.zero >= 2 else params)),
             optimizer_states=sum(2 * nbytes(p) + 4 for p in adam_params if args.zero == 0 or zero.owns(p))
-            + sum(nbytes(p) for p in groups["muon"] if zero.owns(p)),
+            + sum(math.prod(full_shape(p)) * p.element_size() for p in groups["muon"] if zero.owns(p)),
             gradient_sums=sum(sum_bytes * p.numel() for p in params) if sum_bytes else 0,
-            activations=activation_estimate(args, cuda)))
-
-    comm = collections.Counter()
-    if world_size > 1:
-        grad_bytes = sum(sum_bytes * p.numel() if sum_bytes else nbytes(p) for p in params)
-        comm["reduce" if args.zero >= 2 else "all_reduce"] += grad_bytes
-        if args.zero >= 3:  # every parameter gathered for each micro-batch's forward, the blocks' again for backward
-            block_bytes = sum(map(nbytes, model.blocks.parameters()))
-            comm["broadcast"] += grad_accum_steps * (sum(map(nbytes, params)) + block_bytes)
-        else:  # Muon's updates exchanged; under ZeRO 1 and 2, Adam's updated parameters sent by their owners
-            for size, count in collections.Counter(p.numel() for p in groups["muon"]).items():
-                comm["all_gather_into_tensor"] += math.ceil(count / world_size) * world_size * size * ns_bytes
-            if args.zero >= 1:
-                comm["broadcast"] += sum(map(nbytes, adam_params))
-        if args.zero >= 2:
-            comm["all_reduce"] += 4  # the gradient norm's squared shares
-        comm["all_reduce"] += 3 * 4  # loss, gradient norm and stop flag, in one float32 all-reduce
-    return dict(world_size=world_size, grad_accum_steps=grad_accum_steps, zero=args.zero, ranks=ranks,
-                comm=dict(comm), num_params=sum(p.numel() for p in params))
+            activations=activation_estimate(args, cuda), comm=dict(comm)))
+    return dict(world_size=world_size, dp=dp, tp=tp, grad_accum_steps=grad_accum_steps, zero=args.zero,
+                ranks=ranks, num_params=sum(math.prod(full_shape(p)) for p in params))
 
 
 def activation_estimate(args: Hyperparameters, cuda: bool) -> int:
@@ -1143,20 +1367,23 @@ def activation_estimate(args: Hyperparameters, cuda: bool) -> int:
 def format_plan(plan: dict) -> str:
     mib = 2 ** 20
     psi = plan["num_params"]
-    lines = [f"plan: {plan['world_size']} processes (data parallel), ZeRO stage {plan['zero']}, "
-             f"{plan['grad_accum_steps']} micro-batches per rank per step, {psi:,} parameters",
+    memory = ("parameters", "gradients", "optimizer_states", "gradient_sums", "activations")
+    lines = [f"plan: {plan['world_size']} processes = data parallel {plan['dp']} x tensor parallel {plan['tp']}, "
+             f"ZeRO stage {plan['zero']}, {plan['grad_accum_steps']} micro-batches per rank per step, "
+             f"{psi:,} parameters",
              "rank  parameters  gradients  optimizer  grad sums  activations (est.)    total   [MiB]"]
     for rank, r in enumerate(plan["ranks"]):
-        total = sum(r.values())
-        lines.append(f"{rank:4d}  {r['parameters'] / mib:10.1f} {r['gradients'] / mib:10.1f} "
-                     f"{r['optimizer_states'] / mib:10.1f} {r['gradient_sums'] / mib:10.1f} "
-                     f"{r['activations'] / mib:19.1f} {total / mib:8.1f}")
-    lines.append("collectives per training step, bytes handed over per rank: " + (", ".join(
-        f"{op} {n:,}" for op, n in sorted(plan["comm"].items())) or "none (one process)"))
-    n = plan["world_size"]  # seed 003's mixed-precision Adam formulas (2-byte params and grads, K = 12), for scale
+        values = [r[kind] / mib for kind in memory]
+        lines.append(f"{rank:4d}  {values[0]:10.1f} {values[1]:10.1f} {values[2]:10.1f} {values[3]:10.1f} "
+                     f"{values[4]:19.1f} {sum(values):8.1f}")
+    lines.append("collectives per training step, bytes handed over per rank:")
+    for rank, r in enumerate(plan["ranks"]):
+        lines.append(f"{rank:4d}  " + (", ".join(f"{op} {n:,}" for op, n in sorted(r["comm"].items()))
+                                       or "none (one process)"))
+    n = plan["dp"]  # seed 003's mixed-precision Adam formulas (2-byte params and grads, K = 12), for scale
     formula = {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n, 3: 16 * psi / n}[plan["zero"]]
-    lines.append(f"seed 003 formula for this stage (fp16 params, fp32 Adam states, K=12): {formula / mib:.1f} MiB "
-                 "per rank for model states")
+    lines.append(f"seed 003's formula for this ZeRO stage (fp16 params, fp32 Adam states, K=12, no tensor "
+                 f"parallelism): {formula / mib:.1f} MiB per rank of model states")
     return "\n".join(lines)
 
 
@@ -1184,7 +1411,7 @@ def from_master(value):
     return box[0]
 
 
-def agree_on_run_id(args: Hyperparameters, ctx: DistributedContext) -> None:
+def agree_on_run_id(args: Hyperparameters, ctx: ParallelContext) -> None:
     """--run_id, else torchrun's rendezvous id (the same after an elastic restart), else a fresh uuid."""
     if not args.run_id:
         rendezvous_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")  # torchrun's default id is "none"
@@ -1202,7 +1429,7 @@ def checkpoint_path(args: Hyperparameters, step: int) -> Path:
     return checkpoint_dir(args) / f"step{step:06d}.pt"
 
 
-def find_checkpoint(args: Hyperparameters, ctx: DistributedContext) -> Path | None:
+def find_checkpoint(args: Hyperparameters, ctx: ParallelContext) -> Path | None:
     """The file --resume names; with "latest", this run id's newest checkpoint, or None when there is none yet.
 
     Rank 0 looks and tells the others, so all ranks resume from the same file (or none). Ranks on other nodes
@@ -1231,25 +1458,52 @@ def optimizer_state_owners(optimizers: list[torch.optim.Optimizer], zero: Zero |
 OPTIMIZER_STATE_KEYS = {torch.optim.Adam: ("step", "exp_avg", "exp_avg_sq"), Muon: ("momentum_buffer",)}
 
 
+def full_state_tensor(key: str, value: Tensor, p: Tensor, tp: Axis) -> Tensor:
+    """The one-process tensor of an optimizer state: Adam's moments are sliced like their parameter; Muon keeps
+    whole matrices and the step count is a scalar."""
+    return tp_gather(value, p.tp_dim, p.tp_full, tp) if key.startswith("exp_avg") and is_tensor_parallel(p) \
+        else value
+
+
+def local_state_tensor(key: str, value: Tensor, p: Tensor, tp: Axis) -> Tensor:
+    """This rank's part of a one-process optimizer state tensor (inverse of full_state_tensor)."""
+    return tp_shard(value, p.tp_dim, tp) if key.startswith("exp_avg") and is_tensor_parallel(p) else value
+
+
 def optimizer_state_on_master(opt: torch.optim.Optimizer, owners: dict, names: dict,
-                              ctx: DistributedContext) -> dict[str, dict[str, Tensor]]:
-    """{parameter name: its state} on rank 0 (empty elsewhere); owners other than rank 0 send theirs."""
+                              ctx: ParallelContext) -> dict[str, dict[str, Tensor]]:
+    """{parameter name: its full state} on rank 0 (empty elsewhere). The owner's tensor-parallel group gathers
+    the slices; its first rank sends them to rank 0, one tensor at a time."""
+    keys = OPTIMIZER_STATE_KEYS[type(opt)]
     gathered = {}
     for p, owner in owners.items():
-        if ctx.is_master and owner in (None, 0):
-            gathered[names[p]] = dict(opt.state[p])
+        holder = owner or 0  # the data-parallel rank whose tensor-parallel group holds this state
+        sender = ctx.grid_rank(holder, 0)
+        state = {k: full_state_tensor(k, opt.state[p][k], p, ctx.tp) for k in keys} if ctx.dp.rank == holder \
+            else None
+        if ctx.is_master and sender == 0:
+            gathered[names[p]] = state
         elif ctx.is_master:
             gathered[names[p]] = {key: torch.empty((), dtype=torch.float32, device=p.device) if key == "step"
-                                  else torch.empty_like(p) for key in OPTIMIZER_STATE_KEYS[type(opt)]}
+                                  else torch.empty(full_shape(p), dtype=p.dtype, device=p.device) for key in keys}
             for tensor in gathered[names[p]].values():
-                dist.recv(tensor, owner)
-        elif owner == ctx.rank:
-            for key in OPTIMIZER_STATE_KEYS[type(opt)]:
-                dist.send(opt.state[p][key], 0)
+                dist.recv(tensor, sender)
+        elif ctx.rank == sender:
+            for key in keys:
+                dist.send(state[key].contiguous(), 0)
     return gathered
 
 
-def save_checkpoint(path: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer], ctx: DistributedContext,
+def full_model_state(model: nn.Module, ctx: ParallelContext) -> dict[str, Tensor] | None:
+    """Every parameter as in a one-process model, on rank 0 (None elsewhere), gathered over tensor parallelism."""
+    if ctx.dp.rank != 0:
+        return None
+    state = {name: tp_gather(p.detach(), p.tp_dim, p.tp_full, ctx.tp) if is_tensor_parallel(p) else p.detach()
+             for name, p in model.named_parameters()}
+    return state if ctx.is_master else None
+
+
+def save_checkpoint(path: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer], ctx: ParallelContext,
                     zero: Zero | None = None, **run_state) -> None:
     """Rank 0 writes full tensors keyed by name; ranks owning optimizer state (Muon's, Adam's under ZeRO) send it.
 
@@ -1257,10 +1511,11 @@ def save_checkpoint(path: Path, model: nn.Module, optimizers: list[torch.optim.O
     Tensors rank 0 holds are saved from where they live, so it holds at most one extra copy of the others' state.
     """
     names = {p: name for name, p in model.named_parameters()}
+    model_state = full_model_state(model, ctx)
     adam_state, muon_state = (optimizer_state_on_master(opt, owners, names, ctx)
                               for opt, owners in zip(optimizers, optimizer_state_owners(optimizers, zero)))
     if ctx.is_master:
-        state = dict(format=CHECKPOINT_FORMAT, model=model.state_dict(), adam=adam_state,
+        state = dict(format=CHECKPOINT_FORMAT, model=model_state, adam=adam_state,
                      muon={name: s["momentum_buffer"] for name, s in muon_state.items()},
                      rng=dict(cpu=torch.get_rng_state(),
                               cuda=torch.cuda.get_rng_state(ctx.device) if ctx.device.type == "cuda" else None),
@@ -1293,27 +1548,30 @@ def load_checkpoint(path: Path) -> dict:
 
 
 def restore_checkpoint(state: dict, path: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer],
-                       ctx: DistributedContext, zero: Zero | None = None) -> None:
+                       ctx: ParallelContext, zero: Zero | None = None) -> None:
     """Load weights, the optimizer state this rank holds, and the RNG; refuse another model's shapes."""
     def shape(t):
-        return "absent" if t is None else f"of shape {tuple(t.shape)}"
-    current = model.state_dict()
+        return "absent" if t is None else f"of shape {tuple(t if isinstance(t, tuple) else t.shape)}"
+    current = {name: full_shape(p) for name, p in model.named_parameters()}
     for name in [*current, *(n for n in state["model"] if n not in current)]:
         here, there = current.get(name), state["model"].get(name)
-        if here is None or there is None or here.shape != there.shape:
+        if here is None or there is None or here != there.shape:
             raise UserError(f"checkpoint {path} does not fit this model: tensor {name} is {shape(there)} there and "
                             f"{shape(here)} here; resume with the model flags it was saved with (its "
                             "'hyperparameters' entry lists them)")
-    model.load_state_dict(state["model"])
+    model.load_state_dict(shard_state_dict(state["model"], model))
     adam, muon = optimizers
     adam_owners, muon_owners = optimizer_state_owners(optimizers, zero)
     names = {p: name for name, p in model.named_parameters()}
     for p, owner in adam_owners.items():  # moments in the parameter's dtype (bf16 embeddings on CUDA, fp32 on CPU)
-        if owner in (None, ctx.rank):
-            adam.state[p] = {k: v.to(p.device, copy=True) if k == "step" else v.to(p.device, p.dtype, copy=True)
-                             for k, v in state["adam"][names[p]].items()}
+        if owner in (None, ctx.dp.rank):
+            adam.state[p] = {}
+            for key, value in state["adam"][names[p]].items():
+                value = local_state_tensor(key, value, p, ctx.tp)
+                adam.state[p][key] = value.to(p.device, copy=True) if key == "step" else \
+                    value.to(p.device, p.dtype, copy=True)
     for p, owner in muon_owners.items():
-        if owner == ctx.rank:
+        if owner == ctx.dp.rank:
             muon.state[p]["momentum_buffer"] = state["muon"][names[p]].to(p.device, p.dtype, copy=True)
     torch.set_rng_state(state["rng"]["cpu"])
     if ctx.device.type == "cuda" and state["rng"]["cuda"] is not None:
@@ -1377,7 +1635,7 @@ def peak_memory_line(device: torch.device) -> str:
 class RunLog:
     """Writes the log file on the master rank; other ranks' calls do nothing."""
 
-    def __init__(self, args: Hyperparameters, ctx: DistributedContext):
+    def __init__(self, args: Hyperparameters, ctx: ParallelContext):
         self.path = Path(args.log_dir) / f"{args.run_id}.txt" if ctx.is_master else None
 
     def __call__(self, line: str, console: bool = False) -> None:
@@ -1398,7 +1656,7 @@ class RunLog:
         os.truncate(self.path, num_bytes)
         return True
 
-    def start(self, args: Hyperparameters, ctx: DistributedContext, grad_accum_steps: int) -> None:
+    def start(self, args: Hyperparameters, ctx: ParallelContext, grad_accum_steps: int) -> None:
         if self.path is None:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -1409,8 +1667,8 @@ class RunLog:
         self(device_description(ctx.device))
         self("=" * 100)
         self("hyperparameters: " + json.dumps(dataclasses.asdict(args)))
-        self(f"run: id={args.run_id} device={ctx.device.type} world_size={ctx.world_size} "
-             f"grad_accum_steps={grad_accum_steps}", console=True)
+        self(f"run: id={args.run_id} device={ctx.device.type} world_size={ctx.world_size} dp={ctx.dp.size} "
+             f"tp={ctx.tp.size} zero={args.zero} grad_accum_steps={grad_accum_steps}", console=True)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1468,40 +1726,45 @@ def optimizer_step(model: nn.Module, optimizers: list[torch.optim.Optimizer], st
                 p.grad = None  # Adam skips a parameter without a gradient: no moments for it here
     for opt in optimizers:
         opt.step()
-    if zero is not None and zero.stage in (1, 2) and zero.world_size > 1:  # (stage 3 gathers before each use)
-        handles = []
-        for p in adam_params:
-            count_comm("broadcast", p)
-            handles.append(dist.broadcast(p.detach(), zero.owner_of[p], async_op=True))
-        for handle in handles:
+    if zero is not None and zero.stage in (1, 2) and zero.dp.size > 1:  # (stage 3 gathers before each use)
+        for handle in [zero.broadcast_from_owner(p) for p in adam_params]:
             handle.wait()
     model.zero_grad(set_to_none=True)
 
 
-def gradient_norm(params, zero: Zero | None, device: torch.device) -> Tensor:
-    """Global gradient norm; under ZeRO 2 and 3 each rank holds a disjoint share of the gradients."""
-    grads = [p.grad for p in params if p.grad is not None]
-    squared = torch.nn.utils.get_total_norm(grads).square() if grads else torch.zeros((), device=device)
-    if zero is not None and zero.stage >= 2 and zero.world_size > 1:
-        count_comm("all_reduce", squared)
-        dist.all_reduce(squared)
-    return squared.sqrt()
+def gradient_norm(params, zero: Zero | None, ctx: ParallelContext) -> Tensor:
+    """Global gradient norm: tensor-parallel slices summed over tp; under ZeRO 2 and 3 the ranks' disjoint shares
+    of the gradients summed over dp."""
+    params = [p for p in params if p.grad is not None]
+    squared = []
+    for sliced in (True, False):
+        grads = [p.grad for p in params if is_tensor_parallel(p) == sliced]
+        squared.append(torch.nn.utils.get_total_norm(grads).square() if grads else
+                       torch.zeros((), device=ctx.device))
+    if ctx.tp.size > 1:
+        count_comm("all_reduce", squared[0])
+        dist.all_reduce(squared[0], group=ctx.tp.group)
+    total = squared[0] + squared[1]
+    if zero is not None and zero.stage >= 2 and ctx.dp.size > 1:
+        count_comm("all_reduce", total)
+        dist.all_reduce(total, group=ctx.dp.group)
+    return total.sqrt()
 
 
-def evaluate(model: nn.Module, args: Hyperparameters, ctx: DistributedContext, step: int) -> float:
+def evaluate(model: nn.Module, args: Hyperparameters, ctx: ParallelContext, step: int) -> float:
     """Mean val loss over val_tokens, the same for every world size (each rank averages equal shares)."""
     val_seqs = args.val_tokens // args.val_seq_len
-    loader = DistributedDataLoader(args.val_files, args.val_seq_len, val_seqs, ctx.rank, ctx.world_size,
+    loader = DistributedDataLoader(args.val_files, args.val_seq_len, val_seqs, ctx.dp.rank, ctx.dp.size,
                                         ctx.device, flag="val_files")
     window = window_tensor(window_size_blocks(step, args), ctx.device)
     model.eval()
     total = torch.zeros((), device=ctx.device, dtype=torch.float32)
     with torch.no_grad():
-        for _ in range(val_seqs // ctx.world_size):
+        for _ in range(val_seqs // ctx.dp.size):
             inputs, targets = next(loader)
             total += model(inputs, targets, window).float()
     model.train()
-    return all_reduce_mean(total / (val_seqs // ctx.world_size)).item()
+    return all_reduce_mean(total / (val_seqs // ctx.dp.size)).item()  # (tp ranks agree: their mean is the same)
 
 
 def reduce_step_stats(loss: Tensor, grad_norm: Tensor, stop: bool, device: torch.device) -> tuple[float, float, bool]:
@@ -1514,11 +1777,12 @@ def reduce_step_stats(loss: Tensor, grad_norm: Tensor, stop: bool, device: torch
 def main(argv=None) -> float | None:
     """Train and return the final validation loss; with --plan, print the plan instead."""
     args = parse_args(argv)
+    check_world_size(args, args.nproc if args.plan and args.nproc else int(os.environ.get("WORLD_SIZE", 1)))
     if args.plan:
         print(format_plan(plan_layout(args, args.nproc or int(os.environ.get("WORLD_SIZE", 1)),
                                       cuda=args.plan_device == "cuda")))
         return None
-    ctx = setup_distributed()
+    ctx = setup_distributed(args.tp)
     try:
         return train(args, ctx)
     finally:
@@ -1526,7 +1790,7 @@ def main(argv=None) -> float | None:
             dist.destroy_process_group()
 
 
-def train(args: Hyperparameters, ctx: DistributedContext) -> float:
+def train(args: Hyperparameters, ctx: ParallelContext) -> float:
     grad_accum_steps = check_world_size(args, ctx.world_size)
     for pattern, flag in ((args.train_files, "train_files"), (args.val_files, "val_files")):
         for path in list_shards(pattern, flag):  # refuse bad data before building anything
@@ -1541,21 +1805,21 @@ def train(args: Hyperparameters, ctx: DistributedContext) -> float:
     checkpoint = load_checkpoint(resume_path) if resume_path else None
 
     torch.manual_seed(args.seed)
-    raw_model = build_model(args, ctx.device)
-    broadcast_parameters(raw_model)
+    raw_model = build_model(args, ctx.device, ctx.tp)
+    broadcast_parameters(raw_model, ctx.dp)
     optimizers = build_optimizers(raw_model, args, ctx)
-    zero = Zero.build(args.zero, optimizer_param_groups(raw_model), ctx.rank, ctx.world_size) if args.zero else None
+    zero = Zero.build(args.zero, optimizer_param_groups(raw_model), ctx.dp) if args.zero else None
     sum_dtype = torch.float64 if args.fp64_grad_sum else None
     buckets = None
     if ctx.world_size > 1 or sum_dtype:
-        buckets = GradientBuckets(raw_model.parameters(), sum_dtype=sum_dtype, rank=ctx.rank,
-                                  world_size=ctx.world_size, owner_of=zero.gradient_owners() if zero else None)
+        buckets = GradientBuckets(raw_model.parameters(), sum_dtype=sum_dtype, dp=ctx.dp,
+                                  owner_of=zero.gradient_owners() if zero else None)
     model = torch.compile(raw_model, dynamic=False) if args.compile else raw_model
 
     def train_step(batches, step: int) -> tuple[Tensor, Tensor]:
         window = window_tensor(window_size_blocks(step, args), ctx.device)
         loss_sum = accumulate_gradients(model, buckets, batches, window, grad_accum_steps)
-        grad_norm = gradient_norm(raw_model.parameters(), zero, ctx.device)
+        grad_norm = gradient_norm(raw_model.parameters(), zero, ctx)
         optimizer_step(model, optimizers, step, args, zero)
         return loss_sum, grad_norm
 
@@ -1570,7 +1834,7 @@ def train(args: Hyperparameters, ctx: DistributedContext) -> float:
     start_step, training_time_ms, data_position = 0, 0.0, None
     if checkpoint is not None:
         restore_checkpoint(checkpoint, resume_path, raw_model, optimizers, ctx, zero)
-    shards = ShardedParameters(raw_model, zero) if args.zero >= 3 and ctx.world_size > 1 else None
+    shards = ShardedParameters(raw_model, zero) if args.zero >= 3 and ctx.dp.size > 1 else None
     log = RunLog(args, ctx)  # opened only now, so a refused checkpoint leaves the previous log as it was
     if checkpoint is None or checkpoint["run_id"] != args.run_id or not log.continue_from(checkpoint["log_bytes"]):
         log.start(args, ctx, grad_accum_steps)
@@ -1589,8 +1853,8 @@ def train(args: Hyperparameters, ctx: DistributedContext) -> float:
     elif args.resume:
         log(f"no checkpoint of run {args.run_id} yet: starting from step 0", console=True)
 
-    train_loader = DistributedDataLoader(args.train_files, args.train_seq_len, args.seqs_per_step, ctx.rank,
-                                         ctx.world_size, ctx.device, position=data_position)
+    train_loader = DistributedDataLoader(args.train_files, args.train_seq_len, args.seqs_per_step, ctx.dp.rank,
+                                         ctx.dp.size, ctx.device, position=data_position)
     tokens_per_rank_step = grad_accum_steps * args.train_seq_len
     last_checkpoint = resume_path
     val_loss = float("nan")

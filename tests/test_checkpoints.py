@@ -114,21 +114,24 @@ def test_a_checkpoint_resumes_under_another_world_size(tmp_path, files, saved_on
                         relative_error=1e-4)
 
 
-@pytest.mark.parametrize("saved_zero, resumed_zero", [(3, 0), (0, 3)])
-def test_a_checkpoint_resumes_under_another_zero_stage(tmp_path, files, saved_zero, resumed_zero):
-    # optimizer state sharded over the ranks is gathered into full tensors on save and split again on load
-    run(tmp_path, files, 2, "saved", save_every=4, zero=saved_zero)
-    run(tmp_path, files, 2, "reference", save_every=4, zero=resumed_zero)
-    run(tmp_path, files, 2, "resumed", save_every=4, zero=resumed_zero,
-        resume=tmp_path / "logs" / "saved" / "step000004.pt")
-    assert_states_equal(checkpoint(tmp_path, "saved", 4), checkpoint(tmp_path, "reference", 4))
-    assert_states_equal(checkpoint(tmp_path, "reference", STEPS), checkpoint(tmp_path, "resumed", STEPS))
+@pytest.mark.parametrize("saved, resumed", [(dict(zero=3), dict(zero=0)), (dict(zero=0), dict(zero=3)),
+                                             (dict(tp=2), dict(tp=1)), (dict(tp=1), dict(tp=2))])
+def test_a_checkpoint_resumes_under_another_layout(tmp_path, files, saved, resumed):
+    # sharded optimizer state and tensor-parallel slices are gathered into full tensors on save, split on load
+    run(tmp_path, files, 2, "saved", save_every=4, **saved)
+    run(tmp_path, files, 2, "reference", save_every=4, **resumed)
+    run(tmp_path, files, 2, "resumed", save_every=4, resume=tmp_path / "logs" / "saved" / "step000004.pt", **resumed)
+    # float64 gradient sums make ZeRO stages bit-identical; tensor parallelism sums activations in another order,
+    # which Adam (eps 1e-10) on rare embedding rows carries to 2e-4 of a tensor's norm after 8 steps (measured)
+    tolerance = 0.0 if "tp" not in saved else 1e-3
+    assert_states_equal(checkpoint(tmp_path, "saved", 4), checkpoint(tmp_path, "reference", 4), tolerance)
+    assert_states_equal(checkpoint(tmp_path, "reference", STEPS), checkpoint(tmp_path, "resumed", STEPS), tolerance)
 
 
 def restore_on_rank(rank, world_size, path, flags):
     """This rank's model, Adam state and the Muon momentum it owns after restoring the checkpoint at path."""
     args = train_gpt.parse_args(flags, cuda=False)
-    ctx = train_gpt.DistributedContext(rank, world_size, torch.device("cpu"))
+    ctx = train_gpt.build_parallel_context(rank, world_size, torch.device("cpu"))
     model = train_gpt.build_model(args, ctx.device)
     optimizers = train_gpt.build_optimizers(model, args, ctx)
     train_gpt.restore_checkpoint(train_gpt.load_checkpoint(path), path, model, optimizers, ctx)

@@ -1,4 +1,5 @@
-"""ZeRO 1, 2 and 3 over two gloo processes: the same training as one process, and the memory and bytes --plan predicts."""
+"""ZeRO 1, 2 and 3 over two gloo processes: the same training as one process; and for each layout the memory and
+the bytes --plan predicts."""
 import re
 
 import pytest
@@ -52,19 +53,20 @@ def test_parameter_gradient_and_optimizer_bytes_per_rank_match_the_plan(files, z
     assert held_gradients == (full if zero >= 2 else 2 * full)  # ZeRO 2: one copy across the ranks
 
 
-@pytest.mark.parametrize("zero", [0, 2, 3])
-def test_counted_collective_bytes_per_step_equal_the_plan(tmp_path, files, zero):
-    flags = tiny_flags(files, zero=zero, log_dir=tmp_path, run_id="comm", num_iterations=2)
+@pytest.mark.parametrize("zero, tp", [(0, 1), (2, 1), (3, 1), (0, 2), (1, 2)])
+def test_counted_collective_bytes_per_step_equal_the_plan(tmp_path, files, zero, tp):
+    flags = tiny_flags(files, zero=zero, tp=tp, log_dir=tmp_path, run_id="comm", num_iterations=2)
     run_on_ranks(main_on_rank, 2, flags)
     log = (tmp_path / "comm.txt").read_text()
     lines = re.findall(r"^comm: step:(\d+) bytes per rank (.*)$", log, flags=re.M)
     assert [step for step, _ in lines] == ["1"]  # logged once: every step sends the same
     counted = {op: int(n) for op, n in (item.split(":") for item in lines[0][1].split())}
-    assert counted == train_gpt.plan_layout(train_gpt.parse_args(flags, cuda=False), 2, cuda=False)["comm"]
+    plan = train_gpt.plan_layout(train_gpt.parse_args(flags, cuda=False), 2, cuda=False)
+    assert counted == plan["ranks"][0]["comm"]
 
 
 def test_plan_prints_per_rank_memory_for_the_record_on_eight_gpus(capsys):
     train_gpt.main(["--preset", "record", "--plan", "true", "--nproc", "8", "--zero", "1"])
     out = capsys.readouterr().out
-    assert "8 processes (data parallel), ZeRO stage 1" in out
-    assert len(re.findall(r"^\s+\d+\s+\d+\.\d", out, flags=re.M)) == 8  # one row per rank
+    assert "8 processes = data parallel 8 x tensor parallel 1, ZeRO stage 1" in out
+    assert len(re.findall(r"^\s+\d+\s+\d+\.\d+ ", out, flags=re.M)) == 8  # one memory row per rank
