@@ -1322,7 +1322,7 @@ def plan_layout(args: Hyperparameters, world_size: int, cuda: bool) -> dict:
         if dp > 1:
             grad_bytes = sum(sum_bytes * p.numel() if sum_bytes else nbytes(p) for p in params)
             comm["reduce" if args.zero >= 2 else "all_reduce"] += grad_bytes
-            if args.zero >= 3:  # every parameter gathered for each micro-batch's forward, the blocks' again for backward
+            if args.zero >= 3:  # each micro-batch gathers every parameter for forward, the blocks' for backward
                 block_bytes = sum(map(nbytes, model.blocks.parameters()))
                 comm["broadcast"] += grad_accum_steps * (sum(map(nbytes, params)) + block_bytes)
             else:  # Muon's updates exchanged; under ZeRO 1 and 2, Adam's updated parameters sent by their owners

@@ -228,7 +228,7 @@ def test_bad_checkpoints_are_refused_by_name(tmp_path, files):
     path = tmp_path / "logs" / "small" / "step000004.pt"
     with pytest.raises(train_gpt.UserError, match=r"tensor embed.weight is of shape \(50257, 32\) there and of "
                                                   r"shape \(50257, 64\) here"):
-        run(tmp_path, files, 1, "small", model_dim=64, resume=path)  # the same run id: its log is at stake
+        run(tmp_path, files, 1, "small", model_dim=64, head_dim=32, resume=path)  # same run id: its log is at stake
     garbage = tmp_path / "garbage.pt"
     garbage.write_bytes(b"not a checkpoint")
     with pytest.raises(train_gpt.UserError, match=f"cannot read checkpoint {garbage}"):
