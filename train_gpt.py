@@ -1796,8 +1796,8 @@ def train(args: Hyperparameters, ctx: ParallelContext) -> float:
         for path in list_shards(pattern, flag):  # refuse bad data before building anything
             read_shard_header(path)
     agree_on_run_id(args, ctx)
-    if args.compile is None:
-        args.compile = ctx.device.type == "cuda" and args.zero < 3
+    if args.compile is None:  # (tensor parallelism's collectives inside autograd functions are not yet proven
+        args.compile = ctx.device.type == "cuda" and args.zero < 3 and args.tp == 1  # under compile on GPUs)
     stop_requests = StopRequests(Path(args.kill_switch or Path(args.log_dir) / f"{args.run_id}.stop"))
     if from_master(stop_requests.kill_switch.exists()):
         raise UserError(f"the kill switch {stop_requests.kill_switch} exists: delete it to start or resume the run")

@@ -14,7 +14,7 @@ import torch
 import train_gpt
 from conftest import REPO_ROOT
 from distributed import run_on_ranks
-from synthetic import tiny_flags, write_synthetic_shards
+from synthetic import tiny_flags
 
 STEPS = 8
 
@@ -78,11 +78,6 @@ def assert_states_equal(a: dict, b: dict, relative_error: float = 0.0):
         else:
             x, y = a[name].double(), b[name].double()
             assert (x - y).norm() <= relative_error * x.norm(), (name, ((x - y).norm() / x.norm()).item())
-
-
-@pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    return write_synthetic_shards(tmp_path_factory.mktemp("shards"))
 
 
 @pytest.mark.parametrize("world_size", [1, 2])

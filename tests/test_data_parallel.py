@@ -4,50 +4,8 @@ import torch
 
 import train_gpt
 from distributed import run_on_ranks
-from synthetic import tiny_flags, write_synthetic_shards
-
-
-def full(t, p, ctx):
-    """A tensor-parallel slice t of parameter p gathered into the one-process tensor."""
-    return train_gpt.tp_gather(t, p.tp_dim, p.tp_full, ctx.tp) if train_gpt.is_tensor_parallel(p) else t
-
-
-def train_steps(rank, world_size, files, steps, sum_dtype=None, zero=0, tp=1):
-    """Gradients after the first step's backward, losses and parameters after `steps` steps (all as full
-    one-process tensors), and the bytes of parameters, gradients and optimizer state this rank holds."""
-    args = train_gpt.parse_args(tiny_flags(files, zero=zero, tp=tp), cuda=False)
-    grad_accum_steps = train_gpt.check_world_size(args, world_size)
-    ctx = train_gpt.build_parallel_context(rank, world_size, torch.device("cpu"), tp)
-    torch.manual_seed(ctx.dp.rank)  # different across dp (the broadcast from dp rank 0 must make them equal)
-    model = train_gpt.build_model(args, ctx.device, ctx.tp)
-    train_gpt.broadcast_parameters(model, ctx.dp)
-    optimizers = train_gpt.build_optimizers(model, args, ctx)
-    layout = train_gpt.Zero.build(zero, train_gpt.optimizer_param_groups(model), ctx.dp) if zero else None
-    buckets = (train_gpt.GradientBuckets(model.parameters(), sum_dtype=sum_dtype, dp=ctx.dp,
-                                         owner_of=layout.gradient_owners() if layout else None)
-               if world_size > 1 or sum_dtype else None)
-    shards = train_gpt.ShardedParameters(model, layout) if zero >= 3 else None
-    batches = train_gpt.DistributedDataLoader(args.train_files, args.train_seq_len, args.seqs_per_step,
-                                              ctx.dp.rank, ctx.dp.size, ctx.device)
-    first_grads, losses, held = None, [], {}
-    for step in range(steps):
-        window = train_gpt.window_tensor(train_gpt.window_size_blocks(step, args), ctx.device)
-        loss = train_gpt.accumulate_gradients(model, buckets, batches, window, grad_accum_steps)
-        losses.append(train_gpt.all_reduce_mean(loss / (grad_accum_steps * args.train_seq_len)).item())
-        if first_grads is None:  # (under ZeRO 2 and up, only the gradients this rank owns)
-            owned = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
-            held["gradients"] = sum(train_gpt.nbytes(p.grad) for _, p in owned)
-            first_grads = {n: full(p.grad, p, ctx) for n, p in owned}
-        train_gpt.optimizer_step(model, optimizers, step, args, layout)
-        if step == 0:
-            held["optimizer_states"] = sum(train_gpt.nbytes(t) for opt in optimizers for state in opt.state.values()
-                                           for t in state.values())
-            held["parameters"] = sum(p.untyped_storage().nbytes() for p in model.parameters())
-    if shards is not None:
-        shards.gather_all()  # full parameters to compare
-    return dict(grads=first_grads, losses=losses, held=held,
-                params={n: full(p.detach(), p, ctx) for n, p in model.named_parameters()},
-                num_buckets=len(buckets.buckets) if buckets else 0)
+from layouts import train_steps
+from synthetic import write_synthetic_shards
 
 
 def test_two_ranks_with_buckets_match_one_rank_after_three_steps(tmp_path):

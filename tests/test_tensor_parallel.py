@@ -5,18 +5,8 @@ import torch
 
 import train_gpt
 from distributed import run_on_ranks
-from synthetic import tiny_flags, write_synthetic_shards
-from test_data_parallel import train_steps
-
-
-@pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    return write_synthetic_shards(tmp_path_factory.mktemp("shards"))
-
-
-@pytest.fixture(scope="module")
-def single(files):
-    return train_steps(0, 1, files, 3)
+from layouts import train_steps
+from synthetic import tiny_flags
 
 
 def assert_trains_like_one_process(ranks, single):

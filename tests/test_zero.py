@@ -7,19 +7,9 @@ import torch
 
 import train_gpt
 from distributed import run_on_ranks
-from synthetic import tiny_flags, write_synthetic_shards
+from layouts import train_steps
+from synthetic import tiny_flags
 from test_checkpoints import main_on_rank
-from test_data_parallel import train_steps
-
-
-@pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    return write_synthetic_shards(tmp_path_factory.mktemp("shards"))
-
-
-@pytest.fixture(scope="module")
-def single(files):
-    return train_steps(0, 1, files, 3)
 
 
 @pytest.mark.parametrize("zero", [1, 2, 3])
