@@ -1,5 +1,6 @@
 """A few training steps under any layout (data parallel, ZeRO, tensor parallel), reporting what tests compare
 with a one-process run: full gradients and parameters, losses, and the bytes each rank holds."""
+import pytest
 import torch
 
 import train_gpt
@@ -47,3 +48,12 @@ def train_steps(rank, world_size, files, steps, sum_dtype=None, zero=0, tp=1):
     return dict(grads=first_grads, losses=losses, held=held,
                 params={n: full(p.detach(), p, ctx) for n, p in model.named_parameters()},
                 num_buckets=len(buckets.buckets) if buckets else 0)
+
+
+def assert_holds_what_the_plan_predicts(ranks, files, zero, tp=1):
+    """Parameter, gradient and optimizer-state bytes each rank held after the first step, against --plan."""
+    args = train_gpt.parse_args(tiny_flags(files, zero=zero, tp=tp), cuda=False)
+    plan = train_gpt.plan_layout(args, len(ranks), cuda=False)
+    for rank, predicted in zip(ranks, plan["ranks"]):
+        for kind in ("parameters", "gradients", "optimizer_states"):
+            assert rank["held"][kind] == pytest.approx(predicted[kind], rel=0.1), kind

