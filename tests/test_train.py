@@ -130,8 +130,8 @@ def test_short_run_learns(tmp_path):
 def test_tiny_preset_learns_on_the_embedded_shakespeare(tmp_path):
     shards = REPO_ROOT / "data" / "shakespeare"
     files = dict(train_files=shards / "shakespeare_train_*.bin", val_files=shards / "shakespeare_val_*.bin")
-    flags = [f"--{k}={v}" for k, v in dict(preset="tiny", log_dir=tmp_path, run_id="shakespeare", num_iterations=30,
-                                             val_loss_every=30, **files).items()]
+    flags = [f"--{k}={v}" for k, v in dict(preset="tiny", log_dir=tmp_path, run_id="shakespeare", num_iterations=15,
+                                             val_loss_every=15, **files).items()]
     train_gpt.main(flags)
     log = (tmp_path / "shakespeare.txt").read_text()
     val = [float(line.split("val_loss:")[1].split()[0]) for line in log.splitlines() if line.startswith("step:")
