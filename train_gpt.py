@@ -493,13 +493,19 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     def __init__(self, dim: int, num_heads: int, head_dim: int, max_seq_len: int, has_attention: bool,
-                 tp: Axis = Axis()):
+                 takes_skip: bool, tp: Axis = Axis()):
         super().__init__()
         self.attn = CausalSelfAttention(dim, num_heads, head_dim, max_seq_len, tp) if has_attention else None
         self.mlp = MLP(dim, tp)
         self.lambdas = nn.Parameter(torch.tensor([1.0, 0.0]))  # mix of the residual stream and the embedding x0
+        # decoder blocks weigh the U-Net skip from their mirror encoder block (a block's own parameter, so that
+        # each parameter lives on exactly one pipeline stage)
+        self.skip_weight = nn.Parameter(torch.tensor(1.0)) if takes_skip else None
 
-    def forward(self, x: Tensor, ve: Tensor | None, x0: Tensor, mask: AttentionMask, use_flex: bool) -> Tensor:
+    def forward(self, x: Tensor, skip: Tensor | None, ve: Tensor | None, x0: Tensor, mask: AttentionMask,
+                use_flex: bool) -> Tensor:
+        if skip is not None:
+            x = x + self.skip_weight * skip
         x = self.lambdas[0] * x + self.lambdas[1] * x0
         if self.attn is not None:
             x = x + self.attn(norm(x), ve, mask, use_flex)
@@ -509,32 +515,46 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """U-Net GPT: encoder-half outputs feed the mirrored decoder half through learnable skip weights; three
     value embeddings feed the first three and last three layers' values; window_pattern says which layers
-    use the long ('L') or short ('S') sliding window."""
+    use the long ('L') or short ('S') sliding window.
+
+    A pipeline stage is built with `layers`, a contiguous run of block indices: it holds those blocks only (the
+    others are None, so parameter names stay those of the whole model), the embeddings if it starts at layer 0,
+    and the head if it ends at the last layer.
+    """
 
     NUM_VALUE_EMBEDS = 3
 
     def __init__(self, vocab_size: int, num_layers: int, num_heads: int, head_dim: int, model_dim: int,
-                 max_seq_len: int, window_pattern: str, attention_free_layers=(), fp8_head=True, tp: Axis = Axis()):
+                 max_seq_len: int, window_pattern: str, attention_free_layers=(), fp8_head=True, tp: Axis = Axis(),
+                 layers: range | None = None):
         super().__init__()
-        self.window_pattern, self.tp = window_pattern, tp
+        self.window_pattern, self.tp, self.model_dim = window_pattern, tp, model_dim
+        self.layers = range(num_layers) if layers is None else layers
+        self.num_encoder_layers = num_layers // 2
         self.use_flex = False  # set by the trainer: FlexAttention on CUDA, the dense twin elsewhere
         # tensor parallel: the token embedding and the head split by vocabulary, the value embeddings by the heads
         # they feed (no communication), the blocks by heads and MLP width
-        self.embed = nn.Embedding(-(-vocab_size // tp.size), model_dim)
+        first, last = self.layers.start == 0, self.layers.stop == num_layers
+        self.embed = nn.Embedding(-(-vocab_size // tp.size), model_dim) if first else None
         self.value_embeds = nn.ModuleList([nn.Embedding(vocab_size, model_dim // tp.size)
-                                           for _ in range(self.NUM_VALUE_EMBEDS)])
+                                           for _ in range(self.NUM_VALUE_EMBEDS)]) if first else None
         self.blocks = nn.ModuleList([Block(model_dim, num_heads, head_dim, max_seq_len, i not in attention_free_layers,
-                                           tp) for i in range(num_layers)])
+                                           i >= self.num_encoder_layers, tp) if i in self.layers else None
+                                     for i in range(num_layers)])
         # vocab padded to a multiple of 128 for faster kernels; the FP8 scales are the record's
         padded_vocab = next_multiple_of_n(vocab_size, n=128)
-        self.lm_head = CastedLinear(model_dim, padded_vocab // tp.size, use_fp8=fp8_head,
-                                    x_s=model_dim ** 0.5 / 448, w_s=24 / 448, grad_s=1 / 448)
-        self.lm_head.weight.detach().zero_()
-        self.skip_weights = nn.Parameter(torch.ones(num_layers // 2))
-        mark_tensor_parallel(self.embed.weight, 0, vocab_size, tp)
-        for value_embed in self.value_embeds:
-            mark_tensor_parallel(value_embed.weight, 1, model_dim, tp)
-        mark_tensor_parallel(self.lm_head.weight, 0, padded_vocab, tp)
+        self.lm_head = CastedLinear(model_dim, padded_vocab // tp.size, use_fp8=fp8_head, x_s=model_dim ** 0.5 / 448,
+                                    w_s=24 / 448, grad_s=1 / 448) if last else None
+        if first:
+            mark_tensor_parallel(self.embed.weight, 0, vocab_size, tp)
+            for value_embed in self.value_embeds:
+                mark_tensor_parallel(value_embed.weight, 1, model_dim, tp)
+        if last:
+            self.lm_head.weight.detach().zero_()
+            mark_tensor_parallel(self.lm_head.weight, 0, padded_vocab, tp)
+
+    def local_blocks(self) -> list[Block]:
+        return [self.blocks[i] for i in self.layers]
 
     def embed_tokens(self, input_seq: Tensor) -> Tensor:
         if self.tp.size == 1:
@@ -545,22 +565,38 @@ class GPT(nn.Module):
         found = self.embed(local.clamp(0, rows - 1)) * inside[:, None].to(self.embed.weight.dtype)
         return reduce_from_tensor_parallel(found, self.tp)
 
-    def forward(self, input_seq: Tensor, target_seq: Tensor, window_blocks: Tensor) -> Tensor:
-        """input_seq, target_seq: (T,). Loss summed over tokens in training, averaged in evaluation."""
+    def value_embed_of_layer(self, ve: list[Tensor], i: int) -> Tensor | None:
+        """Value embedding k feeds layer k and layer num_layers - 3 + k; the middle layers get none."""
         n_ve, n_layers = self.NUM_VALUE_EMBEDS, len(self.blocks)
-        ve = [value_embed(input_seq) for value_embed in self.value_embeds]
-        ve = ve + [None] * (n_layers - 2 * n_ve) + ve
-        long_mask, short_mask = document_causal_masks(input_seq, window_blocks)
-        masks = [long_mask if c == "L" else short_mask for c in self.window_pattern]
+        return ve[i] if i < n_ve else ve[i - (n_layers - n_ve)] if i >= n_layers - n_ve else None
 
-        x = x0 = norm(self.embed_tokens(input_seq)[None])  # (1, T, D)
-        skips, n_enc = [], len(self.skip_weights)
-        for i, block in enumerate(self.blocks):
-            if i >= n_enc:
-                x = x + self.skip_weights[i - n_enc] * skips.pop()
-            x = block(x, ve[i], x0, masks[i], self.use_flex)
-            if i < n_enc:
+    def carry_shapes(self, layer: int, seq_len: int) -> list[tuple]:
+        """Shapes of what crosses a pipeline boundary before `layer` (see forward's carry), for the receiver."""
+        pending_skips = min(layer, self.num_encoder_layers) - max(0, layer - self.num_encoder_layers)
+        stream, value_embed = (1, seq_len, self.model_dim), (seq_len, self.model_dim // self.tp.size)
+        return [stream] * 2 + [value_embed] * self.NUM_VALUE_EMBEDS + [stream] * pending_skips
+
+    def forward(self, input_seq: Tensor, target_seq: Tensor, window_blocks: Tensor,
+                carry: list[Tensor] | None = None) -> Tensor | list[Tensor]:
+        """input_seq, target_seq: (T,). Loss summed over tokens in training, averaged in evaluation.
+
+        A pipeline stage after the first takes `carry` from the stage before: the residual stream x, the normed
+        embedding x0, the three value embeddings and the encoder outputs its decoder blocks have yet to take
+        as skips. Every stage but the last returns the carry for the next.
+        """
+        long_mask, short_mask = document_causal_masks(input_seq, window_blocks)
+        if carry is None:
+            x = norm(self.embed_tokens(input_seq)[None])  # (1, T, D)
+            carry = [x, x, *[value_embed(input_seq) for value_embed in self.value_embeds]]
+        x, x0, ve, skips = carry[0], carry[1], carry[2:2 + self.NUM_VALUE_EMBEDS], carry[2 + self.NUM_VALUE_EMBEDS:]
+        for i in self.layers:
+            skip = skips.pop() if i >= self.num_encoder_layers else None
+            mask = long_mask if self.window_pattern[i] == "L" else short_mask
+            x = self.blocks[i](x, skip, self.value_embed_of_layer(ve, i), x0, mask, self.use_flex)
+            if i < self.num_encoder_layers:
                 skips.append(x)
+        if self.lm_head is None:
+            return [x, x0, *ve, *skips]
         x = norm(x)
         logits = self.lm_head(copy_to_tensor_parallel(x, self.tp)).float()
         logits = 30 * torch.sigmoid(logits / (7.5 * x.size(-1) ** 0.5))  # soft cap in (0, 30), element-wise
@@ -759,6 +795,8 @@ class Hyperparameters:
     warmup_steps: int = 10  # compile warm-up steps on random tokens, undone afterwards
     fp64_grad_sum: bool = False  # sum gradients in float64: every world size trains bit-identical models
     tp: int = 1  # tensor-parallel size: consecutive ranks split heads, MLP width and vocabulary
+    pp: int = 1  # pipeline-parallel size: the blocks split into this many contiguous stages
+    pp_schedule: str = "1f1b"  # afab (all forwards, then all backwards) or 1f1b (one forward, one backward)
     zero: int = 0  # ZeRO stage over the data-parallel ranks: 1 shards optimizer states, 2 also gradients, 3 also params
     plan: bool = False  # print each rank's memory and each collective's bytes per step for this layout; no training
     nproc: int = 0  # with --plan: the number of processes to plan for (0: WORLD_SIZE, else 1)
@@ -833,6 +871,10 @@ def check_hyperparameters(args: Hyperparameters) -> None:
     for name in ("val_loss_every", "save_every"):
         need(getattr(args, name) >= 0, f"--{name} must be >= 0, got {getattr(args, name)}")
     need(args.tp >= 1, f"--tp must be >= 1, got {args.tp}")
+    need(1 <= args.pp <= args.num_layers, f"--pp {args.pp} must be between 1 and --num_layers {args.num_layers}: "
+         "each pipeline stage holds at least one block")
+    need(args.pp_schedule in PIPELINE_SCHEDULES, f"--pp_schedule must be one of {PIPELINE_SCHEDULES}, got "
+         f"{args.pp_schedule!r}")
     need(args.model_dim == args.num_heads * args.head_dim, f"--model_dim {args.model_dim} must equal --num_heads x "
          f"--head_dim ({args.num_heads * args.head_dim}): the value embeddings are added to the values")
     need(args.zero in (0, 1, 2, 3), f"--zero must be 0, 1, 2 or 3, got {args.zero}")
@@ -858,28 +900,35 @@ def check_hyperparameters(args: Hyperparameters) -> None:
 
 
 def check_world_size(args: Hyperparameters, world_size: int) -> int:
-    """Gradient-accumulation steps for this world size and --tp; refuses a layout that does not fit, before any
-    process group or model is built."""
-    tp = args.tp
-    if world_size % tp:
-        raise UserError(f"--tp {tp} does not divide the world size {world_size}: the ranks form a grid of "
-                        "data-parallel size x tp; launch a multiple of --tp processes")
+    """Gradient-accumulation steps (micro-batches per rank) for this world size, --tp and --pp; refuses a layout
+    that does not fit, before any process group or model is built."""
+    tp, pp = args.tp, args.pp
+    if world_size % (tp * pp):
+        raise UserError(f"--tp {tp} x --pp {pp} = {tp * pp} does not divide the world size {world_size}: the ranks "
+                        f"form a grid of pipeline {pp} x data parallel x tensor parallel {tp}; launch a multiple of "
+                        f"{tp * pp} processes")
     for what, size in (("--num_heads", args.num_heads), ("--model_dim", args.model_dim),
                        ("the MLP width (4 x --model_dim)", 4 * args.model_dim),
                        ("the padded vocabulary", next_multiple_of_n(args.vocab_size, n=128))):
         if size % tp:
             raise UserError(f"--tp {tp} does not divide {what} ({size}): tensor parallelism splits it evenly")
-    dp = world_size // tp
-    name = f"world size {world_size}" if tp == 1 else f"data-parallel size {dp} (world size / --tp {tp})"
+    dp = world_size // (tp * pp)
+    name = f"world size {world_size}" if tp * pp == 1 else \
+        f"data-parallel size {dp} (world size {world_size} / (--tp {tp} x --pp {pp}))"
     if args.seqs_per_step % dp:
-        divisors = [d * tp for d in range(1, args.seqs_per_step + 1) if args.seqs_per_step % d == 0]
+        divisors = [d * tp * pp for d in range(1, args.seqs_per_step + 1) if args.seqs_per_step % d == 0]
         raise UserError(f"{name} does not divide --seqs_per_step {args.seqs_per_step}: run on "
                         f"{divisors} processes, or change --seqs_per_step")
     val_seqs = args.val_tokens // args.val_seq_len
     if val_seqs % dp:
         raise UserError(f"--val_tokens {args.val_tokens} is {val_seqs} sequences of --val_seq_len "
                         f"{args.val_seq_len}, which {name} does not divide")
-    return args.seqs_per_step // dp
+    micro_batches = args.seqs_per_step // dp
+    if micro_batches < pp:
+        raise UserError(f"--pp {pp} stages need at least {pp} micro-batches per step to keep each stage busy, but "
+                        f"--seqs_per_step {args.seqs_per_step} over {name} gives {micro_batches}: raise "
+                        "--seqs_per_step or lower the data-parallel size or --pp")
+    return micro_batches
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -910,44 +959,52 @@ def muon_momentum(step: int, args: Hyperparameters) -> float:
 
 @dataclass
 class ParallelContext:
-    """This rank's place in the grid world = dp x tp and the process group along each axis; built once.
+    """This rank's place in the grid world = pp x dp x tp and the process group along each axis; built once.
 
     Tensor-parallel groups are runs of consecutive ranks (torchrun puts those on one node, where the links are
-    fast); data-parallel groups take every tp-th rank.
+    fast); data-parallel groups take every tp-th rank within a pipeline stage; pipeline stages are the outermost
+    axis, so only the activations crossing a stage boundary travel between blocks of dp x tp ranks.
     """
     rank: int
     world_size: int
     device: torch.device
     dp: Axis
     tp: Axis
+    pp: Axis = Axis()
 
     @property
     def is_master(self) -> bool:
         return self.rank == 0
 
-    def grid_rank(self, dp_rank: int, tp_rank: int) -> int:
-        return dp_rank * self.tp.size + tp_rank
+    def grid_rank(self, dp_rank: int, tp_rank: int, pp_rank: int | None = None) -> int:
+        """The global rank at these coordinates (pp_rank None: this rank's stage)."""
+        pp_rank = self.pp.rank if pp_rank is None else pp_rank
+        return (pp_rank * self.dp.size + dp_rank) * self.tp.size + tp_rank
 
 
-def build_parallel_context(rank: int, world_size: int, device: torch.device, tp: int = 1) -> ParallelContext:
-    """(check_world_size has refused a tp that does not divide world_size.)"""
-    if tp == 1:
-        return ParallelContext(rank, world_size, device, world_axis(rank, world_size), Axis(ranks=(rank,)))
-    dp_size, axes = world_size // tp, {}
-    for d in range(dp_size):  # every rank creates every group, in the same order
-        ranks = tuple(d * tp + t for t in range(tp))
-        group = dist.new_group(list(ranks))
-        if rank in ranks:
-            axes["tp"] = Axis(ranks.index(rank), tp, group, ranks)
-    for t in range(tp):
-        ranks = tuple(d * tp + t for d in range(dp_size))
-        group = dist.new_group(list(ranks))
-        if rank in ranks:
-            axes["dp"] = Axis(ranks.index(rank), dp_size, group, ranks)
+def build_parallel_context(rank: int, world_size: int, device: torch.device, tp: int = 1,
+                           pp: int = 1) -> ParallelContext:
+    """(check_world_size has refused a layout that does not factor world_size.)"""
+    sizes = dict(pp=pp, dp=world_size // (tp * pp), tp=tp)  # outermost first: rank = (pp * dp + dp) * tp + tp
+    strides = dict(pp=sizes["dp"] * tp, dp=tp, tp=1)
+    axes = {}
+    for name, size in sizes.items():
+        if size == world_size:
+            axes[name] = world_axis(rank, world_size)  # the default group: nothing to create
+            continue
+        if size == 1:
+            axes[name] = Axis(ranks=(rank,))
+            continue
+        starts = sorted({r - (r // strides[name] % size) * strides[name] for r in range(world_size)})
+        for start in starts:  # every rank creates every group, in the same order
+            ranks = tuple(start + i * strides[name] for i in range(size))
+            group = dist.new_group(list(ranks))
+            if rank in ranks:
+                axes[name] = Axis(ranks.index(rank), size, group, ranks)
     return ParallelContext(rank, world_size, device, **axes)
 
 
-def setup_distributed(tp: int = 1) -> ParallelContext:
+def setup_distributed(tp: int = 1, pp: int = 1) -> ParallelContext:
     """torchrun's environment (or none: one process); NCCL on CUDA, gloo on CPU."""
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if torch.cuda.is_available():
@@ -962,7 +1019,7 @@ def setup_distributed(tp: int = 1) -> ParallelContext:
         else:
             dist.init_process_group(backend="gloo", store=store, rank=rank, world_size=world_size)
         dist.barrier()
-    return build_parallel_context(rank, world_size, device, tp)
+    return build_parallel_context(rank, world_size, device, tp, pp)
 
 
 def elastic_attempt_store(world_size: int) -> "dist.Store | None":
@@ -1095,25 +1152,92 @@ class GradientBuckets:
 
 
 # ----------------------------------------------------------------------------------------------------
+# Pipeline parallel: each stage a contiguous run of blocks, activations passed on by point-to-point ops
+
+PIPELINE_SCHEDULES = ("afab", "1f1b")
+
+
+def stage_layers(num_layers: int, stages: int, stage: int) -> range:
+    """Stage `stage`'s contiguous share of the blocks; shares differ by at most one block."""
+    return range(stage * num_layers // stages, (stage + 1) * num_layers // stages)
+
+
+class PipelineStage:
+    """This rank's stage of the pipeline (seeds 000 and 002), and the point-to-point ops to its neighbours.
+
+    The stage before sends each micro-batch's carry (GPT.forward: residual stream, x0, value embeddings, pending
+    U-Net skips); the stage after sends back the gradient of the carry this stage sent. Every exchange at one
+    point of the schedule goes out as one batch of isend/irecv, both directions at once, so two neighbours that
+    each send and receive cannot wait on each other. With one stage (no pipeline) nothing is sent.
+    """
+
+    def __init__(self, model: GPT, pp: Axis = Axis(), schedule: str = "1f1b", dtype: torch.dtype = torch.float32):
+        self.model, self.pp, self.dtype = model, pp, dtype
+        self.schedule = schedule if pp.size > 1 else "1f1b"  # one stage: nothing to overlap, keep one in flight
+        self.first, self.last = pp.rank == 0, pp.rank == pp.size - 1
+
+    def exchange(self, seq_len: int, to_next: list[Tensor] | None = None, to_prev: list[Tensor] | None = None,
+                 from_prev: bool = False, from_next: bool = False) -> tuple[list[Tensor] | None, list[Tensor] | None]:
+        """Send carries (forward) or their gradients (backward) and receive them, in one batch; returns what came
+        (from the stage before, from the stage after). Requests toward a missing neighbour are ignored."""
+        ops, received = [], []
+        peers = dict(prev=self.pp.rank - 1, next=self.pp.rank + 1)
+        for tensors, peer in ((to_next, "next"), (to_prev, "prev")):
+            if tensors is not None and 0 <= peers[peer] < self.pp.size:
+                count_comm("send", *tensors)
+                ops += [dist.P2POp(dist.isend, t.contiguous(), self.pp.global_rank(peers[peer]), self.pp.group)
+                        for t in tensors]
+        for wanted, peer, layer in ((from_prev, "prev", self.model.layers.start),
+                                    (from_next, "next", self.model.layers.stop)):
+            tensors = None
+            if wanted and 0 <= peers[peer] < self.pp.size:
+                tensors = [torch.empty(shape, dtype=self.dtype, device=self.device)
+                           for shape in self.model.carry_shapes(layer, seq_len)]
+                ops += [dist.P2POp(dist.irecv, t, self.pp.global_rank(peers[peer]), self.pp.group) for t in tensors]
+            received.append(tensors)
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        return received[0], received[1]
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def forward(self, model: nn.Module, inputs: Tensor, targets: Tensor, window: Tensor,
+                carry: list[Tensor] | None) -> Tensor | list[Tensor]:
+        """The loss on the last stage; elsewhere the carry for the next stage, in the activation dtype."""
+        if carry is not None and torch.is_grad_enabled():
+            for t in carry:
+                t.requires_grad_()  # the gradient of the carry goes back to the stage before
+        out = model(inputs, targets, window, carry)
+        return out if self.last else [t.to(self.dtype) for t in out]
+
+
+# ----------------------------------------------------------------------------------------------------
 # Building the run: model, optimizers, compile warm-up
 
-def build_model(args: Hyperparameters, device: torch.device, tp: Axis = Axis(),
+def build_model(args: Hyperparameters, device: torch.device, tp: Axis = Axis(), pp: Axis = Axis(),
                 cuda_dtypes: bool | None = None) -> GPT:
-    """The model on device; cuda_dtypes (default: on CUDA) gives it the CUDA run's dtypes, for --plan on meta.
+    """This rank's model on device; cuda_dtypes (default: on CUDA) gives it the CUDA run's dtypes, for --plan.
 
-    With tensor parallelism the one-process model is built first, so every layout starts from the same weights,
-    and this rank keeps its slices of them.
+    With tensor or pipeline parallelism the one-process model is built first, so every layout starts from the
+    same weights, and this rank keeps its stage's blocks and its tensor-parallel slices of them.
+    `full_shapes` records the one-process model's parameter shapes, which checkpoints hold.
     """
-    def make(tp: Axis) -> GPT:
+    def make(tp: Axis, layers: range | None = None) -> GPT:
         return GPT(vocab_size=args.vocab_size, num_layers=args.num_layers, num_heads=args.num_heads,
                    head_dim=args.head_dim, model_dim=args.model_dim,
                    max_seq_len=max(args.train_seq_len, args.val_seq_len), window_pattern=args.window_pattern,
-                   attention_free_layers=attention_free_layers(args), fp8_head=args.fp8_head, tp=tp).to(device)
+                   attention_free_layers=attention_free_layers(args), fp8_head=args.fp8_head, tp=tp,
+                   layers=layers).to(device)
     model = make(Axis())
-    if tp.size > 1:
+    full_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    if tp.size > 1 or pp.size > 1:
         full = model.state_dict()
-        model = make(tp)
+        model = make(tp, stage_layers(args.num_layers, pp.size, pp.rank))
         model.load_state_dict(shard_state_dict(full, model))
+    model.full_shapes = full_shapes
     model.use_flex = device.type == "cuda"
     if device.type == "cuda" if cuda_dtypes is None else cuda_dtypes:
         for m in model.modules():  # bf16 embeddings make the activations bf16; CPU stays fp32 (bf16 is slow there)
@@ -1122,25 +1246,30 @@ def build_model(args: Hyperparameters, device: torch.device, tp: Axis = Axis(),
     return model
 
 
+def activation_dtype(device_type: str) -> torch.dtype:
+    return torch.bfloat16 if device_type == "cuda" else torch.float32
+
+
 def shard_state_dict(full: dict[str, Tensor], model: GPT) -> dict[str, Tensor]:
-    """A one-process model's tensors cut to this tensor-parallel rank's slices of model."""
+    """A one-process model's tensors cut to this rank's: its pipeline stage's, and its tensor-parallel slices."""
     return {name: tp_shard(full[name], p.tp_dim, model.tp) if is_tensor_parallel(p) else full[name]
             for name, p in model.named_parameters()}
 
 
 def optimizer_param_groups(model: GPT) -> dict[str, list[Tensor]]:
     """Muon takes the hidden matrices; Adam the head, the embeddings and the scalars, each with its own lr."""
+    embeddings = [model.embed, *model.value_embeds] if model.embed is not None else []  # (a pipeline stage's own)
     return dict(muon=[p for p in model.blocks.parameters() if p.ndim >= 2],
-                head=[model.lm_head.weight],
-                embed=[p for m in [model.embed, *model.value_embeds] for p in m.parameters()],
+                head=[model.lm_head.weight] if model.lm_head is not None else [],
+                embed=[p for m in embeddings for p in m.parameters()],
                 scalar=[p for p in model.parameters() if p.ndim < 2])
 
 
 def build_optimizers(model: GPT, args: Hyperparameters, ctx: ParallelContext) -> list[torch.optim.Optimizer]:
     groups = optimizer_param_groups(model)
-    adam = torch.optim.Adam([dict(params=groups["head"], lr=args.lr_head),
-                             dict(params=groups["embed"], lr=args.lr_embed),
-                             dict(params=groups["scalar"], lr=args.lr_scalar)],
+    adam_groups = [dict(params=groups["head"], lr=args.lr_head), dict(params=groups["embed"], lr=args.lr_embed),
+                   dict(params=groups["scalar"], lr=args.lr_scalar)]
+    adam = torch.optim.Adam([group for group in adam_groups if group["params"]],  # (pipeline stages lack some)
                             betas=(0.8, 0.95), eps=1e-10, fused=True)
     on_cuda = ctx.device.type == "cuda"
     muon = Muon(groups["muon"], lr=args.lr_muon, momentum=0.95, dp=ctx.dp, tp=ctx.tp,
@@ -1203,8 +1332,9 @@ class ShardedParameters:
 
     def __init__(self, model: GPT, zero: Zero):
         self.zero = zero
-        in_blocks = {p for block in model.blocks for p in block.parameters()}
-        self.units = [list(block.parameters()) for block in model.blocks]
+        blocks = model.local_blocks()
+        in_blocks = {p for block in blocks for p in block.parameters()}
+        self.units = [list(block.parameters()) for block in blocks]
         self.units.append([p for p in model.parameters() if p not in in_blocks])
         self.root = len(self.units) - 1
         self.unit_of = {p: u for u, unit in enumerate(self.units) for p in unit}
@@ -1214,7 +1344,7 @@ class ShardedParameters:
         model.register_forward_pre_hook(lambda module, args: self._enter(self.root, prefetch=0))
         model.register_forward_hook(lambda module, args, out: self.drop(self.root) if not torch.is_grad_enabled()
                                     else None)
-        for i, block in enumerate(model.blocks):
+        for i, block in enumerate(blocks):
             block.register_forward_pre_hook(lambda module, args, i=i: self._enter(i, i + 1))
             block.register_forward_hook(lambda module, args, out, i=i: self._after_forward(i, out))
         for p in self.unit_of:
@@ -1298,25 +1428,30 @@ def nbytes(t: Tensor) -> int:
 def plan_layout(args: Hyperparameters, world_size: int, cuda: bool) -> dict:
     """What a run of args on world_size processes holds per rank and sends per training step, in bytes.
 
-    Built from the model on the meta device (nothing allocated) and the same ownership rules the run uses, so
-    parameters, gradients, optimizer states and collectives are exact; activations are an estimate (the tensors
-    autograd keeps for one micro-batch). Bytes of a collective are those of the tensors handed to it, per rank.
+    Built from each stage's model on the meta device (nothing allocated) and the same ownership rules the run
+    uses, so parameters, gradients, optimizer states and collectives are exact; activations are an estimate
+    (the tensors autograd keeps for the micro-batches in flight). Bytes of a collective or a send are those of
+    the tensors handed to it, per rank.
     """
     grad_accum_steps = check_world_size(args, world_size)
-    tp, dp = args.tp, world_size // args.tp
+    tp, pp = args.tp, args.pp
+    dp = world_size // (tp * pp)
     with torch.device("meta"):
-        model = build_model(args, torch.device("meta"), Axis(0, tp, None, tuple(range(tp))), cuda_dtypes=cuda)
-    groups = optimizer_param_groups(model)
-    params = list(model.parameters())
-    adam_params = groups["head"] + groups["embed"] + groups["scalar"]
+        stages = [build_model(args, torch.device("meta"), Axis(0, tp, None, tuple(range(tp))),
+                              Axis(s, pp, None, tuple(range(pp))), cuda_dtypes=cuda) for s in range(pp)]
     ns_bytes = act_bytes = 2 if cuda else 4  # bf16 on CUDA (activations, Newton-Schulz), fp32 on CPU
     sum_bytes = 8 if args.fp64_grad_sum else None
-    tokens, n_layers = args.train_seq_len, args.num_layers
-    n_attention = n_layers - len(attention_free_layers(args))
+    tokens = args.train_seq_len
 
     ranks = []
     for rank in range(world_size):
-        zero = Zero.build(args.zero, groups, Axis(rank // tp, dp))
+        stage, dp_rank = rank // (dp * tp), rank // tp % dp
+        model = stages[stage]
+        groups = optimizer_param_groups(model)
+        params = list(model.parameters())
+        adam_params = groups["head"] + groups["embed"] + groups["scalar"]
+        first, last = model.layers.start == 0, model.layers.stop == args.num_layers
+        zero = Zero.build(args.zero, groups, Axis(dp_rank, dp))
         owned = [p for p in params if zero.owns(p)]
         comm = collections.Counter()
         if dp > 1:
@@ -1334,56 +1469,69 @@ def plan_layout(args: Hyperparameters, world_size: int, cuda: bool) -> dict:
                 comm["all_reduce"] += 4  # the gradient norm's squared shares
         if tp > 1:
             activation = tokens * args.model_dim * act_bytes
-            # g after the embedding, each attention and each MLP; f's backward before each of them and the head;
-            # f's backward for each attention's lambdas; the loss's max, sum of exponentials and target logit
-            comm["all_reduce"] += grad_accum_steps * (activation * (2 * (n_attention + n_layers) + 2)
-                                                      + n_attention * 2 * 4 + 3 * tokens * 4)
+            n_layers = len(model.layers)
+            n_attention = sum(block.attn is not None for block in model.local_blocks())
+            # g after each attention and each MLP, and after the embedding; f's backward before each of them and
+            # the head; f's backward for each attention's lambdas; the loss's max, sum of exponentials, target logit
+            per_micro_batch = (activation * (2 * (n_attention + n_layers) + first + last) + n_attention * 2 * 4
+                               + last * 3 * tokens * 4)
+            comm["all_reduce"] += grad_accum_steps * per_micro_batch
             comm["all_gather"] += sum(tp * nbytes(p) for p in groups["muon"] if zero.owns(p))  # Muon's whole matrices
             comm["all_reduce"] += 4  # the gradient norm's sliced part
+        if pp > 1:  # each micro-batch's carry forward to the next stage, its gradient back to the one before
+            carry_bytes = [act_bytes * sum(map(math.prod, model.carry_shapes(layer, tokens)))
+                           for layer, exists in ((model.layers.stop, not last), (model.layers.start, not first))
+                           if exists]
+            comm["send"] += grad_accum_steps * sum(carry_bytes)
+            comm["broadcast"] += 4  # the last stage's loss
+            comm["all_reduce"] += 4  # the gradient norm's stage part
         if world_size > 1:
             comm["all_reduce"] += 3 * 4  # loss, gradient norm and stop flag, in one float32 all-reduce
         ranks.append(dict(
-            parameters=sum(map(nbytes, owned if args.zero >= 3 else params)),
+            stage=stage, parameters=sum(map(nbytes, owned if args.zero >= 3 else params)),
             gradients=sum(map(nbytes, owned if args.zero >= 2 else params)),
             optimizer_states=sum(2 * nbytes(p) + 4 for p in adam_params if args.zero == 0 or zero.owns(p))
             + sum(math.prod(full_shape(p)) * p.element_size() for p in groups["muon"] if zero.owns(p)),
             gradient_sums=sum(sum_bytes * p.numel() for p in params) if sum_bytes else 0,
-            activations=activation_estimate(args, cuda), comm=dict(comm)))
-    return dict(world_size=world_size, dp=dp, tp=tp, grad_accum_steps=grad_accum_steps, zero=args.zero,
-                ranks=ranks, num_params=sum(math.prod(full_shape(p)) for p in params))
+            activations=activation_estimate(args, cuda, model.layers, grad_accum_steps, stage), comm=dict(comm)))
+    return dict(world_size=world_size, dp=dp, tp=tp, pp=pp, grad_accum_steps=grad_accum_steps, zero=args.zero,
+                ranks=ranks, num_params=sum(math.prod(shape) for shape in stages[0].full_shapes.values()))
 
 
-def activation_estimate(args: Hyperparameters, cuda: bool) -> int:
-    """Bytes autograd keeps for one micro-batch: per layer, the inputs of each matmul, norm and nonlinearity."""
+def activation_estimate(args: Hyperparameters, cuda: bool, layers: range, micro_batches: int, stage: int) -> int:
+    """Bytes autograd keeps for a stage's micro-batches in flight: per layer, the inputs of each matmul, norm and
+    nonlinearity. Without a pipeline one is in flight; under 1f1b stage s keeps up to pp - s, under afab all."""
     tokens, d, hdim = args.train_seq_len, args.model_dim, args.num_heads * args.head_dim
     act_bytes = 2 if cuda else 4
-    attention = len(args.window_pattern) - len(attention_free_layers(args))
-    per_token = (args.num_layers * (3 * d + 2 * 4 * d + 4 * d)  # residual mix, norms; MLP in, ReLU, ReLU^2
+    attention = sum(i not in attention_free_layers(args) for i in layers)
+    per_token = (len(layers) * (3 * d + 2 * 4 * d + 4 * d)  # residual mix, norms; MLP in, ReLU, ReLU^2
                  + attention * (2 * d + 5 * hdim))  # attention norm and input; q, k, v (normed, rotated), output
-    logits = tokens * next_multiple_of_n(args.vocab_size, n=128) * 4 * 2  # fp32 soft-capped logits, log-softmax
-    return tokens * per_token * act_bytes + logits
+    has_head = layers.stop == args.num_layers
+    logits = has_head * tokens * next_multiple_of_n(args.vocab_size, n=128) * 4 * 2  # fp32 soft-capped, log-softmax
+    in_flight = micro_batches if args.pp > 1 and args.pp_schedule == "afab" else min(args.pp - stage, micro_batches)
+    return in_flight * (tokens * per_token * act_bytes + logits)
 
 
 def format_plan(plan: dict) -> str:
     mib = 2 ** 20
     psi = plan["num_params"]
     memory = ("parameters", "gradients", "optimizer_states", "gradient_sums", "activations")
-    lines = [f"plan: {plan['world_size']} processes = data parallel {plan['dp']} x tensor parallel {plan['tp']}, "
-             f"ZeRO stage {plan['zero']}, {plan['grad_accum_steps']} micro-batches per rank per step, "
-             f"{psi:,} parameters",
-             "rank  parameters  gradients  optimizer  grad sums  activations (est.)    total   [MiB]"]
+    lines = [f"plan: {plan['world_size']} processes = pipeline {plan['pp']} x data parallel {plan['dp']} x tensor "
+             f"parallel {plan['tp']}, ZeRO stage {plan['zero']}, {plan['grad_accum_steps']} micro-batches per rank "
+             f"per step, {psi:,} parameters",
+             "rank stage  parameters  gradients  optimizer  grad sums  activations (est.)    total   [MiB]"]
     for rank, r in enumerate(plan["ranks"]):
         values = [r[kind] / mib for kind in memory]
-        lines.append(f"{rank:4d}  {values[0]:10.1f} {values[1]:10.1f} {values[2]:10.1f} {values[3]:10.1f} "
-                     f"{values[4]:19.1f} {sum(values):8.1f}")
+        lines.append(f"{rank:4d} {r['stage']:5d}  {values[0]:10.1f} {values[1]:10.1f} {values[2]:10.1f} "
+                     f"{values[3]:10.1f} {values[4]:19.1f} {sum(values):8.1f}")
     lines.append("collectives per training step, bytes handed over per rank:")
     for rank, r in enumerate(plan["ranks"]):
         lines.append(f"{rank:4d}  " + (", ".join(f"{op} {n:,}" for op, n in sorted(r["comm"].items()))
                                        or "none (one process)"))
     n = plan["dp"]  # seed 003's mixed-precision Adam formulas (2-byte params and grads, K = 12), for scale
     formula = {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n, 3: 16 * psi / n}[plan["zero"]]
-    lines.append(f"seed 003's formula for this ZeRO stage (fp16 params, fp32 Adam states, K=12, no tensor "
-                 f"parallelism): {formula / mib:.1f} MiB per rank of model states")
+    lines.append(f"seed 003's formula for this ZeRO stage (fp16 params, fp32 Adam states, K=12; tensor and "
+                 f"pipeline parallelism divide it further): {formula / mib:.1f} MiB per rank of model states")
     return "\n".join(lines)
 
 
@@ -1470,53 +1618,72 @@ def local_state_tensor(key: str, value: Tensor, p: Tensor, tp: Axis) -> Tensor:
     return tp_shard(value, p.tp_dim, tp) if key.startswith("exp_avg") and is_tensor_parallel(p) else value
 
 
-def optimizer_state_on_master(opt: torch.optim.Optimizer, owners: dict, names: dict,
-                              ctx: ParallelContext) -> dict[str, dict[str, Tensor]]:
-    """{parameter name: its full state} on rank 0 (empty elsewhere). The owner's tensor-parallel group gathers
-    the slices; its first rank sends them to rank 0, one tensor at a time."""
+def optimizer_state_on_stage_master(opt: torch.optim.Optimizer, owners: dict, names: dict,
+                                    ctx: ParallelContext) -> dict[str, dict[str, Tensor]]:
+    """{parameter name: its full state} on the stage master (data- and tensor-parallel rank 0 of this pipeline
+    stage; empty elsewhere). The owner's tensor-parallel group gathers the slices; its first rank sends them to
+    the stage master, one tensor at a time."""
     keys = OPTIMIZER_STATE_KEYS[type(opt)]
+    master = ctx.grid_rank(0, 0)
     gathered = {}
     for p, owner in owners.items():
         holder = owner or 0  # the data-parallel rank whose tensor-parallel group holds this state
         sender = ctx.grid_rank(holder, 0)
         state = {k: full_state_tensor(k, opt.state[p][k], p, ctx.tp) for k in keys} if ctx.dp.rank == holder \
             else None
-        if ctx.is_master and sender == 0:
+        if ctx.rank == master == sender:
             gathered[names[p]] = state
-        elif ctx.is_master:
+        elif ctx.rank == master:
             gathered[names[p]] = {key: torch.empty((), dtype=torch.float32, device=p.device) if key == "step"
                                   else torch.empty(full_shape(p), dtype=p.dtype, device=p.device) for key in keys}
             for tensor in gathered[names[p]].values():
                 dist.recv(tensor, sender)
         elif ctx.rank == sender:
             for key in keys:
-                dist.send(state[key].contiguous(), 0)
+                dist.send(state[key].contiguous(), master)
     return gathered
 
 
-def full_model_state(model: nn.Module, ctx: ParallelContext) -> dict[str, Tensor] | None:
-    """Every parameter as in a one-process model, on rank 0 (None elsewhere), gathered over tensor parallelism."""
+def stage_model_state(model: nn.Module, ctx: ParallelContext) -> dict[str, Tensor] | None:
+    """This stage's parameters as in a one-process model, on the stage master (None elsewhere), gathered over
+    tensor parallelism."""
     if ctx.dp.rank != 0:
         return None
     state = {name: tp_gather(p.detach(), p.tp_dim, p.tp_full, ctx.tp) if is_tensor_parallel(p) else p.detach()
              for name, p in model.named_parameters()}
-    return state if ctx.is_master else None
+    return state if ctx.tp.rank == 0 else None
+
+
+def collect_stages(part: dict | None, ctx: ParallelContext) -> dict | None:
+    """Rank 0's merge of every stage master's `part` (a dict of dicts of tensors); None on other ranks.
+
+    The stage masters are rank 0's pipeline group; each sends its part at once, as CPU tensors."""
+    if ctx.pp.size == 1 or ctx.dp.rank != 0 or ctx.tp.rank != 0:
+        return part if ctx.is_master else None
+    parts = [None] * ctx.pp.size if ctx.is_master else None
+    cpu_part = {kind: {name: value.cpu() if isinstance(value, Tensor) else {k: v.cpu() for k, v in value.items()}
+                       for name, value in entries.items()} for kind, entries in part.items()}
+    dist.gather_object(cpu_part, parts, dst=ctx.pp.global_rank(0), group=ctx.pp.group)
+    if not ctx.is_master:
+        return None
+    return {kind: {name: value for stage_part in parts for name, value in stage_part[kind].items()} for kind in part}
 
 
 def save_checkpoint(path: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer], ctx: ParallelContext,
                     zero: Zero | None = None, **run_state) -> None:
-    """Rank 0 writes full tensors keyed by name; ranks owning optimizer state (Muon's, Adam's under ZeRO) send it.
+    """Rank 0 writes full tensors keyed by name; ranks owning optimizer state (Muon's, Adam's under ZeRO) send it
+    to their stage's master, and the other stage masters send their stage to rank 0.
 
     Written to a temporary name, then renamed: a crash mid-write leaves the previous checkpoint intact.
     Tensors rank 0 holds are saved from where they live, so it holds at most one extra copy of the others' state.
     """
     names = {p: name for name, p in model.named_parameters()}
-    model_state = full_model_state(model, ctx)
-    adam_state, muon_state = (optimizer_state_on_master(opt, owners, names, ctx)
+    adam_state, muon_state = (optimizer_state_on_stage_master(opt, owners, names, ctx)
                               for opt, owners in zip(optimizers, optimizer_state_owners(optimizers, zero)))
+    state = collect_stages(dict(model=stage_model_state(model, ctx), adam=adam_state,
+                                muon={name: s["momentum_buffer"] for name, s in muon_state.items()}), ctx)
     if ctx.is_master:
-        state = dict(format=CHECKPOINT_FORMAT, model=model_state, adam=adam_state,
-                     muon={name: s["momentum_buffer"] for name, s in muon_state.items()},
+        state.update(format=CHECKPOINT_FORMAT,
                      rng=dict(cpu=torch.get_rng_state(),
                               cuda=torch.cuda.get_rng_state(ctx.device) if ctx.device.type == "cuda" else None),
                      code=Path(__file__).read_text(), **run_state)
@@ -1552,7 +1719,7 @@ def restore_checkpoint(state: dict, path: Path, model: nn.Module, optimizers: li
     """Load weights, the optimizer state this rank holds, and the RNG; refuse another model's shapes."""
     def shape(t):
         return "absent" if t is None else f"of shape {tuple(t if isinstance(t, tuple) else t.shape)}"
-    current = {name: full_shape(p) for name, p in model.named_parameters()}
+    current = model.full_shapes  # every pipeline stage's, so a checkpoint of another model is caught on each
     for name in [*current, *(n for n in state["model"] if n not in current)]:
         here, there = current.get(name), state["model"].get(name)
         if here is None or there is None or here != there.shape:
@@ -1668,7 +1835,7 @@ class RunLog:
         self("=" * 100)
         self("hyperparameters: " + json.dumps(dataclasses.asdict(args)))
         self(f"run: id={args.run_id} device={ctx.device.type} world_size={ctx.world_size} dp={ctx.dp.size} "
-             f"tp={ctx.tp.size} zero={args.zero} grad_accum_steps={grad_accum_steps}", console=True)
+             f"tp={ctx.tp.size} pp={ctx.pp.size} zero={args.zero} grad_accum_steps={grad_accum_steps}", console=True)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1693,23 +1860,65 @@ def window_tensor(blocks: int, device: torch.device) -> Tensor:
 
 
 def accumulate_gradients(model: nn.Module, buckets: "GradientBuckets | None", batches, window: Tensor,
-                         grad_accum_steps: int) -> Tensor:
-    """Forward and backward over this rank's share of the global batch; returns its summed loss.
+                         grad_accum_steps: int, stage: PipelineStage | None = None) -> Tensor:
+    """Forward and backward over this rank's share of the global batch; returns its summed loss (zero on pipeline
+    stages but the last).
 
     Afterwards every rank holds the gradient of the mean over the global batch's sequences of each
-    sequence's summed token loss, whatever the world size.
+    sequence's summed token loss, whatever the world size. The micro-batches run in the stage's schedule:
+    with one stage both schedules are forward, backward, forward, backward, ...
     """
+    stage = stage or PipelineStage(model)
+    micro_batches = [next(batches) for _ in range(grad_accum_steps)]
+    seq_len = micro_batches[0][0].numel()
     loss_sum = torch.zeros((), device=window.device)
-    for micro_step in range(grad_accum_steps):
-        inputs, targets = next(batches)
-        last = micro_step == grad_accum_steps - 1
+    in_flight = collections.deque()  # (carry in, output) of micro-batches forwarded and not yet backwarded
+    backwards_done = 0
+
+    def forward(carry: list[Tensor] | None) -> list[Tensor] | None:
+        nonlocal loss_sum
+        out = stage.forward(model, *micro_batches[len(in_flight) + backwards_done], window, carry)
+        in_flight.append((carry, out))
+        if stage.last:
+            loss_sum += out.detach()
+        return None if stage.last else out
+
+    def backward(grad: list[Tensor] | None) -> list[Tensor] | None:
+        """Backward of the oldest micro-batch in flight, given the gradient of its output; returns its carry's."""
+        nonlocal backwards_done
+        carry, out = in_flight.popleft()
+        last = backwards_done == grad_accum_steps - 1
         if buckets is not None:
             buckets.sync = last  # reduce once, during the last backward
-        loss = model(inputs, targets, window)
-        (loss / grad_accum_steps).backward()
+        if stage.last:
+            (out / grad_accum_steps).backward()
+        else:
+            torch.autograd.backward(out, grad)
         if buckets is not None and not last:
             buckets.set_aside_micro_batch()
-        loss_sum += loss.detach()
+        backwards_done += 1
+        return None if carry is None else [t.grad if t.grad is not None else torch.zeros_like(t) for t in carry]
+
+    def exchange(**kwargs):
+        return stage.exchange(seq_len, **kwargs)
+
+    # 1f1b: stage s runs (stages - 1 - s) forwards ahead, then alternates, so it keeps at most that many
+    # micro-batches' activations; afab runs every forward first and keeps them all
+    warmup = grad_accum_steps if stage.schedule == "afab" else min(stage.pp.size - 1 - stage.pp.rank,
+                                                                       grad_accum_steps)
+    steady = grad_accum_steps - warmup
+    for _ in range(warmup):
+        exchange(to_next=forward(exchange(from_prev=True)[0]))
+    carry = exchange(from_prev=True)[0] if steady else None
+    for i in range(steady):
+        grad = exchange(to_next=forward(carry), from_next=True)[1]
+        carry_grad = backward(grad)
+        if i < steady - 1:
+            carry = exchange(to_prev=carry_grad, from_prev=True)[0]
+        else:
+            exchange(to_prev=carry_grad)
+    for _ in range(warmup):
+        exchange(to_prev=backward(exchange(from_next=True)[1]))
     if buckets is not None:
         buckets.wait_for_gradients()
     return loss_sum
@@ -1734,7 +1943,7 @@ def optimizer_step(model: nn.Module, optimizers: list[torch.optim.Optimizer], st
 
 def gradient_norm(params, zero: Zero | None, ctx: ParallelContext) -> Tensor:
     """Global gradient norm: tensor-parallel slices summed over tp; under ZeRO 2 and 3 the ranks' disjoint shares
-    of the gradients summed over dp."""
+    of the gradients summed over dp; the pipeline stages' parameters summed over pp."""
     params = [p for p in params if p.grad is not None]
     squared = []
     for sliced in (True, False):
@@ -1748,23 +1957,42 @@ def gradient_norm(params, zero: Zero | None, ctx: ParallelContext) -> Tensor:
     if zero is not None and zero.stage >= 2 and ctx.dp.size > 1:
         count_comm("all_reduce", total)
         dist.all_reduce(total, group=ctx.dp.group)
+    if ctx.pp.size > 1:
+        count_comm("all_reduce", total)
+        dist.all_reduce(total, group=ctx.pp.group)
     return total.sqrt()
 
 
-def evaluate(model: nn.Module, args: Hyperparameters, ctx: ParallelContext, step: int) -> float:
-    """Mean val loss over val_tokens, the same for every world size (each rank averages equal shares)."""
+def evaluate(model: nn.Module, args: Hyperparameters, ctx: ParallelContext, step: int,
+             stage: PipelineStage | None = None) -> float:
+    """Mean val loss over val_tokens, the same for every world size (each rank averages equal shares); under
+    pipeline parallelism computed on the last stage, which shares it with the others."""
+    stage = stage or PipelineStage(model)
     val_seqs = args.val_tokens // args.val_seq_len
     loader = DistributedDataLoader(args.val_files, args.val_seq_len, val_seqs, ctx.dp.rank, ctx.dp.size,
-                                        ctx.device, flag="val_files")
+                                   ctx.device, flag="val_files")
     window = window_tensor(window_size_blocks(step, args), ctx.device)
     model.eval()
     total = torch.zeros((), device=ctx.device, dtype=torch.float32)
     with torch.no_grad():
         for _ in range(val_seqs // ctx.dp.size):
             inputs, targets = next(loader)
-            total += model(inputs, targets, window).float()
+            out = stage.forward(model, inputs, targets, window, stage.exchange(args.val_seq_len, from_prev=True)[0])
+            if stage.last:
+                total += out.float()
+            else:
+                stage.exchange(args.val_seq_len, to_next=out)
     model.train()
-    return all_reduce_mean(total / (val_seqs // ctx.dp.size)).item()  # (tp ranks agree: their mean is the same)
+    total = from_last_stage(total / (val_seqs // ctx.dp.size), ctx.pp)
+    return all_reduce_mean(total).item()  # (tp ranks agree: their mean is the same)
+
+
+def from_last_stage(value: Tensor, pp: Axis) -> Tensor:
+    """The last pipeline stage's value (a loss) on every stage."""
+    if pp.size > 1:
+        count_comm("broadcast", value)
+        dist.broadcast(value, pp.global_rank(pp.size - 1), group=pp.group)
+    return value
 
 
 def reduce_step_stats(loss: Tensor, grad_norm: Tensor, stop: bool, device: torch.device) -> tuple[float, float, bool]:
@@ -1782,7 +2010,7 @@ def main(argv=None) -> float | None:
         print(format_plan(plan_layout(args, args.nproc or int(os.environ.get("WORLD_SIZE", 1)),
                                       cuda=args.plan_device == "cuda")))
         return None
-    ctx = setup_distributed(args.tp)
+    ctx = setup_distributed(args.tp, args.pp)
     try:
         return train(args, ctx)
     finally:
@@ -1796,8 +2024,9 @@ def train(args: Hyperparameters, ctx: ParallelContext) -> float:
         for path in list_shards(pattern, flag):  # refuse bad data before building anything
             read_shard_header(path)
     agree_on_run_id(args, ctx)
-    if args.compile is None:  # (tensor parallelism's collectives inside autograd functions are not yet proven
-        args.compile = ctx.device.type == "cuda" and args.zero < 3 and args.tp == 1  # under compile on GPUs)
+    if args.compile is None:  # (tensor parallelism's collectives inside autograd functions, and a stage's
+        # carry, are not yet proven under compile on GPUs)
+        args.compile = ctx.device.type == "cuda" and args.zero < 3 and args.tp == 1 and args.pp == 1
     stop_requests = StopRequests(Path(args.kill_switch or Path(args.log_dir) / f"{args.run_id}.stop"))
     if from_master(stop_requests.kill_switch.exists()):
         raise UserError(f"the kill switch {stop_requests.kill_switch} exists: delete it to start or resume the run")
@@ -1805,7 +2034,7 @@ def train(args: Hyperparameters, ctx: ParallelContext) -> float:
     checkpoint = load_checkpoint(resume_path) if resume_path else None
 
     torch.manual_seed(args.seed)
-    raw_model = build_model(args, ctx.device, ctx.tp)
+    raw_model = build_model(args, ctx.device, ctx.tp, ctx.pp)
     broadcast_parameters(raw_model, ctx.dp)
     optimizers = build_optimizers(raw_model, args, ctx)
     zero = Zero.build(args.zero, optimizer_param_groups(raw_model), ctx.dp) if args.zero else None
@@ -1815,10 +2044,12 @@ def train(args: Hyperparameters, ctx: ParallelContext) -> float:
         buckets = GradientBuckets(raw_model.parameters(), sum_dtype=sum_dtype, dp=ctx.dp,
                                   owner_of=zero.gradient_owners() if zero else None)
     model = torch.compile(raw_model, dynamic=False) if args.compile else raw_model
+    stage = PipelineStage(raw_model, ctx.pp, args.pp_schedule, activation_dtype(ctx.device.type))
 
     def train_step(batches, step: int) -> tuple[Tensor, Tensor]:
         window = window_tensor(window_size_blocks(step, args), ctx.device)
-        loss_sum = accumulate_gradients(model, buckets, batches, window, grad_accum_steps)
+        loss_sum = from_last_stage(accumulate_gradients(model, buckets, batches, window, grad_accum_steps, stage),
+                                   ctx.pp)
         grad_norm = gradient_norm(raw_model.parameters(), zero, ctx)
         optimizer_step(model, optimizers, step, args, zero)
         return loss_sum, grad_norm
@@ -1867,7 +2098,7 @@ def train(args: Hyperparameters, ctx: ParallelContext) -> float:
             if last_step or (args.val_loss_every > 0 and step % args.val_loss_every == 0):
                 device_synchronize(ctx.device)
                 training_time_ms += 1000 * (time.perf_counter() - t0)  # validation is not timed
-                val_loss = evaluate(model, args, ctx, step)
+                val_loss = evaluate(model, args, ctx, step, stage)
                 log(f"step:{step}/{args.num_iterations} val_loss:{val_loss:.4f} train_time:{training_time_ms:.0f}ms "
                     f"step_avg:{training_time_ms / max(step, 1):.2f}ms", console=True)
                 device_synchronize(ctx.device)

@@ -104,7 +104,8 @@ def test_a_checkpoint_resumes_under_another_world_size(tmp_path, files, saved_on
                         relative_error=0 if fp64_grad_sum else 1e-4)
 
 
-@pytest.mark.parametrize("saved, resumed", [(dict(zero=3), dict(tp=2)), (dict(tp=2), dict(zero=1))])
+@pytest.mark.parametrize("saved, resumed", [(dict(zero=3), dict(pp=2)), (dict(pp=2), dict(tp=2)),
+                                            (dict(tp=2), dict(zero=1))])
 def test_a_checkpoint_resumes_under_another_layout(tmp_path, files, saved, resumed):
     # sharded optimizer state and tensor-parallel slices are gathered into full tensors on save, split on load
     run(tmp_path, files, 2, "saved", save_every=4, **saved)

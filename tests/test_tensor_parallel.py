@@ -5,37 +5,21 @@ import torch
 
 import train_gpt
 from distributed import run_on_ranks
-from layouts import assert_holds_what_the_plan_predicts, train_steps
+from layouts import assert_holds_what_the_plan_predicts, assert_trains_like_one_process, train_steps
 from synthetic import tiny_flags
 
 
-def assert_trains_like_one_process(ranks, single):
-    for rank in ranks:
-        assert rank["grads"].keys() <= single["grads"].keys()
-        for name, grad in rank["grads"].items():  # gradients directly: Adam would hide a constant factor
-            torch.testing.assert_close(torch.as_tensor(grad), single["grads"][name], rtol=1e-5, atol=1e-7,
-                                       msg=lambda m: f"gradient of {name}: {m}")
-        assert rank["losses"] == pytest.approx(single["losses"], rel=1e-6)
-        # parameters in norm: Adam (eps 1e-10) turns summation-order rounding in a rare token's tiny gradient into
-        # a visible step for that one embedding row (measured 1.6e-4 on 3 of 1.6M elements), while every tensor as
-        # a whole agrees to within 2e-5 of its norm (measured; Muon's Newton-Schulz carries the rounding on)
-        for name, param in single["params"].items():
-            got, expected = torch.as_tensor(rank["params"][name]).double(), param.detach().double()
-            assert (got - expected).norm() <= 1e-4 * expected.norm(), (name, (got - expected).norm().item())
-    assert set().union(*(rank["grads"] for rank in ranks)) == single["grads"].keys()
-
-
 def test_two_tensor_parallel_ranks_train_the_one_process_model_holding_half(files, single):
-    ranks = run_on_ranks(train_steps, 2, files, 3, None, 0, 2)
+    ranks = run_on_ranks(train_steps, 2, files, 3, None, dict(tp=2))
     assert_trains_like_one_process(ranks, single)
-    assert_holds_what_the_plan_predicts(ranks, files, zero=0, tp=2)
+    assert_holds_what_the_plan_predicts(ranks, files, tp=2)
     for rank in ranks:  # every matrix and embedding is split in two; only the scalars are whole on both ranks
         assert rank["held"]["parameters"] < 0.51 * single["held"]["parameters"]
 
 
 @pytest.mark.parametrize("zero", [0, 3])
 def test_data_parallel_2_by_tensor_parallel_2_trains_the_one_process_model(files, single, zero):
-    assert_trains_like_one_process(run_on_ranks(train_steps, 4, files, 3, None, zero, 2, timeout=600), single)
+    assert_trains_like_one_process(run_on_ranks(train_steps, 4, files, 3, None, dict(zero=zero, tp=2), timeout=600), single)
 
 
 def test_vocab_parallel_cross_entropy_equals_the_dense_one_on_one_rank_pair():

@@ -109,7 +109,7 @@ def test_log_file_holds_source_environment_hyperparameters_and_steps(tmp_path):
     assert rest[4] == "=" * 100
     hparams = json.loads(rest[5].removeprefix("hyperparameters: "))
     assert hparams["num_iterations"] == 4 and hparams["preset"] == "tiny" and hparams["run_id"] == "logtest"
-    assert rest[6] == "run: id=logtest device=cpu world_size=1 dp=1 tp=1 zero=0 grad_accum_steps=4"
+    assert rest[6] == "run: id=logtest device=cpu world_size=1 dp=1 tp=1 pp=1 zero=0 grad_accum_steps=4"
     steps = rest[7:-1]
     assert [line.split()[0] for line in steps] == ["step:0/4", "step:1/4", "step:2/4", "step:2/4", "step:3/4",
                                                    "step:4/4", "step:4/4"]

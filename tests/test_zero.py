@@ -14,7 +14,7 @@ from test_checkpoints import main_on_rank
 
 @pytest.mark.parametrize("zero", [1, 2, 3])
 def test_zero_on_two_ranks_trains_the_one_process_model_holding_what_the_plan_says(files, single, zero):
-    ranks = run_on_ranks(train_steps, 2, files, 3, None, zero)
+    ranks = run_on_ranks(train_steps, 2, files, 3, None, dict(zero=zero))
     # gradients after the first step, compared directly (an Adam update would hide a constant factor); under
     # ZeRO 2 and 3 each gradient lives on exactly one rank
     seen = sorted(name for rank in ranks for name in rank["grads"])
@@ -28,7 +28,7 @@ def test_zero_on_two_ranks_trains_the_one_process_model_holding_what_the_plan_sa
         for name, param in single["params"].items():
             torch.testing.assert_close(torch.as_tensor(rank["params"][name]), param.detach(), rtol=1e-4, atol=1e-4,
                                        msg=lambda m: f"parameter {name}: {m}")
-    assert_holds_what_the_plan_predicts(ranks, files, zero)
+    assert_holds_what_the_plan_predicts(ranks, files, zero=zero)
     full = single["held"]
     assert sum(rank["held"]["gradients"] for rank in ranks) == full["gradients"] * (2 if zero < 2 else 1)
     if zero >= 3:  # one copy of the parameters across the ranks, and of the optimizer state from stage 1 on
@@ -36,9 +36,9 @@ def test_zero_on_two_ranks_trains_the_one_process_model_holding_what_the_plan_sa
     assert sum(rank["held"]["optimizer_states"] for rank in ranks) == full["optimizer_states"]
 
 
-@pytest.mark.parametrize("zero, tp", [(0, 1), (2, 1), (3, 1), (1, 2)])
-def test_counted_collective_bytes_per_step_equal_the_plan(tmp_path, files, zero, tp):
-    flags = tiny_flags(files, zero=zero, tp=tp, log_dir=tmp_path, run_id="comm", num_iterations=2)
+@pytest.mark.parametrize("layout", [dict(), dict(zero=2), dict(zero=3), dict(zero=1, tp=2), dict(pp=2)])
+def test_counted_collective_bytes_per_step_equal_the_plan(tmp_path, files, layout):
+    flags = tiny_flags(files, **layout, log_dir=tmp_path, run_id="comm", num_iterations=2)
     run_on_ranks(main_on_rank, 2, flags)
     log = (tmp_path / "comm.txt").read_text()
     lines = re.findall(r"^comm: step:(\d+) bytes per rank (.*)$", log, flags=re.M)
@@ -51,5 +51,5 @@ def test_counted_collective_bytes_per_step_equal_the_plan(tmp_path, files, zero,
 def test_plan_prints_per_rank_memory_for_the_record_on_eight_gpus(capsys):
     train_gpt.main(["--preset", "record", "--plan", "true", "--nproc", "8", "--zero", "1"])
     out = capsys.readouterr().out
-    assert "8 processes = data parallel 8 x tensor parallel 1, ZeRO stage 1" in out
-    assert len(re.findall(r"^\s+\d+\s+\d+\.\d+ ", out, flags=re.M)) == 8  # one memory row per rank
+    assert "8 processes = pipeline 1 x data parallel 8 x tensor parallel 1, ZeRO stage 1" in out
+    assert len(re.findall(r"^\s+\d+\s+\d+\s+\d+\.\d+ ", out, flags=re.M)) == 8  # one memory row per rank
