@@ -159,6 +159,101 @@ class _ReduceFromTensorParallel(torch.autograd.Function):
         return grad, None
 
 
+class _GatherSequence(torch.autograd.Function):
+    """Sequence parallel, entering the tensor-parallel region: all-gather the ranks' sequence shards (dim 1 of a
+    (1, T / tp, d) activation); backward reduce-scatters, summing the ranks' partial input gradients."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, tp: Axis) -> Tensor:
+        ctx.tp = tp
+        return gather_sequence_shards(x, tp)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return reduce_scatter_sequence_shards(grad, ctx.tp), None
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    """Sequence parallel, leaving the tensor-parallel region: sum the ranks' partial outputs and keep this rank's
+    sequence shard; backward all-gathers the shards' gradients (each rank's part sees the whole of it)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, tp: Axis) -> Tensor:
+        ctx.tp = tp
+        return reduce_scatter_sequence_shards(x, tp)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return gather_sequence_shards(grad, ctx.tp), None
+
+
+def gather_sequence_shards(x: Tensor, tp: Axis, async_op: bool = False):
+    """(1, T / tp, d) shards -> (1, T, d), rank order along the sequence (flat buffers: gloo wants 1-D)."""
+    full = x.new_empty(x.size(0), tp.size * x.size(1), *x.shape[2:])
+    count_comm("all_gather_into_tensor", full)
+    handle = dist.all_gather_into_tensor(full.view(-1), x.contiguous().view(-1), group=tp.group, async_op=async_op)
+    return (full, handle) if async_op else full
+
+
+def reduce_scatter_sequence_shards(x: Tensor, tp: Axis) -> Tensor:
+    """(1, T, d) partial sums -> this rank's (1, T / tp, d) shard of their sum."""
+    x = x.contiguous()
+    shard = x.new_empty(x.size(0), x.size(1) // tp.size, *x.shape[2:])
+    count_comm("reduce_scatter_tensor", x)
+    dist.reduce_scatter_tensor(shard.view(-1), x.view(-1), group=tp.group)
+    return shard
+
+
+class _GatherThenLinear(torch.autograd.Function):
+    """Asynchronous tensor parallelism (seed 000): the column-parallel matmul of a sequence-sharded input starts
+    the all-gather of the other shards, multiplies its own shard while they travel, then the rest. Backward as
+    gather-then-linear: the weight gradient from the gathered input, the input gradient reduce-scattered."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, tp: Axis) -> Tensor:
+        full, handle = gather_sequence_shards(x, tp, async_op=True)
+        own = F.linear(x, weight)
+        handle.wait()
+        n = x.size(1)
+        before, after = full[:, :tp.rank * n], full[:, (tp.rank + 1) * n:]
+        out = torch.cat([F.linear(before, weight), own, F.linear(after, weight)], dim=1)
+        ctx.save_for_backward(full, weight)
+        ctx.tp = tp
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        full, weight = ctx.saved_tensors
+        grad_weight = grad.flatten(end_dim=-2).t() @ full.flatten(end_dim=-2)
+        return reduce_scatter_sequence_shards(grad @ weight, ctx.tp), grad_weight, None
+
+
+def column_parallel_linear(x: Tensor, weight: Tensor, tp: Axis, mode: str) -> Tensor:
+    """x @ weight.T where weight holds this rank's output columns, and x (the `sequence` mode) arrives
+    "replicated" (f: identity, backward all-reduce), "sharded" along the sequence (all-gathered first), or
+    sharded and gathered while this rank's shard is multiplied ("async")."""
+    if tp.size == 1:
+        return F.linear(x, weight)
+    if mode == "async":
+        return _GatherThenLinear.apply(x, weight, tp)
+    return F.linear(enter_tensor_parallel(x, tp, mode), weight)
+
+
+def enter_tensor_parallel(x: Tensor, tp: Axis, mode: str) -> Tensor:
+    """The whole activation for a tensor-parallel region: f (replicated), or all-gathered sequence shards."""
+    if tp.size == 1:
+        return x
+    return copy_to_tensor_parallel(x, tp) if mode == "replicated" else _GatherSequence.apply(x, tp)
+
+
+def leave_tensor_parallel(x: Tensor, tp: Axis, mode: str) -> Tensor:
+    """The sum of the ranks' partial outputs of a row-parallel layer: g (all-reduce), or this rank's sequence
+    shard of it (reduce-scatter)."""
+    if tp.size == 1:
+        return x
+    return reduce_from_tensor_parallel(x, tp) if mode == "replicated" else _ReduceScatterSequence.apply(x, tp)
+
+
 def copy_to_tensor_parallel(x: Tensor, tp: Axis) -> Tensor:
     return x if tp.size == 1 else _CopyToTensorParallel.apply(x, tp)
 
@@ -443,9 +538,10 @@ compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
 class CausalSelfAttention(nn.Module):
     """Tensor parallel over heads (Megatron): q, k, v column-parallel, the output projection row-parallel."""
 
-    def __init__(self, dim: int, num_heads: int, head_dim: int, max_seq_len: int, tp: Axis = Axis()):
+    def __init__(self, dim: int, num_heads: int, head_dim: int, max_seq_len: int, tp: Axis = Axis(),
+                 sequence: str = "replicated"):
         super().__init__()
-        self.tp = tp
+        self.tp, self.sequence = tp, sequence
         self.num_heads, self.head_dim = num_heads // tp.size, head_dim  # this rank's heads
         hdim = self.num_heads * head_dim
         bound = 3 ** 0.5 * 0.5 * dim ** -0.5
@@ -458,9 +554,8 @@ class CausalSelfAttention(nn.Module):
         mark_tensor_parallel(self.c_proj.weight, 1, num_heads * head_dim, tp)
 
     def forward(self, x: Tensor, ve: Tensor | None, mask: AttentionMask, use_flex: bool) -> Tensor:
-        B, T = x.size(0), x.size(1)  # B == 1: masks are per sequence
-        x = copy_to_tensor_parallel(x, self.tp)
-        qkv = F.linear(x, self.qkv_w.flatten(end_dim=1).type_as(x))
+        qkv = column_parallel_linear(x, self.qkv_w.flatten(end_dim=1).type_as(x), self.tp, self.sequence)
+        B, T = qkv.size(0), qkv.size(1)  # B == 1: masks are per sequence; T: the whole sequence
         q, k, v = qkv.view(B, T, 3 * self.num_heads, self.head_dim).chunk(3, dim=-2)  # (B, T, H, D) each
         q, k = self.rotary(norm(q)), self.rotary(norm(k))  # QK-norm, then rotate
         lambdas = copy_to_tensor_parallel(self.lambdas, self.tp)  # each rank's heads hold part of their gradient
@@ -471,15 +566,15 @@ class CausalSelfAttention(nn.Module):
         else:  # CPU twin: FlexAttention has no backward there; same function through a dense boolean mask
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense(), scale=0.12)
         y = y.transpose(1, 2).contiguous().view(B, T, self.num_heads * self.head_dim)
-        return reduce_from_tensor_parallel(self.c_proj(y), self.tp)
+        return leave_tensor_parallel(self.c_proj(y), self.tp, self.sequence)
 
 
 class MLP(nn.Module):
     """Tensor parallel (Megatron): the up projection column-parallel, the down projection row-parallel."""
 
-    def __init__(self, dim: int, tp: Axis = Axis()):
+    def __init__(self, dim: int, tp: Axis = Axis(), sequence: str = "replicated"):
         super().__init__()
-        self.tp = tp
+        self.tp, self.sequence = tp, sequence
         self.c_fc = CastedLinear(dim, 4 * dim // tp.size)
         self.c_proj = CastedLinear(4 * dim // tp.size, dim)
         self.c_proj.weight.detach().zero_()
@@ -487,26 +582,34 @@ class MLP(nn.Module):
         mark_tensor_parallel(self.c_proj.weight, 1, 4 * dim, tp)
 
     def forward(self, x: Tensor) -> Tensor:
-        hidden = F.relu(self.c_fc(copy_to_tensor_parallel(x, self.tp))).square()  # ReLU^2
-        return reduce_from_tensor_parallel(self.c_proj(hidden), self.tp)
+        up = column_parallel_linear(x, self.c_fc.weight.type_as(x), self.tp, self.sequence)
+        return leave_tensor_parallel(self.c_proj(F.relu(up).square()), self.tp, self.sequence)  # ReLU^2
 
 
 class Block(nn.Module):
     def __init__(self, dim: int, num_heads: int, head_dim: int, max_seq_len: int, has_attention: bool,
-                 takes_skip: bool, tp: Axis = Axis()):
+                 takes_skip: bool, tp: Axis = Axis(), sequence: str = "replicated"):
         super().__init__()
-        self.attn = CausalSelfAttention(dim, num_heads, head_dim, max_seq_len, tp) if has_attention else None
-        self.mlp = MLP(dim, tp)
+        self.attn = CausalSelfAttention(dim, num_heads, head_dim, max_seq_len, tp, sequence) if has_attention \
+            else None
+        self.mlp = MLP(dim, tp, sequence)
+        self.tp, self.sequence_sharded = tp, sequence != "replicated"
         self.lambdas = nn.Parameter(torch.tensor([1.0, 0.0]))  # mix of the residual stream and the embedding x0
         # decoder blocks weigh the U-Net skip from their mirror encoder block (a block's own parameter, so that
         # each parameter lives on exactly one pipeline stage)
         self.skip_weight = nn.Parameter(torch.tensor(1.0)) if takes_skip else None
 
+    def shared(self, param: Tensor) -> Tensor:
+        """A scalar parameter used on sequence shards: each tensor-parallel rank holds part of its gradient, and
+        f's backward sums them."""
+        return copy_to_tensor_parallel(param, self.tp) if self.sequence_sharded else param
+
     def forward(self, x: Tensor, skip: Tensor | None, ve: Tensor | None, x0: Tensor, mask: AttentionMask,
                 use_flex: bool) -> Tensor:
+        lambdas = self.shared(self.lambdas)
         if skip is not None:
-            x = x + self.skip_weight * skip
-        x = self.lambdas[0] * x + self.lambdas[1] * x0
+            x = x + self.shared(self.skip_weight) * skip
+        x = lambdas[0] * x + lambdas[1] * x0
         if self.attn is not None:
             x = x + self.attn(norm(x), ve, mask, use_flex)
         return x + self.mlp(norm(x))
@@ -526,9 +629,9 @@ class GPT(nn.Module):
 
     def __init__(self, vocab_size: int, num_layers: int, num_heads: int, head_dim: int, model_dim: int,
                  max_seq_len: int, window_pattern: str, attention_free_layers=(), fp8_head=True, tp: Axis = Axis(),
-                 layers: range | None = None):
+                 layers: range | None = None, sequence: str = "replicated"):
         super().__init__()
-        self.window_pattern, self.tp, self.model_dim = window_pattern, tp, model_dim
+        self.window_pattern, self.tp, self.model_dim, self.sequence = window_pattern, tp, model_dim, sequence
         self.layers = range(num_layers) if layers is None else layers
         self.num_encoder_layers = num_layers // 2
         self.use_flex = False  # set by the trainer: FlexAttention on CUDA, the dense twin elsewhere
@@ -539,7 +642,7 @@ class GPT(nn.Module):
         self.value_embeds = nn.ModuleList([nn.Embedding(vocab_size, model_dim // tp.size)
                                            for _ in range(self.NUM_VALUE_EMBEDS)]) if first else None
         self.blocks = nn.ModuleList([Block(model_dim, num_heads, head_dim, max_seq_len, i not in attention_free_layers,
-                                           i >= self.num_encoder_layers, tp) if i in self.layers else None
+                                           i >= self.num_encoder_layers, tp, sequence) if i in self.layers else None
                                      for i in range(num_layers)])
         # vocab padded to a multiple of 128 for faster kernels; the FP8 scales are the record's
         padded_vocab = next_multiple_of_n(vocab_size, n=128)
@@ -563,7 +666,7 @@ class GPT(nn.Module):
         local = input_seq - self.tp.rank * rows
         inside = (local >= 0) & (local < rows)
         found = self.embed(local.clamp(0, rows - 1)) * inside[:, None].to(self.embed.weight.dtype)
-        return reduce_from_tensor_parallel(found, self.tp)
+        return leave_tensor_parallel(found[None], self.tp, self.sequence)[0]
 
     def value_embed_of_layer(self, ve: list[Tensor], i: int) -> Tensor | None:
         """Value embedding k feeds layer k and layer num_layers - 3 + k; the middle layers get none."""
@@ -573,7 +676,8 @@ class GPT(nn.Module):
     def carry_shapes(self, layer: int, seq_len: int) -> list[tuple]:
         """Shapes of what crosses a pipeline boundary before `layer` (see forward's carry), for the receiver."""
         pending_skips = min(layer, self.num_encoder_layers) - max(0, layer - self.num_encoder_layers)
-        stream, value_embed = (1, seq_len, self.model_dim), (seq_len, self.model_dim // self.tp.size)
+        shard = seq_len // self.tp.size if self.sequence != "replicated" else seq_len
+        stream, value_embed = (1, shard, self.model_dim), (seq_len, self.model_dim // self.tp.size)
         return [stream] * 2 + [value_embed] * self.NUM_VALUE_EMBEDS + [stream] * pending_skips
 
     def forward(self, input_seq: Tensor, target_seq: Tensor, window_blocks: Tensor,
@@ -586,7 +690,7 @@ class GPT(nn.Module):
         """
         long_mask, short_mask = document_causal_masks(input_seq, window_blocks)
         if carry is None:
-            x = norm(self.embed_tokens(input_seq)[None])  # (1, T, D)
+            x = norm(self.embed_tokens(input_seq)[None])  # (1, T, D); sequence parallel: (1, T / tp, D)
             carry = [x, x, *[value_embed(input_seq) for value_embed in self.value_embeds]]
         x, x0, ve, skips = carry[0], carry[1], carry[2:2 + self.NUM_VALUE_EMBEDS], carry[2 + self.NUM_VALUE_EMBEDS:]
         for i in self.layers:
@@ -598,7 +702,7 @@ class GPT(nn.Module):
         if self.lm_head is None:
             return [x, x0, *ve, *skips]
         x = norm(x)
-        logits = self.lm_head(copy_to_tensor_parallel(x, self.tp)).float()
+        logits = self.lm_head(enter_tensor_parallel(x, self.tp, self.sequence)).float()
         logits = 30 * torch.sigmoid(logits / (7.5 * x.size(-1) ** 0.5))  # soft cap in (0, 30), element-wise
         reduction = "sum" if self.training else "mean"
         if self.tp.size == 1:
@@ -795,6 +899,8 @@ class Hyperparameters:
     warmup_steps: int = 10  # compile warm-up steps on random tokens, undone afterwards
     fp64_grad_sum: bool = False  # sum gradients in float64: every world size trains bit-identical models
     tp: int = 1  # tensor-parallel size: consecutive ranks split heads, MLP width and vocabulary
+    sp: bool = False  # sequence parallel (with --tp): outside attention and MLP each tp rank holds 1/tp of the sequence
+    async_tp: bool = False  # with --sp: a column-parallel matmul starts on its own shard while the others arrive
     pp: int = 1  # pipeline-parallel size: the blocks split into this many contiguous stages
     pp_schedule: str = "1f1b"  # afab (all forwards, then all backwards) or 1f1b (one forward, one backward)
     zero: int = 0  # ZeRO stage over the data-parallel ranks: 1 shards optimizer states, 2 also gradients, 3 also params
@@ -852,6 +958,11 @@ def parse_args(argv=None, cuda: bool | None = None) -> Hyperparameters:
     return args
 
 
+def sequence_mode(args: Hyperparameters) -> str:
+    """How activations outside the tensor-parallel regions are held (see column_parallel_linear)."""
+    return "async" if args.async_tp else "sharded" if args.sp else "replicated"
+
+
 def attention_free_layers(args: Hyperparameters) -> tuple[int, ...]:
     try:
         return tuple(int(i) for i in args.attention_free_layers.split(",") if i.strip())
@@ -873,6 +984,8 @@ def check_hyperparameters(args: Hyperparameters) -> None:
     need(args.tp >= 1, f"--tp must be >= 1, got {args.tp}")
     need(1 <= args.pp <= args.num_layers, f"--pp {args.pp} must be between 1 and --num_layers {args.num_layers}: "
          "each pipeline stage holds at least one block")
+    need(args.sp or not args.async_tp, "--async_tp overlaps the all-gather of sequence-parallel shards with the "
+         "matmul: it needs --sp true")
     need(args.pp_schedule in PIPELINE_SCHEDULES, f"--pp_schedule must be one of {PIPELINE_SCHEDULES}, got "
          f"{args.pp_schedule!r}")
     need(args.model_dim == args.num_heads * args.head_dim, f"--model_dim {args.model_dim} must equal --num_heads x "
@@ -912,6 +1025,12 @@ def check_world_size(args: Hyperparameters, world_size: int) -> int:
                        ("the padded vocabulary", next_multiple_of_n(args.vocab_size, n=128))):
         if size % tp:
             raise UserError(f"--tp {tp} does not divide {what} ({size}): tensor parallelism splits it evenly")
+    if args.sp:
+        if tp == 1:
+            raise UserError("--sp shards the sequence over the tensor-parallel ranks: it needs --tp 2 or more")
+        for flag in ("train_seq_len", "val_seq_len"):
+            if getattr(args, flag) % tp:
+                raise UserError(f"--sp splits --{flag} {getattr(args, flag)} over --tp {tp} ranks: it must divide")
     dp = world_size // (tp * pp)
     name = f"world size {world_size}" if tp * pp == 1 else \
         f"data-parallel size {dp} (world size {world_size} / (--tp {tp} x --pp {pp}))"
@@ -1230,7 +1349,7 @@ def build_model(args: Hyperparameters, device: torch.device, tp: Axis = Axis(), 
                    head_dim=args.head_dim, model_dim=args.model_dim,
                    max_seq_len=max(args.train_seq_len, args.val_seq_len), window_pattern=args.window_pattern,
                    attention_free_layers=attention_free_layers(args), fp8_head=args.fp8_head, tp=tp,
-                   layers=layers).to(device)
+                   layers=layers, sequence=sequence_mode(args) if tp.size > 1 else "replicated").to(device)
     model = make(Axis())
     full_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     if tp.size > 1 or pp.size > 1:
@@ -1471,11 +1590,21 @@ def plan_layout(args: Hyperparameters, world_size: int, cuda: bool) -> dict:
             activation = tokens * args.model_dim * act_bytes
             n_layers = len(model.layers)
             n_attention = sum(block.attn is not None for block in model.local_blocks())
-            # g after each attention and each MLP, and after the embedding; f's backward before each of them and
-            # the head; f's backward for each attention's lambdas; the loss's max, sum of exponentials, target logit
-            per_micro_batch = (activation * (2 * (n_attention + n_layers) + first + last) + n_attention * 2 * 4
-                               + last * 3 * tokens * 4)
-            comm["all_reduce"] += grad_accum_steps * per_micro_batch
+            # entering each attention, each MLP and the head, and leaving each attention, each MLP and the
+            # embedding, once forward and once backward: replicated, g and f's backward all-reduce the activation;
+            # sequence parallel, an all-gather of the shards and a reduce-scatter to them, each way
+            crossings = activation * (2 * (n_attention + n_layers) + first + last)
+            # f's backward sums each attention's lambdas (and under sp each block's lambdas and skip weight); the
+            # loss all-reduces its max, sum of exponentials and target logit
+            scalars = n_attention * 2 * 4 + last * 3 * tokens * 4
+            if args.sp:
+                comm["all_gather_into_tensor"] += grad_accum_steps * crossings
+                comm["reduce_scatter_tensor"] += grad_accum_steps * crossings
+                scalars += sum(sum(map(nbytes, (b.lambdas, b.skip_weight) if b.skip_weight is not None
+                                       else (b.lambdas,))) for b in model.local_blocks())
+            else:
+                comm["all_reduce"] += grad_accum_steps * crossings
+            comm["all_reduce"] += grad_accum_steps * scalars
             comm["all_gather"] += sum(tp * nbytes(p) for p in groups["muon"] if zero.owns(p))  # Muon's whole matrices
             comm["all_reduce"] += 4  # the gradient norm's sliced part
         if pp > 1:  # each micro-batch's carry forward to the next stage, its gradient back to the one before

@@ -36,7 +36,8 @@ def test_zero_on_two_ranks_trains_the_one_process_model_holding_what_the_plan_sa
     assert sum(rank["held"]["optimizer_states"] for rank in ranks) == full["optimizer_states"]
 
 
-@pytest.mark.parametrize("layout", [dict(), dict(zero=2), dict(zero=3), dict(zero=1, tp=2), dict(pp=2)])
+@pytest.mark.parametrize("layout", [dict(), dict(zero=2), dict(zero=3), dict(zero=1, tp=2),
+                                    dict(tp=2, sp=True, async_tp=True), dict(pp=2)])
 def test_counted_collective_bytes_per_step_equal_the_plan(tmp_path, files, layout):
     flags = tiny_flags(files, **layout, log_dir=tmp_path, run_id="comm", num_iterations=2)
     run_on_ranks(main_on_rank, 2, flags)
