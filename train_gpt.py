@@ -1629,16 +1629,18 @@ def plan_layout(args: Hyperparameters, world_size: int, cuda: bool) -> dict:
 
 def activation_estimate(args: Hyperparameters, cuda: bool, layers: range, micro_batches: int, stage: int) -> int:
     """Bytes autograd keeps for a stage's micro-batches in flight: per layer, the inputs of each matmul, norm and
-    nonlinearity. Without a pipeline one is in flight; under 1f1b stage s keeps up to pp - s, under afab all."""
+    nonlinearity, split over tp where tensor parallelism splits them (and the residual stream too under --sp).
+    Without a pipeline one micro-batch is in flight; under 1f1b stage s keeps up to pp - s, under afab all."""
     tokens, d, hdim = args.train_seq_len, args.model_dim, args.num_heads * args.head_dim
     act_bytes = 2 if cuda else 4
+    split, stream_split = args.tp, args.tp if args.sp else 1
     attention = sum(i not in attention_free_layers(args) for i in layers)
-    per_token = (len(layers) * (3 * d + 2 * 4 * d + 4 * d)  # residual mix, norms; MLP in, ReLU, ReLU^2
-                 + attention * (2 * d + 5 * hdim))  # attention norm and input; q, k, v (normed, rotated), output
+    per_token = (len(layers) * (3 * d / stream_split + (2 * 4 * d + 4 * d) / split)  # residual mix, norms; MLP
+                 + attention * (2 * d / stream_split + 5 * hdim / split))  # norm, input; q, k, v, output
     has_head = layers.stop == args.num_layers
-    logits = has_head * tokens * next_multiple_of_n(args.vocab_size, n=128) * 4 * 2  # fp32 soft-capped, log-softmax
+    logits = has_head * tokens * next_multiple_of_n(args.vocab_size, n=128) // split * 4 * 2  # fp32, log-softmax
     in_flight = micro_batches if args.pp > 1 and args.pp_schedule == "afab" else min(args.pp - stage, micro_batches)
-    return in_flight * (tokens * per_token * act_bytes + logits)
+    return int(in_flight * (tokens * per_token * act_bytes + logits))
 
 
 def format_plan(plan: dict) -> str:

@@ -1,7 +1,6 @@
 """Pipeline parallelism on gloo processes: each schedule, a middle stage and pipeline x data parallel train the
 one-process model; the stage split, the plan's memory, and the layouts it refuses."""
 import pytest
-import torch
 
 import train_gpt
 from distributed import run_on_ranks
