@@ -20,10 +20,14 @@ def test_pipeline_stages_train_the_one_process_model(files, single, stages, sche
         assert sum(name in other["params"] for other in ranks for name in rank["params"]) == len(rank["params"])
 
 
-def test_pipeline_2_by_data_parallel_2_trains_the_one_process_model(files, single):
-    ranks = run_on_ranks(train_steps, 4, files, 3, None, dict(pp=2), timeout=600)
+@pytest.mark.parametrize("layout", [dict(pp=2), dict(pp=2, zero=3), dict(pp=2, tp=2, sp=True)])
+def test_pipeline_2_combined_on_four_processes_trains_the_one_process_model(files, single, layout):
+    # pipeline x data parallel (plain, and with ZeRO 3 inside each stage), and pipeline x tensor parallel with
+    # sequence-sharded carries
+    ranks = run_on_ranks(train_steps, 4, files, 3, None, layout, timeout=600)
     assert_trains_like_one_process(ranks, single)
-    assert ranks[0]["params"].keys() == ranks[1]["params"].keys()  # ranks 0, 1: stage 0's data-parallel pair
+    assert ranks[0]["params"].keys() == ranks[1]["params"].keys()  # ranks 0, 1: within stage 0
+    assert_holds_what_the_plan_predicts(ranks, files, **layout)
 
 
 def test_stages_split_the_blocks_evenly_and_in_order():
