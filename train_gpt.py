@@ -1294,6 +1294,8 @@ class PipelineStage:
         self.model, self.pp, self.dtype = model, pp, dtype
         self.schedule = schedule if pp.size > 1 else "1f1b"  # one stage: nothing to overlap, keep one in flight
         self.first, self.last = pp.rank == 0, pp.rank == pp.size - 1
+        if pp.size > 1:  # NCCL wants a group's first call to involve all its ranks; a batch of isend/irecv may not
+            dist.barrier(group=pp.group)
 
     def exchange(self, seq_len: int, to_next: list[Tensor] | None = None, to_prev: list[Tensor] | None = None,
                  from_prev: bool = False, from_next: bool = False) -> tuple[list[Tensor] | None, list[Tensor] | None]:
@@ -2033,8 +2035,8 @@ def accumulate_gradients(model: nn.Module, buckets: "GradientBuckets | None", ba
     def exchange(**kwargs):
         return stage.exchange(seq_len, **kwargs)
 
-    # 1f1b: stage s runs (stages - 1 - s) forwards ahead, then alternates, so it keeps at most that many
-    # micro-batches' activations; afab runs every forward first and keeps them all
+    # 1f1b: stage s runs stages - 1 - s forwards ahead, then alternates one forward and one backward, so it keeps
+    # at most stages - s micro-batches' activations; afab runs every forward first and keeps them all
     warmup = grad_accum_steps if stage.schedule == "afab" else min(stage.pp.size - 1 - stage.pp.rank,
                                                                        grad_accum_steps)
     steady = grad_accum_steps - warmup
