@@ -626,6 +626,9 @@ class GPT(nn.Module):
     """
 
     NUM_VALUE_EMBEDS = 3
+    # evaluation runs the head over this many tokens at a time: a 262K-token validation sequence's fp32 logits
+    # over the whole vocabulary are 53 GB, which no GPU holds when the model runs uncompiled (tp, pp, ZeRO 3)
+    EVAL_HEAD_ROWS = 16384
 
     def __init__(self, vocab_size: int, num_layers: int, num_heads: int, head_dim: int, model_dim: int,
                  max_seq_len: int, window_pattern: str, attention_free_layers=(), fp8_head=True, tp: Axis = Axis(),
@@ -701,17 +704,25 @@ class GPT(nn.Module):
                 skips.append(x)
         if self.lm_head is None:
             return [x, x0, *ve, *skips]
-        x = norm(x)
-        logits = self.lm_head(enter_tensor_parallel(x, self.tp, self.sequence)).float()
+        x = enter_tensor_parallel(norm(x), self.tp, self.sequence)[0]  # (T, D)
+        if self.training:
+            return self.summed_loss(x, target_seq)
+        rows = self.EVAL_HEAD_ROWS
+        return sum(self.summed_loss(x[i:i + rows], target_seq[i:i + rows])
+                   for i in range(0, len(target_seq), rows)) / len(target_seq)
+
+    def summed_loss(self, x: Tensor, targets: Tensor) -> Tensor:
+        """Cross-entropy summed over the rows of x (T, D), through the head and the soft cap."""
+        logits = self.lm_head(x).float()
         logits = 30 * torch.sigmoid(logits / (7.5 * x.size(-1) ** 0.5))  # soft cap in (0, 30), element-wise
-        reduction = "sum" if self.training else "mean"
         if self.tp.size == 1:
-            return F.cross_entropy(logits.view(-1, logits.size(-1)), target_seq, reduction=reduction)
-        return vocab_parallel_cross_entropy(logits.view(-1, logits.size(-1)), target_seq, self.tp, reduction)
+            return F.cross_entropy(logits, targets, reduction="sum")
+        return vocab_parallel_cross_entropy(logits, targets, self.tp)
 
 
-def vocab_parallel_cross_entropy(logits: Tensor, targets: Tensor, tp: Axis, reduction: str) -> Tensor:
-    """Cross-entropy over logits split by vocabulary across tp: (T, V / tp) here, full (T, V) nowhere."""
+def vocab_parallel_cross_entropy(logits: Tensor, targets: Tensor, tp: Axis) -> Tensor:
+    """Cross-entropy summed over tokens, of logits split by vocabulary across tp: (T, V / tp) here, full (T, V)
+    nowhere."""
     n = logits.size(-1)
     with torch.no_grad():
         top = logits.max(dim=-1).values
@@ -723,7 +734,7 @@ def vocab_parallel_cross_entropy(logits: Tensor, targets: Tensor, tp: Axis, redu
     inside = (local >= 0) & (local < n)
     target_logit = shifted.gather(1, local.clamp(0, n - 1)[:, None]).squeeze(1) * inside
     losses = sum_exp.log() - reduce_from_tensor_parallel(target_logit, tp)
-    return losses.sum() if reduction == "sum" else losses.mean()
+    return losses.sum()
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ def test_vocab_parallel_cross_entropy_equals_the_dense_one_on_one_rank_pair():
 def split_cross_entropy(rank, world_size, logits, targets):
     tp = train_gpt.world_axis(rank, world_size)
     local = train_gpt.tp_shard(logits, 1, tp).requires_grad_()
-    loss = train_gpt.vocab_parallel_cross_entropy(local, targets, tp, "sum")
+    loss = train_gpt.vocab_parallel_cross_entropy(local, targets, tp)
     loss.backward()
     return loss.item(), local.grad
 

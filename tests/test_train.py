@@ -90,6 +90,28 @@ def test_warmup_leaves_no_trace(tmp_path):
         assert torch.equal(p, q), name
 
 
+def test_evaluation_runs_the_head_in_slices_and_averages_over_every_token():
+    torch.manual_seed(0)
+    model = train_gpt.GPT(vocab_size=50257, num_layers=4, num_heads=2, head_dim=16, model_dim=32, max_seq_len=256,
+                          window_pattern="LSSL", fp8_head=False).eval()
+    torch.nn.init.normal_(model.lm_head.weight)  # the zero-initialised head gives every token the same loss
+    tokens = torch.randint(0, 50257, (257,))
+    tokens[[0, 90, 200]] = train_gpt.EOT_TOKEN
+    inputs, targets, window = tokens[:-1], tokens[1:], train_gpt.window_tensor(2, torch.device("cpu"))
+    head_inputs = []
+    model.lm_head.register_forward_hook(lambda module, args, out: head_inputs.append(args[0]))
+    with torch.no_grad():
+        whole = model(inputs, targets, window)  # 256 tokens: one slice
+        model.EVAL_HEAD_ROWS = 100  # slices of 100, 100 and 56 tokens
+        sliced = model(inputs, targets, window)
+    assert [len(x) for x in head_inputs] == [256, 100, 100, 56]
+    # fp64 reference: the soft-capped logits of every token, averaged once
+    x = torch.cat(head_inputs[1:]).double()
+    logits = 30 * torch.sigmoid(x @ model.lm_head.weight.double().T / (7.5 * 32 ** 0.5))
+    expected = torch.nn.functional.cross_entropy(logits, targets).item()
+    assert sliced.item() == pytest.approx(expected, rel=1e-6) and whole.item() == pytest.approx(expected, rel=1e-6)
+
+
 def run_main(tmp_path, files, run_id, **overrides):
     flags = tiny_flags(files, log_dir=tmp_path / "logs", run_id=run_id, **overrides)
     final_val_loss = train_gpt.main(flags)
