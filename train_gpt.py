@@ -128,63 +128,29 @@ def world_axis(rank: int, size: int) -> Axis:
     return Axis(rank, size, None, tuple(range(size)))
 
 
-class _CopyToTensorParallel(torch.autograd.Function):
-    """f: identity forward; backward all-reduces, summing the input gradients of the ranks' shards."""
+class _Conjugate(torch.autograd.Function):
+    """A tensor-parallel collective whose backward is its conjugate: forward_op(x, tp) going forward,
+    backward_op(grad, tp) coming back (Megatron's f and g, and their sequence-parallel forms)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, tp: Axis) -> Tensor:
-        ctx.tp = tp
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        grad = grad.contiguous().clone()
-        count_comm("all_reduce", grad)
-        dist.all_reduce(grad, group=ctx.tp.group)
-        return grad, None
-
-
-class _ReduceFromTensorParallel(torch.autograd.Function):
-    """g: forward all-reduces the ranks' partial sums; identity backward (each rank's part has the same gradient)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, tp: Axis) -> Tensor:
-        out = x.contiguous().clone()
-        count_comm("all_reduce", out)
-        dist.all_reduce(out, group=tp.group)
-        return out
+    def forward(ctx, x: Tensor, tp: Axis, forward_op, backward_op) -> Tensor:
+        ctx.tp, ctx.backward_op = tp, backward_op
+        return forward_op(x, tp)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return grad, None
+        return ctx.backward_op(grad, ctx.tp), None, None, None
 
 
-class _GatherSequence(torch.autograd.Function):
-    """Sequence parallel, entering the tensor-parallel region: all-gather the ranks' sequence shards (dim 1 of a
-    (1, T / tp, d) activation); backward reduce-scatters, summing the ranks' partial input gradients."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, tp: Axis) -> Tensor:
-        ctx.tp = tp
-        return gather_sequence_shards(x, tp)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return reduce_scatter_sequence_shards(grad, ctx.tp), None
+def unchanged(x: Tensor, tp: Axis) -> Tensor:
+    return x.view_as(x)
 
 
-class _ReduceScatterSequence(torch.autograd.Function):
-    """Sequence parallel, leaving the tensor-parallel region: sum the ranks' partial outputs and keep this rank's
-    sequence shard; backward all-gathers the shards' gradients (each rank's part sees the whole of it)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, tp: Axis) -> Tensor:
-        ctx.tp = tp
-        return reduce_scatter_sequence_shards(x, tp)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return gather_sequence_shards(grad, ctx.tp), None
+def all_reduce_sum(x: Tensor, tp: Axis) -> Tensor:
+    out = x.contiguous().clone()
+    count_comm("all_reduce", out)
+    dist.all_reduce(out, group=tp.group)
+    return out
 
 
 def gather_sequence_shards(x: Tensor, tp: Axis, async_op: bool = False):
@@ -240,26 +206,29 @@ def column_parallel_linear(x: Tensor, weight: Tensor, tp: Axis, mode: str) -> Te
 
 
 def enter_tensor_parallel(x: Tensor, tp: Axis, mode: str) -> Tensor:
-    """The whole activation for a tensor-parallel region: f (replicated), or all-gathered sequence shards."""
-    if tp.size == 1:
-        return x
-    return copy_to_tensor_parallel(x, tp) if mode == "replicated" else _GatherSequence.apply(x, tp)
+    """The whole activation for a tensor-parallel region: f (replicated), or all-gathered sequence shards, whose
+    backward reduce-scatters the ranks' partial input gradients."""
+    if tp.size == 1 or mode == "replicated":
+        return copy_to_tensor_parallel(x, tp)
+    return _Conjugate.apply(x, tp, gather_sequence_shards, reduce_scatter_sequence_shards)
 
 
 def leave_tensor_parallel(x: Tensor, tp: Axis, mode: str) -> Tensor:
     """The sum of the ranks' partial outputs of a row-parallel layer: g (all-reduce), or this rank's sequence
-    shard of it (reduce-scatter)."""
-    if tp.size == 1:
-        return x
-    return reduce_from_tensor_parallel(x, tp) if mode == "replicated" else _ReduceScatterSequence.apply(x, tp)
+    shard of it (reduce-scatter), whose backward all-gathers the shards' gradients."""
+    if tp.size == 1 or mode == "replicated":
+        return reduce_from_tensor_parallel(x, tp)
+    return _Conjugate.apply(x, tp, reduce_scatter_sequence_shards, gather_sequence_shards)
 
 
 def copy_to_tensor_parallel(x: Tensor, tp: Axis) -> Tensor:
-    return x if tp.size == 1 else _CopyToTensorParallel.apply(x, tp)
+    """f: identity forward; backward all-reduces, summing the input gradients of the ranks' shards."""
+    return x if tp.size == 1 else _Conjugate.apply(x, tp, unchanged, all_reduce_sum)
 
 
 def reduce_from_tensor_parallel(x: Tensor, tp: Axis) -> Tensor:
-    return x if tp.size == 1 else _ReduceFromTensorParallel.apply(x, tp)
+    """g: forward all-reduces the ranks' partial sums; identity backward (each rank's part has the same gradient)."""
+    return x if tp.size == 1 else _Conjugate.apply(x, tp, all_reduce_sum, unchanged)
 
 
 def tp_shard(full: Tensor, dim: int, tp: Axis) -> Tensor:
