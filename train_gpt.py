@@ -1347,7 +1347,8 @@ def build_model(args: Hyperparameters, device: torch.device, tp: Axis = Axis(), 
     return model
 
 
-def activation_dtype(device_type: str) -> torch.dtype:
+def compute_dtype(device_type: str) -> torch.dtype:
+    """Of activations and Newton-Schulz: bf16 on CUDA, fp32 on CPU (where bf16 matmuls are slow)."""
     return torch.bfloat16 if device_type == "cuda" else torch.float32
 
 
@@ -1375,7 +1376,7 @@ def build_optimizers(model: GPT, args: Hyperparameters, ctx: ParallelContext) ->
     on_cuda = ctx.device.type == "cuda"
     muon = Muon(groups["muon"], lr=args.lr_muon, momentum=0.95, dp=ctx.dp, tp=ctx.tp,
                 orthogonalize=torch.compile(zeropower_via_newtonschulz5) if on_cuda else zeropower_via_newtonschulz5,
-                ns_dtype=torch.bfloat16 if on_cuda else torch.float32, owner_applies=args.zero >= 3)
+                ns_dtype=compute_dtype(ctx.device.type), owner_applies=args.zero >= 3)
     optimizers = [adam, muon]
     for opt in optimizers:
         for group in opt.param_groups:
@@ -1540,7 +1541,7 @@ def plan_layout(args: Hyperparameters, world_size: int, cuda: bool) -> dict:
     with torch.device("meta"):
         stages = [build_model(args, torch.device("meta"), Axis(0, tp, None, tuple(range(tp))),
                               Axis(s, pp, None, tuple(range(pp))), cuda_dtypes=cuda) for s in range(pp)]
-    ns_bytes = act_bytes = 2 if cuda else 4  # bf16 on CUDA (activations, Newton-Schulz), fp32 on CPU
+    ns_bytes = act_bytes = compute_dtype("cuda" if cuda else "cpu").itemsize
     sum_bytes = 8 if args.fp64_grad_sum else None
     tokens = args.train_seq_len
 
@@ -1614,7 +1615,7 @@ def activation_estimate(args: Hyperparameters, cuda: bool, layers: range, micro_
     nonlinearity, split over tp where tensor parallelism splits them (and the residual stream too under --sp).
     Without a pipeline one micro-batch is in flight; under 1f1b stage s keeps up to pp - s, under afab all."""
     tokens, d, hdim = args.train_seq_len, args.model_dim, args.num_heads * args.head_dim
-    act_bytes = 2 if cuda else 4
+    act_bytes = compute_dtype("cuda" if cuda else "cpu").itemsize
     split, stream_split = args.tp, args.tp if args.sp else 1
     attention = sum(i not in attention_free_layers(args) for i in layers)
     per_token = (len(layers) * (3 * d / stream_split + (2 * 4 * d + 4 * d) / split)  # residual mix, norms; MLP
@@ -2157,7 +2158,7 @@ def train(args: Hyperparameters, ctx: ParallelContext) -> float:
         buckets = GradientBuckets(raw_model.parameters(), sum_dtype=sum_dtype, dp=ctx.dp,
                                   owner_of=zero.gradient_owners() if zero else None)
     model = torch.compile(raw_model, dynamic=False) if args.compile else raw_model
-    stage = PipelineStage(raw_model, ctx.pp, args.pp_schedule, activation_dtype(ctx.device.type))
+    stage = PipelineStage(raw_model, ctx.pp, args.pp_schedule, compute_dtype(ctx.device.type))
 
     def train_step(batches, step: int) -> tuple[Tensor, Tensor]:
         window = window_tensor(window_size_blocks(step, args), ctx.device)
