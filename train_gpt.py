@@ -7,11 +7,17 @@
 
 Every hyperparameter is a flag (`--num_iterations 50`); `--preset cpu|record|tiny` picks a base.
 `import train_gpt` has no side effects: `main()` trains.
+
+The first half is the record's path, written for one device: FP8 matmul, optimizers, model, data, hyperparameters,
+schedules, the training loop. Checkpoints and logging follow. The second half is the machinery for bigger jobs
+(data, tensor, sequence and pipeline parallelism, ZeRO, the plan), applied to the built model behind flags.
 """
 import argparse
 import collections
+import contextlib
 import copy
 import dataclasses
+import fnmatch
 import functools
 import glob
 import json
@@ -25,13 +31,16 @@ import sys
 import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
@@ -101,172 +110,6 @@ fp8_mm.register_autograd(_fp8_mm_backward, setup_context=_fp8_mm_setup_context)
 
 
 # ----------------------------------------------------------------------------------------------------
-# Communication: byte accounting, axes of the rank grid, and the tensor-parallel conjugate operators
-
-comm_bytes: collections.Counter = collections.Counter()  # collective name -> bytes since the last clear()
-
-
-def count_comm(op: str, *tensors: Tensor) -> None:
-    """Bytes of the tensors handed to a collective on this rank, so a run can be set against --plan."""
-    comm_bytes[op] += sum(t.numel() * t.element_size() for t in tensors)
-
-
-@dataclass(frozen=True)
-class Axis:
-    """One axis of the rank grid as this rank sees it: its coordinate, the axis length, the process group along
-    it (None: the default group), and that group's global ranks in order (collectives name peers globally)."""
-    rank: int = 0
-    size: int = 1
-    group: object = None
-    ranks: tuple = (0,)
-
-    def global_rank(self, axis_rank: int) -> int:
-        return self.ranks[axis_rank]
-
-
-def world_axis(rank: int, size: int) -> Axis:
-    return Axis(rank, size, None, tuple(range(size)))
-
-
-class _Conjugate(torch.autograd.Function):
-    """A tensor-parallel collective whose backward is its conjugate: forward_op(x, tp) going forward,
-    backward_op(grad, tp) coming back (Megatron's f and g, and their sequence-parallel forms)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, tp: Axis, forward_op, backward_op) -> Tensor:
-        ctx.tp, ctx.backward_op = tp, backward_op
-        return forward_op(x, tp)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return ctx.backward_op(grad, ctx.tp), None, None, None
-
-
-def unchanged(x: Tensor, tp: Axis) -> Tensor:
-    return x.view_as(x)
-
-
-def all_reduce_sum(x: Tensor, tp: Axis) -> Tensor:
-    out = x.contiguous().clone()
-    count_comm("all_reduce", out)
-    dist.all_reduce(out, group=tp.group)
-    return out
-
-
-def gather_sequence_shards(x: Tensor, tp: Axis, async_op: bool = False):
-    """(1, T / tp, d) shards -> (1, T, d), rank order along the sequence (flat buffers: gloo wants 1-D)."""
-    full = x.new_empty(x.size(0), tp.size * x.size(1), *x.shape[2:])
-    count_comm("all_gather_into_tensor", full)
-    handle = dist.all_gather_into_tensor(full.view(-1), x.contiguous().view(-1), group=tp.group, async_op=async_op)
-    return (full, handle) if async_op else full
-
-
-def reduce_scatter_sequence_shards(x: Tensor, tp: Axis) -> Tensor:
-    """(1, T, d) partial sums -> this rank's (1, T / tp, d) shard of their sum."""
-    x = x.contiguous()
-    shard = x.new_empty(x.size(0), x.size(1) // tp.size, *x.shape[2:])
-    count_comm("reduce_scatter_tensor", x)
-    dist.reduce_scatter_tensor(shard.view(-1), x.view(-1), group=tp.group)
-    return shard
-
-
-class _GatherThenLinear(torch.autograd.Function):
-    """Asynchronous tensor parallelism (seed 000): the column-parallel matmul of a sequence-sharded input starts
-    the all-gather of the other shards, multiplies its own shard while they travel, then the rest. Backward as
-    gather-then-linear: the weight gradient from the gathered input, the input gradient reduce-scattered."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, tp: Axis) -> Tensor:
-        full, handle = gather_sequence_shards(x, tp, async_op=True)
-        own = F.linear(x, weight)
-        handle.wait()
-        n = x.size(1)
-        before, after = full[:, :tp.rank * n], full[:, (tp.rank + 1) * n:]
-        out = torch.cat([F.linear(before, weight), own, F.linear(after, weight)], dim=1)
-        ctx.save_for_backward(full, weight)
-        ctx.tp = tp
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        full, weight = ctx.saved_tensors
-        grad_weight = grad.flatten(end_dim=-2).t() @ full.flatten(end_dim=-2)
-        return reduce_scatter_sequence_shards(grad @ weight, ctx.tp), grad_weight, None
-
-
-def column_parallel_linear(x: Tensor, weight: Tensor, tp: Axis, mode: str) -> Tensor:
-    """x @ weight.T where weight holds this rank's output columns, and x (the `sequence` mode) arrives
-    "replicated" (f: identity, backward all-reduce), "sharded" along the sequence (all-gathered first), or
-    sharded and gathered while this rank's shard is multiplied ("async")."""
-    if tp.size == 1:
-        return F.linear(x, weight)
-    if mode == "async":
-        return _GatherThenLinear.apply(x, weight, tp)
-    return F.linear(enter_tensor_parallel(x, tp, mode), weight)
-
-
-def enter_tensor_parallel(x: Tensor, tp: Axis, mode: str) -> Tensor:
-    """The whole activation for a tensor-parallel region: f (replicated), or all-gathered sequence shards, whose
-    backward reduce-scatters the ranks' partial input gradients."""
-    if tp.size == 1 or mode == "replicated":
-        return copy_to_tensor_parallel(x, tp)
-    return _Conjugate.apply(x, tp, gather_sequence_shards, reduce_scatter_sequence_shards)
-
-
-def leave_tensor_parallel(x: Tensor, tp: Axis, mode: str) -> Tensor:
-    """The sum of the ranks' partial outputs of a row-parallel layer: g (all-reduce), or this rank's sequence
-    shard of it (reduce-scatter), whose backward all-gathers the shards' gradients."""
-    if tp.size == 1 or mode == "replicated":
-        return reduce_from_tensor_parallel(x, tp)
-    return _Conjugate.apply(x, tp, reduce_scatter_sequence_shards, gather_sequence_shards)
-
-
-def copy_to_tensor_parallel(x: Tensor, tp: Axis) -> Tensor:
-    """f: identity forward; backward all-reduces, summing the input gradients of the ranks' shards."""
-    return x if tp.size == 1 else _Conjugate.apply(x, tp, unchanged, all_reduce_sum)
-
-
-def reduce_from_tensor_parallel(x: Tensor, tp: Axis) -> Tensor:
-    """g: forward all-reduces the ranks' partial sums; identity backward (each rank's part has the same gradient)."""
-    return x if tp.size == 1 else _Conjugate.apply(x, tp, all_reduce_sum, unchanged)
-
-
-def tp_shard(full: Tensor, dim: int, tp: Axis) -> Tensor:
-    """This rank's equal slice of full along dim (zero-padded first to a multiple of tp.size)."""
-    n = -(-full.size(dim) // tp.size)
-    pad = n * tp.size - full.size(dim)
-    if pad:
-        full = torch.cat([full, full.new_zeros(*full.shape[:dim], pad, *full.shape[dim + 1:])], dim)
-    return full.narrow(dim, tp.rank * n, n).contiguous()
-
-
-def tp_gather(local: Tensor, dim: int, full_size: int, tp: Axis) -> Tensor:
-    """The whole tensor from every rank's tp_shard slice (inverse of tp_shard)."""
-    parts = [torch.empty_like(local) for _ in range(tp.size)]
-    count_comm("all_gather", *parts)
-    dist.all_gather(parts, local.contiguous(), group=tp.group)
-    return torch.cat(parts, dim).narrow(dim, 0, full_size)
-
-
-def mark_tensor_parallel(param: Tensor, dim: int, full_size: int, tp: Axis) -> None:
-    """Record that param is one rank's tp_shard slice along dim of a tensor full_size long there."""
-    if tp.size > 1:
-        param.tp_dim, param.tp_full = dim, full_size
-
-
-def is_tensor_parallel(param: Tensor) -> bool:
-    return getattr(param, "tp_dim", None) is not None
-
-
-def full_shape(param: Tensor) -> tuple:
-    """The shape param has in a one-process model."""
-    shape = list(param.shape)
-    if is_tensor_parallel(param):
-        shape[param.tp_dim] = param.tp_full
-    return tuple(shape)
-
-
-# ----------------------------------------------------------------------------------------------------
 # Optimizers: Muon for hidden matrices (Newton-Schulz orthogonalised momentum), Adam for the rest
 
 def zeropower_via_newtonschulz5(G: Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16) -> Tensor:
@@ -288,30 +131,45 @@ def zeropower_via_newtonschulz5(G: Tensor, steps: int = 5, dtype: torch.dtype = 
     return X.mT if tall else X
 
 
+# A layout may hand this rank only a slice of a parameter (tensor parallelism marks it with `p.slice_of`);
+# Muon and the checkpoints see such a parameter whole through these three.
+
+def whole(p: Tensor, t: Tensor) -> Tensor:
+    """t (p's gradient, or optimizer state shaped like p) as the one-process tensor."""
+    return p.slice_of.gather(t) if hasattr(p, "slice_of") else t
+
+
+def own_slice(p: Tensor, t: Tensor) -> Tensor:
+    """This rank's part of a one-process tensor t shaped like p whole (the inverse of whole)."""
+    return p.slice_of.cut(t) if hasattr(p, "slice_of") else t
+
+
+def full_shape(p: Tensor) -> tuple:
+    """The shape p has in a one-process model."""
+    return p.slice_of.full_shape(p) if hasattr(p, "slice_of") else tuple(p.shape)
+
+
 class Muon(torch.optim.Optimizer):
-    """MomentUm Orthogonalized by Newton-Schulz, sharded across data-parallel ranks.
+    """MomentUm Orthogonalized by Newton-Schulz, sharded across the data-parallel ranks.
 
     Parameters are grouped by size; within a group rank r orthogonalises parameters r, r+W, r+2W, ... and the
     flattened updates are exchanged with async all_gather_into_tensor, so every rank applies every update while
-    the next chunk is being orthogonalised. Gradients must already be averaged across ranks.
-    Under tensor parallelism the owner's tensor-parallel group gathers each matrix's gradient and orthogonalises
-    the whole matrix (every member alike, keeping the whole momentum), each applying its own slice.
-    With owner_applies (ZeRO 3, where a parameter lives on its owner alone) the owner applies its own update and
-    nothing is exchanged.
+    the next chunk is being orthogonalised. Gradients must already be averaged across ranks. A parameter of which
+    this rank holds a slice is orthogonalised whole (its owner keeps the whole momentum) and the slice applied.
+    exchange_updates=False (ZeRO 3, where a parameter lives on its owner alone): the owner applies its own update
+    and nothing is exchanged.
     """
 
-    def __init__(self, params, lr=0.05, momentum=0.95, nesterov=True, ns_steps=5, dp: Axis = Axis(),
-                 tp: Axis = Axis(), orthogonalize=zeropower_via_newtonschulz5, ns_dtype=torch.bfloat16,
-                 owner_applies=False):
+    def __init__(self, params, lr=0.05, momentum=0.95, nesterov=True, ns_steps=5, rank=0, world_size=1, group=None,
+                 orthogonalize=zeropower_via_newtonschulz5, ns_dtype=torch.bfloat16, exchange_updates=True):
         params = list(params)
-        self.dp, self.tp, self.owner_applies = dp, tp, owner_applies
-        self.rank, self.world_size = dp.rank, dp.size
-        self.orthogonalize, self.ns_dtype = orthogonalize, ns_dtype
+        self.rank, self.world_size, self.group = rank, world_size, group
+        self.orthogonalize, self.ns_dtype, self.exchange_updates = orthogonalize, ns_dtype, exchange_updates
         sizes = sorted({p.numel() for p in params}, reverse=True)
         groups = [dict(params=[p for p in params if p.numel() == size]) for size in sizes]
         super().__init__(groups, dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps))
         # flat gather targets (gloo needs 1-D), kept outside param_groups so state_dict() never copies them
-        self.update_buffers = [torch.empty(dp.size * size, dtype=ns_dtype, device=params[0].device)
+        self.update_buffers = [torch.empty(world_size * size, dtype=ns_dtype, device=params[0].device)
                                for size in sizes]
 
     @staticmethod
@@ -333,10 +191,11 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self):
-        if self.owner_applies:
+        if not self.exchange_updates:
             for p, owner in self.param_owners():
                 if owner == self.rank:
-                    self._apply(None, [p], [self._orthogonalized_momentum(p, self._group_of(p))], self._group_of(p))
+                    group = self._group_of(p)
+                    self._apply(None, [p], [self._orthogonalized_momentum(p, group)], group)
             return
         for group, update_buffer in zip(self.param_groups, self.update_buffers):
             params, views = group["params"], update_buffer.view(self.world_size, -1).unbind(0)
@@ -350,7 +209,7 @@ class Muon(torch.optim.Optimizer):
                     self._apply(*pending, views, group)
                 if self.world_size > 1:
                     count_comm("all_gather_into_tensor", update_buffer)
-                    handle = dist.all_gather_into_tensor(update_buffer, update, group=self.dp.group, async_op=True)
+                    handle = dist.all_gather_into_tensor(update_buffer, update, group=self.group, async_op=True)
                 else:
                     views[0].copy_(update)
                     handle = None
@@ -359,19 +218,16 @@ class Muon(torch.optim.Optimizer):
                 self._apply(*pending, views, group)
 
     def _orthogonalized_momentum(self, p: Tensor, group) -> Tensor:
-        g = p.grad
-        if g is None:
+        if p.grad is None:
             raise RuntimeError(f"Muon parameter of shape {tuple(p.shape)} has no gradient")
-        if is_tensor_parallel(p):
-            g = tp_gather(g, p.tp_dim, p.tp_full, self.tp)  # Newton-Schulz needs the whole matrix
+        g = whole(p, p.grad)  # Newton-Schulz needs the whole matrix
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(g)
         buf = state["momentum_buffer"]
         buf.lerp_(g, 1 - group["momentum"])
         g = g.lerp_(buf, group["momentum"]) if group["nesterov"] else buf
-        update = self.orthogonalize(g, steps=group["ns_steps"], dtype=self.ns_dtype)
-        return tp_shard(update, p.tp_dim, self.tp) if is_tensor_parallel(p) else update
+        return own_slice(p, self.orthogonalize(g, steps=group["ns_steps"], dtype=self.ns_dtype))
 
     def _group_of(self, p: Tensor) -> dict:
         return next(group for group in self.param_groups if group["params"][0].numel() == p.numel())
@@ -381,7 +237,7 @@ class Muon(torch.optim.Optimizer):
         if handle is not None:
             handle.wait()
         for p, update in zip(chunk, views):
-            rows, cols = full_shape(p)[-2:]  # the whole matrix's aspect, also for a tensor-parallel slice
+            rows, cols = full_shape(p)[-2:]  # the whole matrix's aspect, also for a slice of it
             p.add_(update.view_as(p), alpha=-group["lr"] * max(1, rows / cols) ** 0.5)
 
 
@@ -396,23 +252,26 @@ def norm(x: Tensor) -> Tensor:
     return F.rms_norm(x, (x.size(-1),))  # no learnable scale
 
 
-class CastedLinear(nn.Linear):
-    """Bias-free linear whose fp32 weight is cast to the activations' dtype; optionally an FP8 matmul in training."""
+class CastedLinear(nn.Module):
+    """Bias-free linear whose fp32 weight is cast to the activations' dtype; optionally an FP8 matmul in training.
 
-    def __init__(self, in_features: int, out_features: int, use_fp8=False, x_s=1.0, w_s=1.0, grad_s=1.0):
-        super().__init__(in_features, out_features, bias=False)
+    `stacked` independent matrices (weight (stacked, out, in), such as q, k and v) multiply as one
+    (stacked * out, in) matrix, while Muon orthogonalises each.
+    """
+
+    def __init__(self, in_features: int, out_features: int, stacked: int | None = None, use_fp8=False, x_s=1.0,
+                 w_s=1.0, grad_s=1.0):
+        super().__init__()
+        shape = (out_features, in_features) if stacked is None else (stacked, out_features, in_features)
+        bound = 3 ** 0.5 * 0.5 * in_features ** -0.5  # uniform with std 0.5 / sqrt(fan_in)
+        self.weight = nn.Parameter(torch.empty(shape).uniform_(-bound, bound))
         self.use_fp8, self.x_s, self.w_s, self.grad_s = use_fp8, x_s, w_s, grad_s
-
-    def reset_parameters(self) -> None:
-        bound = 3 ** 0.5 * 0.5 * self.in_features ** -0.5  # uniform with std 0.5 / sqrt(fan_in)
-        with torch.no_grad():
-            self.weight.uniform_(-bound, bound)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.use_fp8 and self.training:
             out = fp8_mm(x.flatten(0, -2), self.weight, self.x_s, self.w_s, self.grad_s)[0]
             return out.reshape(*x.shape[:-1], -1)
-        return F.linear(x, self.weight.type_as(x))
+        return F.linear(x, self.weight.flatten(end_dim=-2).type_as(x))
 
 
 class Rotary(nn.Module):
@@ -504,84 +363,85 @@ def document_causal_masks(input_seq: Tensor, window_blocks: Tensor) -> tuple[Att
 compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
 
 
-class CausalSelfAttention(nn.Module):
-    """Tensor parallel over heads (Megatron): q, k, v column-parallel, the output projection row-parallel."""
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask | Tensor) -> Tensor:
+    """FlexAttention under a block mask; under its dense twin (CPU, where FlexAttention has no backward) the same
+    function through a boolean mask. q, k, v: (B, H, T, D)."""
+    if isinstance(mask, BlockMask):
+        return compiled_flex_attention(q, k, v, block_mask=mask, scale=0.12)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.12)
 
-    def __init__(self, dim: int, num_heads: int, head_dim: int, max_seq_len: int, tp: Axis = Axis(),
-                 sequence: str = "replicated"):
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, dim: int, num_heads: int, head_dim: int, max_seq_len: int):
         super().__init__()
-        self.tp, self.sequence = tp, sequence
-        self.num_heads, self.head_dim = num_heads // tp.size, head_dim  # this rank's heads
-        hdim = self.num_heads * head_dim
-        bound = 3 ** 0.5 * 0.5 * dim ** -0.5
-        self.qkv_w = nn.Parameter(torch.empty(3, hdim, dim).uniform_(-bound, bound))
+        self.head_dim = head_dim
+        self.qkv = CastedLinear(dim, num_heads * head_dim, stacked=3)
         self.lambdas = nn.Parameter(torch.tensor([0.5, 0.5]))  # mix of v and the value embedding
         self.rotary = Rotary(head_dim, max_seq_len)
-        self.c_proj = CastedLinear(hdim, dim)
+        self.c_proj = CastedLinear(num_heads * head_dim, dim)
         self.c_proj.weight.detach().zero_()  # zero-init: each block starts as the identity
-        mark_tensor_parallel(self.qkv_w, 1, num_heads * head_dim, tp)
-        mark_tensor_parallel(self.c_proj.weight, 1, num_heads * head_dim, tp)
 
-    def forward(self, x: Tensor, ve: Tensor | None, mask: AttentionMask, use_flex: bool) -> Tensor:
-        qkv = column_parallel_linear(x, self.qkv_w.flatten(end_dim=1).type_as(x), self.tp, self.sequence)
-        B, T = qkv.size(0), qkv.size(1)  # B == 1: masks are per sequence; T: the whole sequence
-        q, k, v = qkv.view(B, T, 3 * self.num_heads, self.head_dim).chunk(3, dim=-2)  # (B, T, H, D) each
+    def forward(self, x: Tensor, ve: Tensor | None, mask: BlockMask | Tensor) -> Tensor:
+        qkv = self.qkv(x)
+        B, T = qkv.size(0), qkv.size(1)  # B == 1: masks are per sequence
+        q, k, v = qkv.view(B, T, 3, -1, self.head_dim).unbind(2)  # (B, T, H, D) each
         q, k = self.rotary(norm(q)), self.rotary(norm(k))  # QK-norm, then rotate
-        lambdas = copy_to_tensor_parallel(self.lambdas, self.tp)  # each rank's heads hold part of their gradient
-        v = lambdas[0] * v + lambdas[1] * ve.view_as(v) if ve is not None else lambdas[0] * v
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
-        if use_flex:
-            y = compiled_flex_attention(q, k, v, block_mask=mask.flex(), scale=0.12)
-        else:  # CPU twin: FlexAttention has no backward there; same function through a dense boolean mask
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense(), scale=0.12)
-        y = y.transpose(1, 2).contiguous().view(B, T, self.num_heads * self.head_dim)
-        return leave_tensor_parallel(self.c_proj(y), self.tp, self.sequence)
+        v = self.lambdas[0] * v + self.lambdas[1] * ve.view_as(v) if ve is not None else self.lambdas[0] * v
+        y = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)  # (B, H, T, D)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, -1))
 
 
 class MLP(nn.Module):
-    """Tensor parallel (Megatron): the up projection column-parallel, the down projection row-parallel."""
-
-    def __init__(self, dim: int, tp: Axis = Axis(), sequence: str = "replicated"):
+    def __init__(self, dim: int):
         super().__init__()
-        self.tp, self.sequence = tp, sequence
-        self.c_fc = CastedLinear(dim, 4 * dim // tp.size)
-        self.c_proj = CastedLinear(4 * dim // tp.size, dim)
+        self.c_fc = CastedLinear(dim, 4 * dim)
+        self.c_proj = CastedLinear(4 * dim, dim)
         self.c_proj.weight.detach().zero_()
-        mark_tensor_parallel(self.c_fc.weight, 0, 4 * dim, tp)
-        mark_tensor_parallel(self.c_proj.weight, 1, 4 * dim, tp)
 
     def forward(self, x: Tensor) -> Tensor:
-        up = column_parallel_linear(x, self.c_fc.weight.type_as(x), self.tp, self.sequence)
-        return leave_tensor_parallel(self.c_proj(F.relu(up).square()), self.tp, self.sequence)  # ReLU^2
+        return self.c_proj(F.relu(self.c_fc(x)).square())  # ReLU^2
 
 
 class Block(nn.Module):
     def __init__(self, dim: int, num_heads: int, head_dim: int, max_seq_len: int, has_attention: bool,
-                 takes_skip: bool, tp: Axis = Axis(), sequence: str = "replicated"):
+                 takes_skip: bool):
         super().__init__()
-        self.attn = CausalSelfAttention(dim, num_heads, head_dim, max_seq_len, tp, sequence) if has_attention \
-            else None
-        self.mlp = MLP(dim, tp, sequence)
-        self.tp, self.sequence_sharded = tp, sequence != "replicated"
+        self.attn = CausalSelfAttention(dim, num_heads, head_dim, max_seq_len) if has_attention else None
+        self.mlp = MLP(dim)
         self.lambdas = nn.Parameter(torch.tensor([1.0, 0.0]))  # mix of the residual stream and the embedding x0
-        # decoder blocks weigh the U-Net skip from their mirror encoder block (a block's own parameter, so that
-        # each parameter lives on exactly one pipeline stage)
+        # decoder blocks weigh the U-Net skip from their mirror encoder block
         self.skip_weight = nn.Parameter(torch.tensor(1.0)) if takes_skip else None
 
-    def shared(self, param: Tensor) -> Tensor:
-        """A scalar parameter used on sequence shards: each tensor-parallel rank holds part of its gradient, and
-        f's backward sums them."""
-        return copy_to_tensor_parallel(param, self.tp) if self.sequence_sharded else param
-
-    def forward(self, x: Tensor, skip: Tensor | None, ve: Tensor | None, x0: Tensor, mask: AttentionMask,
-                use_flex: bool) -> Tensor:
-        lambdas = self.shared(self.lambdas)
+    def forward(self, x: Tensor, skip: Tensor | None, ve: Tensor | None, x0: Tensor,
+                mask: BlockMask | Tensor) -> Tensor:
         if skip is not None:
-            x = x + self.shared(self.skip_weight) * skip
-        x = lambdas[0] * x + lambdas[1] * x0
+            x = x + self.skip_weight * skip
+        x = self.lambdas[0] * x + self.lambdas[1] * x0
         if self.attn is not None:
-            x = x + self.attn(norm(x), ve, mask, use_flex)
+            x = x + self.attn(norm(x), ve, mask)
         return x + self.mlp(norm(x))
+
+
+class LMHead(CastedLinear):
+    """The output layer and the loss: soft-capped logits, cross-entropy summed over tokens."""
+
+    # evaluation runs over this many tokens at a time: a 262K-token validation sequence's fp32 logits over the
+    # whole vocabulary are 53 GB
+    EVAL_ROWS = 16384
+
+    def forward(self, x: Tensor, targets: Tensor) -> Tensor:
+        """x: (T, D), targets: (T,)."""
+        rows = len(x) if self.training else self.EVAL_ROWS
+        return sum(self.summed_loss(x[i:i + rows], targets[i:i + rows]) for i in range(0, len(x), rows))
+
+    def summed_loss(self, x: Tensor, targets: Tensor) -> Tensor:
+        logits = super().forward(x).float()
+        logits = 30 * torch.sigmoid(logits / (7.5 * x.size(-1) ** 0.5))  # soft cap in (0, 30), element-wise
+        return self.cross_entropy(logits, targets)
+
+    @staticmethod
+    def cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
+        return F.cross_entropy(logits, targets, reduction="sum")
 
 
 class GPT(nn.Module):
@@ -589,121 +449,66 @@ class GPT(nn.Module):
     value embeddings feed the first three and last three layers' values; window_pattern says which layers
     use the long ('L') or short ('S') sliding window.
 
-    A pipeline stage is built with `layers`, a contiguous run of block indices: it holds those blocks only (the
-    others are None, so parameter names stay those of the whole model), the embeddings if it starts at layer 0,
-    and the head if it ends at the last layer.
+    The forward is four steps: masks, embedding, each block on the stream, head. Pipeline stages run the same
+    steps split by layer (PipelineStage.forward), so new computation belongs inside one of them.
     """
 
     NUM_VALUE_EMBEDS = 3
-    # evaluation runs the head over this many tokens at a time: a 262K-token validation sequence's fp32 logits
-    # over the whole vocabulary are 53 GB, which no GPU holds when the model runs uncompiled (tp, pp, ZeRO 3)
-    EVAL_HEAD_ROWS = 16384
 
     def __init__(self, vocab_size: int, num_layers: int, num_heads: int, head_dim: int, model_dim: int,
-                 max_seq_len: int, window_pattern: str, attention_free_layers=(), fp8_head=True, tp: Axis = Axis(),
-                 layers: range | None = None, sequence: str = "replicated"):
+                 max_seq_len: int, window_pattern: str, layers_without_attention=(), fp8_head=True):
         super().__init__()
-        self.window_pattern, self.tp, self.model_dim, self.sequence = window_pattern, tp, model_dim, sequence
-        self.layers = range(num_layers) if layers is None else layers
+        self.window_pattern = window_pattern
         self.num_encoder_layers = num_layers // 2
         self.use_flex = False  # set by the trainer: FlexAttention on CUDA, the dense twin elsewhere
-        # tensor parallel: the token embedding and the head split by vocabulary, the value embeddings by the heads
-        # they feed (no communication), the blocks by heads and MLP width
-        first, last = self.layers.start == 0, self.layers.stop == num_layers
-        self.embed = nn.Embedding(-(-vocab_size // tp.size), model_dim) if first else None
-        self.value_embeds = nn.ModuleList([nn.Embedding(vocab_size, model_dim // tp.size)
-                                           for _ in range(self.NUM_VALUE_EMBEDS)]) if first else None
-        self.blocks = nn.ModuleList([Block(model_dim, num_heads, head_dim, max_seq_len, i not in attention_free_layers,
-                                           i >= self.num_encoder_layers, tp, sequence) if i in self.layers else None
+        self.embed = nn.Embedding(vocab_size, model_dim)
+        self.value_embeds = nn.ModuleList([nn.Embedding(vocab_size, model_dim)
+                                           for _ in range(self.NUM_VALUE_EMBEDS)])
+        self.blocks = nn.ModuleList([Block(model_dim, num_heads, head_dim, max_seq_len,
+                                           i not in layers_without_attention, i >= self.num_encoder_layers)
                                      for i in range(num_layers)])
         # vocab padded to a multiple of 128 for faster kernels; the FP8 scales are the record's
-        padded_vocab = next_multiple_of_n(vocab_size, n=128)
-        self.lm_head = CastedLinear(model_dim, padded_vocab // tp.size, use_fp8=fp8_head, x_s=model_dim ** 0.5 / 448,
-                                    w_s=24 / 448, grad_s=1 / 448) if last else None
-        if first:
-            mark_tensor_parallel(self.embed.weight, 0, vocab_size, tp)
-            for value_embed in self.value_embeds:
-                mark_tensor_parallel(value_embed.weight, 1, model_dim, tp)
-        if last:
-            self.lm_head.weight.detach().zero_()
-            mark_tensor_parallel(self.lm_head.weight, 0, padded_vocab, tp)
+        self.lm_head = LMHead(model_dim, next_multiple_of_n(vocab_size, n=128), use_fp8=fp8_head,
+                              x_s=model_dim ** 0.5 / 448, w_s=24 / 448, grad_s=1 / 448)
+        self.lm_head.weight.detach().zero_()
 
-    def local_blocks(self) -> list[Block]:
-        return [self.blocks[i] for i in self.layers]
+    def forward(self, input_seq: Tensor, target_seq: Tensor, window_blocks: Tensor) -> Tensor:
+        """input_seq, target_seq: (T,). Loss summed over tokens in training, averaged in evaluation."""
+        masks = self.attention_masks(input_seq, window_blocks)
+        stream = self.embed_tokens(input_seq)
+        for i in range(len(self.blocks)):
+            stream = self.run_block(i, stream, masks)
+        return self.head_loss(stream, target_seq)
 
-    def embed_tokens(self, input_seq: Tensor) -> Tensor:
-        if self.tp.size == 1:
-            return self.embed(input_seq)
-        rows = self.embed.num_embeddings  # vocabulary-parallel: look up this rank's rows, zero elsewhere, sum
-        local = input_seq - self.tp.rank * rows
-        inside = (local >= 0) & (local < rows)
-        found = self.embed(local.clamp(0, rows - 1)) * inside[:, None].to(self.embed.weight.dtype)
-        return leave_tensor_parallel(found[None], self.tp, self.sequence)[0]
+    def attention_masks(self, input_seq: Tensor, window_blocks: Tensor) -> dict[str, BlockMask | Tensor]:
+        """The long ('L') and short ('S') window masks, built once per forward."""
+        long_mask, short_mask = document_causal_masks(input_seq, window_blocks)
+        return {letter: mask.flex() if self.use_flex else mask.dense()
+                for letter, mask in (("L", long_mask), ("S", short_mask))}
+
+    def embed_tokens(self, input_seq: Tensor) -> dict:
+        """The stream that flows from block to block: the residual x, the normed embedding x0 every block mixes
+        back in, the value embeddings, and the encoder outputs the decoder has yet to take as U-Net skips."""
+        x = norm(self.embed(input_seq)[None])  # (1, T, D)
+        return dict(x=x, x0=x, ve=[value_embed(input_seq) for value_embed in self.value_embeds], skips=[])
+
+    def run_block(self, i: int, stream: dict, masks: dict) -> dict:
+        skips = list(stream["skips"])
+        skip = skips.pop() if i >= self.num_encoder_layers else None  # the mirror encoder block's output
+        x = self.blocks[i](stream["x"], skip, self.value_embed_of_layer(stream["ve"], i), stream["x0"],
+                           masks[self.window_pattern[i]])
+        if i < self.num_encoder_layers:
+            skips.append(x)
+        return dict(stream, x=x, skips=skips)
+
+    def head_loss(self, stream: dict, target_seq: Tensor) -> Tensor:
+        loss = self.lm_head(norm(stream["x"])[0], target_seq)
+        return loss if self.training else loss / len(target_seq)
 
     def value_embed_of_layer(self, ve: list[Tensor], i: int) -> Tensor | None:
         """Value embedding k feeds layer k and layer num_layers - 3 + k; the middle layers get none."""
         n_ve, n_layers = self.NUM_VALUE_EMBEDS, len(self.blocks)
         return ve[i] if i < n_ve else ve[i - (n_layers - n_ve)] if i >= n_layers - n_ve else None
-
-    def carry_shapes(self, layer: int, seq_len: int) -> list[tuple]:
-        """Shapes of what crosses a pipeline boundary before `layer` (see forward's carry), for the receiver."""
-        pending_skips = min(layer, self.num_encoder_layers) - max(0, layer - self.num_encoder_layers)
-        shard = seq_len // self.tp.size if self.sequence != "replicated" else seq_len
-        stream, value_embed = (1, shard, self.model_dim), (seq_len, self.model_dim // self.tp.size)
-        return [stream] * 2 + [value_embed] * self.NUM_VALUE_EMBEDS + [stream] * pending_skips
-
-    def forward(self, input_seq: Tensor, target_seq: Tensor, window_blocks: Tensor,
-                carry: list[Tensor] | None = None) -> Tensor | list[Tensor]:
-        """input_seq, target_seq: (T,). Loss summed over tokens in training, averaged in evaluation.
-
-        A pipeline stage after the first takes `carry` from the stage before: the residual stream x, the normed
-        embedding x0, the three value embeddings and the encoder outputs its decoder blocks have yet to take
-        as skips. Every stage but the last returns the carry for the next.
-        """
-        long_mask, short_mask = document_causal_masks(input_seq, window_blocks)
-        if carry is None:
-            x = norm(self.embed_tokens(input_seq)[None])  # (1, T, D); sequence parallel: (1, T / tp, D)
-            carry = [x, x, *[value_embed(input_seq) for value_embed in self.value_embeds]]
-        x, x0, ve, skips = carry[0], carry[1], carry[2:2 + self.NUM_VALUE_EMBEDS], carry[2 + self.NUM_VALUE_EMBEDS:]
-        for i in self.layers:
-            skip = skips.pop() if i >= self.num_encoder_layers else None
-            mask = long_mask if self.window_pattern[i] == "L" else short_mask
-            x = self.blocks[i](x, skip, self.value_embed_of_layer(ve, i), x0, mask, self.use_flex)
-            if i < self.num_encoder_layers:
-                skips.append(x)
-        if self.lm_head is None:
-            return [x, x0, *ve, *skips]
-        x = enter_tensor_parallel(norm(x), self.tp, self.sequence)[0]  # (T, D)
-        if self.training:
-            return self.summed_loss(x, target_seq)
-        rows = self.EVAL_HEAD_ROWS
-        return sum(self.summed_loss(x[i:i + rows], target_seq[i:i + rows])
-                   for i in range(0, len(target_seq), rows)) / len(target_seq)
-
-    def summed_loss(self, x: Tensor, targets: Tensor) -> Tensor:
-        """Cross-entropy summed over the rows of x (T, D), through the head and the soft cap."""
-        logits = self.lm_head(x).float()
-        logits = 30 * torch.sigmoid(logits / (7.5 * x.size(-1) ** 0.5))  # soft cap in (0, 30), element-wise
-        if self.tp.size == 1:
-            return F.cross_entropy(logits, targets, reduction="sum")
-        return vocab_parallel_cross_entropy(logits, targets, self.tp)
-
-
-def vocab_parallel_cross_entropy(logits: Tensor, targets: Tensor, tp: Axis) -> Tensor:
-    """Cross-entropy summed over tokens, of logits split by vocabulary across tp: (T, V / tp) here, full (T, V)
-    nowhere."""
-    n = logits.size(-1)
-    with torch.no_grad():
-        top = logits.max(dim=-1).values
-        count_comm("all_reduce", top)
-        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=tp.group)
-    shifted = logits - top[:, None]
-    sum_exp = reduce_from_tensor_parallel(shifted.exp().sum(dim=-1), tp)
-    local = targets - tp.rank * n
-    inside = (local >= 0) & (local < n)
-    target_logit = shifted.gather(1, local.clamp(0, n - 1)[:, None]).squeeze(1) * inside
-    losses = sum_exp.log() - reduce_from_tensor_parallel(target_logit, tp)
-    return losses.sum()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -938,12 +743,8 @@ def parse_args(argv=None, cuda: bool | None = None) -> Hyperparameters:
     return args
 
 
-def sequence_mode(args: Hyperparameters) -> str:
-    """How activations outside the tensor-parallel regions are held (see column_parallel_linear)."""
-    return "async" if args.async_tp else "sharded" if args.sp else "replicated"
-
-
-def attention_free_layers(args: Hyperparameters) -> tuple[int, ...]:
+def attention_free_layer_indices(args: Hyperparameters) -> tuple[int, ...]:
+    """The layer indices that --attention_free_layers lists."""
     try:
         return tuple(int(i) for i in args.attention_free_layers.split(",") if i.strip())
     except ValueError:
@@ -988,7 +789,7 @@ def check_hyperparameters(args: Hyperparameters) -> None:
     need(len(args.window_pattern) == args.num_layers and set(args.window_pattern) <= {"L", "S"},
          f"--window_pattern {args.window_pattern!r} must have one letter L or S per layer ({args.num_layers})")
     need(args.head_dim % 4 == 0, f"--head_dim {args.head_dim} must be a multiple of 4 (half-truncated rotary)")
-    bad = [i for i in attention_free_layers(args) if not 0 <= i < args.num_layers]
+    bad = [i for i in attention_free_layer_indices(args) if not 0 <= i < args.num_layers]
     need(not bad, f"--attention_free_layers names layers {bad} outside 0..{args.num_layers - 1}")
 
 
@@ -1053,8 +854,693 @@ def muon_momentum(step: int, args: Hyperparameters) -> float:
     return (1 - frac) * 0.85 + frac * 0.95
 
 
+def set_schedules(optimizers: list[torch.optim.Optimizer], step: int, args: Hyperparameters) -> None:
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["lr"] = group["initial_lr"] * lr_multiplier(step, args)
+    for group in optimizers[1].param_groups:
+        group["momentum"] = muon_momentum(step, args)
+
+
 # ----------------------------------------------------------------------------------------------------
-# Data parallel: setup, parameter broadcast, bucketed async gradient all-reduce
+# Training: the model and optimizers this rank trains, one step, evaluation, and the loop
+
+def build_model(args: Hyperparameters, device: torch.device, cuda_dtypes: bool | None = None) -> GPT:
+    """The one-process model on device, the same on every rank (built on the CPU from the seed, then moved; on
+    the meta device for the plan, allocating nothing). cuda_dtypes (default: on CUDA) gives it the CUDA run's
+    dtypes. `full_shapes` records the parameter shapes, which checkpoints hold."""
+    with torch.device("meta" if device.type == "meta" else "cpu"):
+        model = GPT(vocab_size=args.vocab_size, num_layers=args.num_layers, num_heads=args.num_heads,
+                    head_dim=args.head_dim, model_dim=args.model_dim,
+                    max_seq_len=max(args.train_seq_len, args.val_seq_len), window_pattern=args.window_pattern,
+                    layers_without_attention=attention_free_layer_indices(args), fp8_head=args.fp8_head)
+    model = model.to(device)
+    model.full_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    model.use_flex = device.type == "cuda"
+    if device.type == "cuda" if cuda_dtypes is None else cuda_dtypes:
+        for m in model.modules():  # bf16 embeddings make the activations bf16; CPU stays fp32 (bf16 is slow there)
+            if isinstance(m, nn.Embedding):
+                m.bfloat16()
+    return model
+
+
+def compute_dtype(cuda: bool) -> torch.dtype:
+    """Of activations and Newton-Schulz: bf16 on CUDA, fp32 on CPU (where bf16 matmuls are slow)."""
+    return torch.bfloat16 if cuda else torch.float32
+
+
+def optimizer_param_groups(model: GPT) -> dict[str, list[Tensor]]:
+    """Adam takes the head, the embeddings and every vector or scalar, each kind with its own lr; Muon every
+    other matrix (a model part a pipeline stage does not hold is None)."""
+    embeddings = [m for m in (model.embed, *(model.value_embeds or ())) if m is not None]
+    head = list(model.lm_head.parameters()) if model.lm_head is not None else []
+    embed = [p for m in embeddings for p in m.parameters()]
+    adam_matrices = set(head + embed)
+    return dict(muon=[p for p in model.parameters() if p.ndim >= 2 and p not in adam_matrices], head=head,
+                embed=embed, scalar=[p for p in model.parameters() if p.ndim < 2])
+
+
+def build_optimizers(model: GPT, args: Hyperparameters, ctx: "ParallelContext", cuda_dtypes: bool,
+                     exchange_updates: bool = True) -> list[torch.optim.Optimizer]:
+    groups = optimizer_param_groups(model)
+    adam_groups = [dict(params=groups["head"], lr=args.lr_head), dict(params=groups["embed"], lr=args.lr_embed),
+                   dict(params=groups["scalar"], lr=args.lr_scalar)]
+    adam = torch.optim.Adam([group for group in adam_groups if group["params"]],  # (pipeline stages lack some)
+                            betas=(0.8, 0.95), eps=1e-10, fused=ctx.device.type != "meta")  # (meta: the plan)
+    on_cuda = ctx.device.type == "cuda"
+    muon = Muon(groups["muon"], lr=args.lr_muon, momentum=0.95, rank=ctx.dp.rank, world_size=ctx.dp.size,
+                group=ctx.dp.group,
+                orthogonalize=torch.compile(zeropower_via_newtonschulz5) if on_cuda else zeropower_via_newtonschulz5,
+                ns_dtype=compute_dtype(cuda_dtypes), exchange_updates=exchange_updates)
+    optimizers = [adam, muon]
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["initial_lr"] = group["lr"]
+    return optimizers
+
+
+@functools.lru_cache(maxsize=8)
+def window_tensor(blocks: int, device: torch.device) -> Tensor:
+    # a tensor, not an int, so torch.compile(dynamic=False) does not recompile as the window grows
+    return torch.tensor(blocks, dtype=torch.int32, device=device)
+
+
+def accumulate_gradients(model: nn.Module, batches, window: Tensor, micro_batches: int, gradients) -> Tensor:
+    """Forward and backward over this rank's micro-batches; returns their summed loss. Afterwards each parameter's
+    gradient is that of the mean over the global batch's sequences of each sequence's summed token loss
+    (`gradients` averages over the data-parallel ranks)."""
+    loss_sum = torch.zeros((), device=window.device)
+    for i in range(micro_batches):
+        inputs, targets = next(batches)
+        loss = model(inputs, targets, window)
+        with gradients.micro_batch(last=i == micro_batches - 1):
+            (loss / micro_batches).backward()
+        loss_sum += loss.detach()
+    gradients.wait()
+    return loss_sum
+
+
+@dataclass
+class Run:
+    """One rank's training under its layout: the part of the model it holds, its optimizers, and the layout's
+    parts, each of which does nothing in a one-process run (see build_run)."""
+    args: Hyperparameters
+    ctx: "ParallelContext"
+    model: GPT  # this rank's part: tensor-parallel slices, a pipeline stage
+    compiled: nn.Module  # the model, or torch.compile of it
+    optimizers: list[torch.optim.Optimizer]
+    micro_batches: int
+    accumulate: Callable  # accumulate_gradients, or the pipeline's schedule
+    evaluation_loss: Callable  # (inputs, targets, window) -> loss: the compiled model, or the pipeline's
+    gradients: "GradientBuckets | LocalGradients"  # the data-parallel average
+    zero: "Zero"  # who owns (updates) each parameter
+    norm_params: list[Tensor]  # the gradients this rank counts in the global norm (each counted once)
+
+    def backward(self, batches, step: int) -> Tensor:
+        """Forward and backward of one step's micro-batches; returns this rank's summed loss."""
+        window = window_tensor(window_size_blocks(step, self.args), self.ctx.device)
+        return self.accumulate(self.compiled, batches, window, self.micro_batches, self.gradients)
+
+    def optimizer_step(self, step: int) -> None:
+        set_schedules(self.optimizers, step, self.args)
+        self.zero.step(self.optimizers)
+        self.model.zero_grad(set_to_none=True)
+
+    def train_step(self, batches, step: int) -> tuple[Tensor, Tensor]:
+        """One training step; returns this rank's summed loss and its share of the squared gradient norm."""
+        loss_sum = self.backward(batches, step)
+        grad_squares = self.gradient_squares()
+        self.optimizer_step(step)
+        return loss_sum, grad_squares
+
+    def gradient_squares(self) -> Tensor:
+        """This rank's share of the squared global gradient norm (each gradient is counted on one rank)."""
+        grads = [p.grad for p in self.norm_params if p.grad is not None]
+        return torch.nn.utils.get_total_norm(grads).square() if grads else torch.zeros((), device=self.ctx.device)
+
+    def step_stats(self, loss_sum: Tensor, grad_squares: Tensor, stop: bool) -> Tensor:
+        """[mean train loss per token, squared gradient norm, ranks asking to stop], summed over the ranks in one
+        all-reduce."""
+        loss = self.loss_share(loss_sum / (self.micro_batches * self.args.train_seq_len))
+        return sum_over_ranks(torch.stack([loss, grad_squares.float(),
+                                           torch.full((), float(stop), device=self.ctx.device)]))
+
+    def loss_share(self, loss: Tensor) -> Tensor:
+        """This rank's part of the mean loss over the data-parallel ranks: only the last pipeline stage computes
+        it, and tensor-parallel ranks compute it alike, so one of them counts."""
+        counts = self.ctx.pp.rank == self.ctx.pp.size - 1 and self.ctx.tp.rank == 0
+        return loss.float() / self.ctx.dp.size if counts else torch.zeros((), device=self.ctx.device)
+
+    def evaluate(self, step: int) -> float:
+        """Mean val loss over val_tokens, the same for every world size (each rank averages equal shares)."""
+        args, ctx = self.args, self.ctx
+        val_seqs = args.val_tokens // args.val_seq_len
+        loader = DistributedDataLoader(args.val_files, args.val_seq_len, val_seqs, ctx.dp.rank, ctx.dp.size,
+                                       ctx.device, flag="val_files")
+        window = window_tensor(window_size_blocks(step, args), ctx.device)
+        self.model.eval()
+        total = torch.zeros((), device=ctx.device, dtype=torch.float32)
+        with torch.no_grad():
+            for _ in range(val_seqs // ctx.dp.size):
+                total += self.evaluation_loss(*next(loader), window).float()
+        self.model.train()
+        return sum_over_ranks(self.loss_share(total / (val_seqs // ctx.dp.size))).item()
+
+
+def build_run(args: Hyperparameters, ctx: "ParallelContext", cuda_dtypes: bool | None = None,
+              carry_specs: dict | None = None) -> Run:
+    """This rank's model, optimizers and layout parts. The one-process model is built first on every rank, then
+    cut to this rank's part: tensor-parallel slices, then a pipeline stage. cuda_dtypes and carry_specs: for the
+    plan, which runs this on the meta device."""
+    micro_batches = check_world_size(args, ctx.world_size)
+    cuda_dtypes = ctx.device.type == "cuda" if cuda_dtypes is None else cuda_dtypes
+    torch.manual_seed(args.seed)
+    model = build_model(args, ctx.device, cuda_dtypes)
+    if ctx.tp.size > 1:
+        tensor_parallelize(model, ctx.tp, args.sp, args.async_tp)
+    stage = PipelineStage(model, ctx.pp, args.pp_schedule, carry_specs) if ctx.pp.size > 1 else None
+    broadcast_parameters(model, ctx.dp)
+    groups = optimizer_param_groups(model)
+    zero = Zero.build(args.zero, groups, ctx.dp)
+    optimizers = build_optimizers(model, args, ctx, cuda_dtypes, exchange_updates=zero.stage < 3)
+    gradients = LocalGradients()
+    if ctx.dp.size > 1 or args.fp64_grad_sum:
+        gradients = GradientBuckets(model.parameters(), sum_dtype=torch.float64 if args.fp64_grad_sum else None,
+                                    dp=ctx.dp, owner_of=zero.gradient_owners())
+    if zero.stage >= 3 and ctx.dp.size > 1:
+        zero.shard_parameters(model)
+    compiled = torch.compile(model, dynamic=False) if args.compile else model
+    norm_params = [p for p in model.parameters() if zero.owns(p) and (hasattr(p, "slice_of") or ctx.tp.rank == 0)]
+    return Run(args, ctx, model, compiled, optimizers, micro_batches,
+               accumulate=accumulate_gradients if stage is None else stage.accumulate,
+               evaluation_loss=compiled if stage is None else stage.forward_only, gradients=gradients, zero=zero,
+               norm_params=norm_params)
+
+
+def warmup_and_restore(model: nn.Module, optimizers: list[torch.optim.Optimizer], train_step, steps: int) -> None:
+    """Run `steps` training steps (to trigger compilation), then put model and optimizers back as they were."""
+    initial = dict(model=copy.deepcopy(model.state_dict()),
+                   optimizers=[copy.deepcopy(opt.state_dict()) for opt in optimizers])
+    for _ in range(steps):
+        train_step()
+    model.load_state_dict(initial["model"])
+    for opt, state in zip(optimizers, initial["optimizers"]):
+        opt.load_state_dict(state)
+    model.zero_grad(set_to_none=True)
+
+
+def sum_over_ranks(value: Tensor) -> Tensor:
+    if dist.is_initialized():
+        count_comm("all_reduce", value)
+        dist.all_reduce(value)
+    return value
+
+
+def random_batches(args: Hyperparameters, device: torch.device):
+    """Endless random (inputs, targets) micro-batches: the compile warm-up's data."""
+    while True:
+        tokens = torch.randint(0, args.vocab_size, (args.train_seq_len + 1,), device=device)
+        yield tokens[:-1].to(torch.int32), tokens[1:]
+
+
+def train(args: Hyperparameters, ctx: "ParallelContext") -> float:
+    """Train this rank's part to --num_iterations; returns the final validation loss."""
+    check_world_size(args, ctx.world_size)
+    for pattern, flag in ((args.train_files, "train_files"), (args.val_files, "val_files")):
+        for path in list_shards(pattern, flag):  # refuse bad data before building anything
+            read_shard_header(path)
+    agree_on_run_id(args, ctx)
+    if args.compile is None:  # (the layouts' collectives inside autograd functions and hooks are not yet proven
+        # under compile on GPUs)
+        args.compile = ctx.device.type == "cuda" and args.zero < 3 and args.tp == 1 and args.pp == 1
+    stop_requests = StopRequests(Path(args.kill_switch or Path(args.log_dir) / f"{args.run_id}.stop"))
+    if from_master(stop_requests.kill_switch.exists()):
+        raise UserError(f"the kill switch {stop_requests.kill_switch} exists: delete it to start or resume the run")
+    resume_path = find_checkpoint(args, ctx)
+    checkpoint = load_checkpoint(resume_path) if resume_path else None
+
+    run = build_run(args, ctx)
+    if args.compile and args.warmup_steps > 0:
+        warmup = random_batches(args, ctx.device)
+        warmup_and_restore(run.model, run.optimizers, lambda: run.train_step(warmup, 0), args.warmup_steps)
+    book = Bookkeeping(args, run, checkpoint, resume_path)  # restores the checkpoint, then opens the log
+    del checkpoint  # unmaps the file
+    train_loader = DistributedDataLoader(args.train_files, args.train_seq_len, args.seqs_per_step, ctx.dp.rank,
+                                         ctx.dp.size, ctx.device, position=book.data_position)
+    val_loss = float("nan")
+    with stop_requests:
+        clock = TrainingClock(ctx.device, book.training_time_ms)
+        for step in range(book.start_step, args.num_iterations + 1):
+            last_step = step == args.num_iterations
+            if last_step or (args.val_loss_every > 0 and step % args.val_loss_every == 0):
+                with clock.paused():  # validation is not timed
+                    val_loss = run.evaluate(step)
+                    book.log(f"step:{step}/{args.num_iterations} val_loss:{val_loss:.4f} "
+                             f"train_time:{clock.ms():.0f}ms step_avg:{clock.ms() / max(step, 1):.2f}ms", console=True)
+            if last_step:
+                break
+            comm_bytes.clear()
+            stats = run.step_stats(*run.train_step(train_loader, step), stop_requests.check() is not None)
+            book.after_step(step + 1, stats, clock, train_loader, stop_requests)  # logs, guards, saves, stops
+    book.log(peak_memory_line(ctx.device), console=True)
+    return val_loss
+
+
+def main(argv=None) -> float | None:
+    """Train and return the final validation loss; with --plan, print the plan instead."""
+    args = parse_args(argv)
+    check_world_size(args, args.nproc if args.plan and args.nproc else int(os.environ.get("WORLD_SIZE", 1)))
+    if args.plan:
+        print(format_plan(plan_layout(args, args.nproc or int(os.environ.get("WORLD_SIZE", 1)),
+                                      cuda=args.plan_device == "cuda")))
+        return None
+    ctx = setup_distributed(args.tp, args.pp)
+    try:
+        return train(args, ctx)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Checkpoints and stopping: full tensors keyed by parameter name, so a run resumes under any world size
+
+CHECKPOINT_FORMAT = 1
+EXIT_STOPPED = 3  # kill switch or signal: a checkpoint was saved; continue with --resume latest
+EXIT_DIVERGED = 4  # non-finite training loss or gradient norm
+
+
+class RunEnded(Exception):
+    """The run ended before its last step on purpose; exit_status tells the launcher why."""
+
+    def __init__(self, message: str, exit_status: int):
+        super().__init__(message)
+        self.exit_status = exit_status
+
+
+def from_master(value):
+    """Rank 0's `value`, on every rank: decisions that all ranks must take alike (paths, files, ids)."""
+    box = [value]
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, 0)
+    return box[0]
+
+
+def agree_on_run_id(args: Hyperparameters, ctx: "ParallelContext") -> None:
+    """--run_id, else torchrun's rendezvous id (the same after an elastic restart), else a fresh uuid."""
+    if not args.run_id:
+        rendezvous_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")  # torchrun's default id is "none"
+        if rendezvous_id == "none" and args.resume == "latest":
+            raise UserError("--resume latest needs the run's id: pass --run_id (or launch with torchrun --standalone "
+                            "or --rdzv-id, whose id the restarts share)")
+        args.run_id = from_master(rendezvous_id if rendezvous_id != "none" else str(uuid.uuid4()))
+
+
+def checkpoint_dir(args: Hyperparameters) -> Path:
+    return Path(args.log_dir) / args.run_id
+
+
+def checkpoint_path(args: Hyperparameters, step: int) -> Path:
+    return checkpoint_dir(args) / f"step{step:06d}.pt"
+
+
+def find_checkpoint(args: Hyperparameters, ctx: "ParallelContext") -> Path | None:
+    """The file --resume names; with "latest", this run id's newest checkpoint, or None when there is none yet.
+
+    Rank 0 looks and tells the others, so all ranks resume from the same file (or none). Ranks on other nodes
+    need to see the same file system to read it.
+    """
+    found = None
+    if ctx.is_master and args.resume == "latest":
+        saved = sorted(checkpoint_dir(args).glob("step*.pt"))
+        found = str(saved[-1]) if saved else None
+    elif ctx.is_master and args.resume:
+        found = args.resume if Path(args.resume).is_file() else ""
+    found = from_master(found)
+    if found == "":
+        raise UserError(f"--resume {args.resume}: no such file; name a checkpoint (<log_dir>/<run_id>/stepNNNNNN.pt) "
+                        "or use 'latest'")
+    return Path(found) if found else None
+
+
+def optimizer_state_owners(optimizers: list[torch.optim.Optimizer], zero: "Zero") -> list[dict]:
+    """Per optimizer, the data-parallel rank holding each parameter's state (None: every rank): Muon's owner; Adam's
+    under ZeRO."""
+    adam, muon = optimizers
+    adam_owners = {p: zero.owner_of[p] if zero.stage >= 1 else None
+                   for group in adam.param_groups for p in group["params"]}
+    return [adam_owners, dict(muon.param_owners())]
+
+
+OPTIMIZER_STATE_KEYS = {torch.optim.Adam: ("step", "exp_avg", "exp_avg_sq"), Muon: ("momentum_buffer",)}
+
+
+def full_state_tensor(key: str, value: Tensor, p: Tensor) -> Tensor:
+    """The one-process tensor of an optimizer state: Adam's moments are shaped like their parameter; Muon keeps
+    whole matrices and the step count is a scalar."""
+    return whole(p, value) if key.startswith("exp_avg") else value
+
+
+def local_state_tensor(key: str, value: Tensor, p: Tensor) -> Tensor:
+    """This rank's part of a one-process optimizer state tensor (the inverse of full_state_tensor)."""
+    return own_slice(p, value) if key.startswith("exp_avg") else value
+
+
+def optimizer_state_on_stage_master(opt: torch.optim.Optimizer, owners: dict, names: dict,
+                                    ctx: "ParallelContext") -> dict[str, dict[str, Tensor]]:
+    """{parameter name: its full state} on the stage master (data- and tensor-parallel rank 0 of this pipeline
+    stage; empty elsewhere). The owner's tensor-parallel group gathers the slices; its first rank sends them to
+    the stage master, one tensor at a time."""
+    keys = OPTIMIZER_STATE_KEYS[type(opt)]
+    master = ctx.grid_rank(0, 0)
+    gathered = {}
+    for p, owner in owners.items():
+        holder = owner or 0  # the data-parallel rank whose tensor-parallel group holds this state
+        sender = ctx.grid_rank(holder, 0)
+        state = {k: full_state_tensor(k, opt.state[p][k], p) for k in keys} if ctx.dp.rank == holder else None
+        if ctx.rank == master == sender:
+            gathered[names[p]] = state
+        elif ctx.rank == master:
+            gathered[names[p]] = {key: torch.empty((), dtype=torch.float32, device=p.device) if key == "step"
+                                  else torch.empty(full_shape(p), dtype=p.dtype, device=p.device) for key in keys}
+            for tensor in gathered[names[p]].values():
+                dist.recv(tensor, sender)
+        elif ctx.rank == sender:
+            for key in keys:
+                dist.send(state[key].contiguous(), master)
+    return gathered
+
+
+def stage_model_state(model: nn.Module, ctx: "ParallelContext") -> dict[str, Tensor] | None:
+    """This stage's parameters as in a one-process model, on the stage master (None elsewhere)."""
+    if ctx.dp.rank != 0:
+        return None
+    state = {name: whole(p, p.detach()) for name, p in model.named_parameters()}
+    return state if ctx.tp.rank == 0 else None
+
+
+def collect_stages(part: dict | None, ctx: "ParallelContext") -> dict | None:
+    """Rank 0's merge of every stage master's `part` (a dict of dicts of tensors); None on other ranks.
+
+    The stage masters are rank 0's pipeline group; each sends its part at once, as CPU tensors."""
+    if ctx.pp.size == 1 or ctx.dp.rank != 0 or ctx.tp.rank != 0:
+        return part if ctx.is_master else None
+    parts = [None] * ctx.pp.size if ctx.is_master else None
+    cpu_part = {kind: {name: value.cpu() if isinstance(value, Tensor) else {k: v.cpu() for k, v in value.items()}
+                       for name, value in entries.items()} for kind, entries in part.items()}
+    dist.gather_object(cpu_part, parts, dst=ctx.pp.global_rank(0), group=ctx.pp.group)
+    if not ctx.is_master:
+        return None
+    return {kind: {name: value for stage_part in parts for name, value in stage_part[kind].items()} for kind in part}
+
+
+def save_checkpoint(path: Path, run: Run, **run_state) -> None:
+    """Rank 0 writes full tensors keyed by name; ranks owning optimizer state (Muon's, Adam's under ZeRO) send it
+    to their stage's master, and the other stage masters send their stage to rank 0.
+
+    Written to a temporary name, then renamed: a crash mid-write leaves the previous checkpoint intact.
+    Tensors rank 0 holds are saved from where they live, so it holds at most one extra copy of the others' state.
+    """
+    with run.zero.whole_parameters():  # (until written: rank 0 saves its parameters from where they live)
+        ctx = run.ctx
+        names = {p: name for name, p in run.model.named_parameters()}
+        adam_state, muon_state = (optimizer_state_on_stage_master(opt, owners, names, ctx) for opt, owners
+                                  in zip(run.optimizers, optimizer_state_owners(run.optimizers, run.zero)))
+        state = collect_stages(dict(model=stage_model_state(run.model, ctx), adam=adam_state,
+                                    muon={name: s["momentum_buffer"] for name, s in muon_state.items()}), ctx)
+        if ctx.is_master:
+            state.update(format=CHECKPOINT_FORMAT,
+                         rng=dict(cpu=torch.get_rng_state(),
+                                  cuda=torch.cuda.get_rng_state(ctx.device) if ctx.device.type == "cuda" else None),
+                         code=Path(__file__).read_text(), **run_state)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(path.name + ".tmp")
+            with open(tmp, "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            directory = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(directory)  # the rename survives a power cut too
+            finally:
+                os.close(directory)
+    if dist.is_initialized():
+        dist.barrier()  # no rank goes on, or exits, before the file is complete
+
+
+def load_checkpoint(path: Path) -> dict:
+    try:  # weights_only: tensors and plain containers only, no code runs; mmap: no copy in memory until used
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
+        raise UserError(f"cannot read checkpoint {path} ({type(e).__name__}: {' '.join(str(e).split())[:300]}): "
+                        "the file is damaged or not a checkpoint; resume from an earlier one") from None
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise UserError(f"{path} is not a checkpoint of this trainer (format {CHECKPOINT_FORMAT})")
+    return state
+
+
+def restore_checkpoint(state: dict, path: Path, run: Run) -> None:
+    """Load weights, the optimizer state this rank holds, and the RNG; refuse another model's shapes."""
+    def shape(t):
+        return "absent" if t is None else f"of shape {tuple(t if isinstance(t, tuple) else t.shape)}"
+    model, ctx = run.model, run.ctx
+    current = model.full_shapes  # every pipeline stage's, so a checkpoint of another model is caught on each
+    for name in [*current, *(n for n in state["model"] if n not in current)]:
+        here, there = current.get(name), state["model"].get(name)
+        if here is None or there is None or here != there.shape:
+            raise UserError(f"checkpoint {path} does not fit this model: tensor {name} is {shape(there)} there and "
+                            f"{shape(here)} here; resume with the model flags it was saved with (its "
+                            "'hyperparameters' entry lists them)")
+    with run.zero.whole_parameters():
+        model.load_state_dict({name: own_slice(p, state["model"][name]) for name, p in model.named_parameters()})
+    adam, muon = run.optimizers
+    adam_owners, muon_owners = optimizer_state_owners(run.optimizers, run.zero)
+    names = {p: name for name, p in model.named_parameters()}
+    for p, owner in adam_owners.items():  # moments in the parameter's dtype (bf16 embeddings on CUDA, fp32 on CPU)
+        if owner in (None, ctx.dp.rank):
+            adam.state[p] = {}
+            for key, value in state["adam"][names[p]].items():
+                value = local_state_tensor(key, value, p)
+                adam.state[p][key] = value.to(p.device, copy=True) if key == "step" else \
+                    value.to(p.device, p.dtype, copy=True)
+    for p, owner in muon_owners.items():
+        if owner == ctx.dp.rank:
+            muon.state[p]["momentum_buffer"] = state["muon"][names[p]].to(p.device, p.dtype, copy=True)
+    torch.set_rng_state(state["rng"]["cpu"])
+    if ctx.device.type == "cuda" and state["rng"]["cuda"] is not None:
+        torch.cuda.set_rng_state(state["rng"]["cuda"], ctx.device)
+
+
+class StopRequests:
+    """Whether to stop after this step: the kill-switch file appeared, or SIGTERM or SIGINT arrived."""
+
+    def __init__(self, kill_switch: Path):
+        self.kill_switch = kill_switch
+        self.reason: str | None = None
+        self.previous_handlers = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self.previous_handlers[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def __exit__(self, *exc_info):
+        for sig, handler in self.previous_handlers.items():
+            signal.signal(sig, handler)
+
+    def _on_signal(self, signum, frame):
+        self.reason = signal.Signals(signum).name
+        signal.signal(signum, self.previous_handlers[signum])  # a second one acts at once
+
+    def check(self) -> str | None:
+        if self.reason is None and self.kill_switch.exists():
+            self.reason = f"kill switch {self.kill_switch}"
+        return self.reason
+
+
+class TrainingClock:
+    """Milliseconds of training so far; what runs under paused() (validation, checkpoints) is not counted."""
+
+    def __init__(self, device: torch.device, ms: float = 0.0):
+        self.device, self.counted_ms = device, ms
+        device_synchronize(device)
+        self.t0 = time.perf_counter()
+
+    def ms(self) -> float:
+        return self.counted_ms + (1000 * (time.perf_counter() - self.t0) if self.t0 is not None else 0.0)
+
+    @contextlib.contextmanager
+    def paused(self):
+        device_synchronize(self.device)
+        self.counted_ms, self.t0 = self.ms(), None
+        yield
+        device_synchronize(self.device)
+        self.t0 = time.perf_counter()
+
+
+class Bookkeeping:
+    """Where the run starts (a restored checkpoint, or step 0), its log, and what follows each step: the log line,
+    the divergence guard, checkpoints and stopping."""
+
+    def __init__(self, args: Hyperparameters, run: Run, checkpoint: dict | None, resume_path: Path | None):
+        self.args, self.run = args, run
+        self.start_step, self.training_time_ms, self.data_position = 0, 0.0, None
+        if checkpoint is not None:
+            restore_checkpoint(checkpoint, resume_path, run)
+        self.log = RunLog(args, run.ctx)  # opened only now, so a refused checkpoint leaves the previous log as it was
+        if checkpoint is None or checkpoint["run_id"] != args.run_id or \
+                not self.log.continue_from(checkpoint["log_bytes"]):
+            self.log.start(args, run.ctx, run.micro_batches)
+        if self.log.path is not None:
+            print(f"logging to {self.log.path}", flush=True)
+        if checkpoint is not None:
+            self.start_step, self.training_time_ms, self.data_position = \
+                checkpoint["step"], checkpoint["training_time_ms"], checkpoint["data"]
+            self.log(f"resumed: step:{self.start_step}/{args.num_iterations} from {resume_path}", console=True)
+            bookkeeping = ("run_id", "resume", "save_every", "kill_switch")
+            changed = [f"{k}={v}" for k, v in dataclasses.asdict(args).items()
+                       if k not in bookkeeping and checkpoint["hyperparameters"].get(k) != v]
+            if changed:
+                self.log(f"resumed with changed hyperparameters: {' '.join(changed)}", console=True)
+        elif args.resume:
+            self.log(f"no checkpoint of run {args.run_id} yet: starting from step 0", console=True)
+        self.last_checkpoint = resume_path
+        self.last_comm_bytes = collections.Counter()
+
+    def after_step(self, done: int, stats: Tensor, clock: TrainingClock, train_loader: DistributedDataLoader,
+                   stop_requests: StopRequests) -> None:
+        args = self.args
+        train_loss, grad_squares, stop_votes = stats.tolist()
+        if comm_bytes != self.last_comm_bytes:  # the same every step: logged when it first appears or changes
+            self.last_comm_bytes = collections.Counter(comm_bytes)
+            self.log(f"comm: step:{done} bytes per rank " + " ".join(f"{op}:{n}" for op, n in sorted(comm_bytes.items())))
+        self.log(f"step:{done}/{args.num_iterations} train_loss:{train_loss:.4f} train_time:{clock.ms():.0f}ms "
+                 f"step_avg:{clock.ms() / done:.2f}ms", console=True)
+        grad_norm = grad_squares ** 0.5
+        if not (math.isfinite(train_loss) and math.isfinite(grad_norm)):
+            message = (f"training diverged at step {done}: train loss {train_loss}, gradient norm {grad_norm}; "
+                       + (f"the last good checkpoint is {self.last_checkpoint}" if self.last_checkpoint
+                          else "there is no checkpoint to go back to (see --save_every)"))
+            self.log(f"diverged: {message}", console=True)
+            raise RunEnded(message, EXIT_DIVERGED)
+        stop = stop_votes > 0
+        if stop or (args.save_every > 0 and (done % args.save_every == 0 or done == args.num_iterations)):
+            with clock.paused():  # checkpoints are not timed
+                self.last_checkpoint = checkpoint_path(args, done)
+                save_checkpoint(self.last_checkpoint, self.run, step=done, run_id=args.run_id,
+                                data=train_loader.position(), training_time_ms=clock.ms(),
+                                log_bytes=self.log.num_bytes(), hyperparameters=dataclasses.asdict(args))
+                self.log(f"checkpoint: {self.last_checkpoint}", console=True)
+            if stop:
+                reason = stop_requests.reason or "another rank was asked to stop"
+                self.log(f"stopped: step:{done}/{args.num_iterations} reason:{reason}", console=True)
+                raise RunEnded(f"stopped after step {done} ({reason}); to continue, remove the kill switch if it is "
+                               f"there and run again with --run_id {args.run_id} --resume latest", EXIT_STOPPED)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Logging: the log file starts with this file's source, so a run is reproducible from its log alone
+
+def device_synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # CPU ops are synchronous: nothing to wait for
+
+
+def device_description(device: torch.device) -> str:
+    if device.type == "cuda":
+        try:
+            return subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            return f"GPU: {torch.cuda.get_device_name(device)} (nvidia-smi unavailable)"
+    model_name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model_name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"CPU: {model_name} ({os.cpu_count()} cores)"
+
+
+def peak_memory_line(device: torch.device) -> str:
+    if device.type == "cuda":
+        return (f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
+                f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
+    import resource
+    return f"peak memory rss: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MiB"
+
+
+class RunLog:
+    """Writes the log file on the master rank; other ranks' calls do nothing."""
+
+    def __init__(self, args: Hyperparameters, ctx: "ParallelContext"):
+        self.path = Path(args.log_dir) / f"{args.run_id}.txt" if ctx.is_master else None
+
+    def __call__(self, line: str, console: bool = False) -> None:
+        if self.path is None:
+            return
+        with open(self.path, "a") as f:
+            print(line, file=f)
+        if console:
+            print(line, flush=True)
+
+    def num_bytes(self) -> int:
+        return self.path.stat().st_size if self.path is not None else 0
+
+    def continue_from(self, num_bytes: int) -> bool:
+        """Cut this run's log back to where a checkpoint was saved, so the resumed run's lines follow on."""
+        if self.path is None or not self.path.is_file() or self.path.stat().st_size < num_bytes:
+            return False
+        os.truncate(self.path, num_bytes)
+        return True
+
+    def start(self, args: Hyperparameters, ctx: "ParallelContext", grad_accum_steps: int) -> None:
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(Path(__file__).read_text().rstrip("\n") + "\n")  # the source, byte for byte
+        self("=" * 100)
+        self(f"Running Python {sys.version}")
+        self(f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda}")
+        self(device_description(ctx.device))
+        self("=" * 100)
+        self("hyperparameters: " + json.dumps(dataclasses.asdict(args)))
+        self(f"run: id={args.run_id} device={ctx.device.type} world_size={ctx.world_size} dp={ctx.dp.size} "
+             f"tp={ctx.tp.size} pp={ctx.pp.size} zero={args.zero} grad_accum_steps={grad_accum_steps}", console=True)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Parallel machinery: the rank grid, its process groups, and the bytes handed to each collective
+
+comm_bytes: collections.Counter = collections.Counter()  # collective name -> bytes since the last clear()
+
+
+def count_comm(op: str, *tensors: Tensor) -> None:
+    """Bytes of the tensors handed to a collective on this rank: what a run logs and --plan predicts."""
+    comm_bytes[op] += sum(nbytes(t) for t in tensors)
+
+
+def nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One axis of the rank grid as this rank sees it: its coordinate, the axis length, the process group along
+    it (None: the default group), and that group's global ranks in order (collectives name peers globally)."""
+    rank: int = 0
+    size: int = 1
+    group: object = None
+    ranks: tuple = (0,)
+
+    def global_rank(self, axis_rank: int) -> int:
+        return self.ranks[axis_rank]
+
+
+def world_axis(rank: int, size: int) -> Axis:
+    return Axis(rank, size, None, tuple(range(size)))
+
 
 @dataclass
 class ParallelContext:
@@ -1139,21 +1625,34 @@ def broadcast_parameters(model: nn.Module, dp: Axis) -> None:
             dist.broadcast(param.detach(), dp.global_rank(0), group=dp.group)
 
 
+# ----------------------------------------------------------------------------------------------------
+# Data parallel: gradients averaged over the data-parallel ranks in buckets, while backward still runs
+
+class LocalGradients:
+    """One rank and no float64 sums: backward's own accumulation is all there is."""
+
+    def micro_batch(self, last: bool):
+        return contextlib.nullcontext()
+
+    def wait(self) -> None:
+        pass
+
+
 class GradientBuckets:
     """Average gradients over the data-parallel ranks in ~bucket_mb buckets, as soon as a bucket's gradients are final.
 
     Hooks run after a parameter's gradient is accumulated, so communication overlaps the rest of backward.
     Buckets follow reverse registration order (roughly the order backward produces gradients) and never mix
-    dtypes. With gradient accumulation set `sync = False` for all but the last micro-batch.
+    dtypes. Gradient accumulation wraps each micro-batch's backward in micro_batch(last): only the last reduces.
 
-    owner_of (ZeRO 2 and 3): a bucket then holds one owner's parameters and is reduced to that rank alone; the
+    owner_of (ZeRO 1 and up): a bucket then holds one owner's parameters and is reduced to that rank alone; the
     other ranks drop those gradients, so each rank keeps only the gradients of the parameters it updates.
 
-    With sum_dtype=torch.float64 the micro-batches' gradients are summed and reduced in float64 (call
-    set_aside_micro_batch() after each backward but the last) and rounded to the parameters' dtype once. Each
-    micro-batch's gradient is exact in float64 and so are the few sums, so the result no longer depends on how
-    the global batch was split over ranks and micro-batches: every world size trains bit-identical models.
-    It costs a full float64 copy of the gradients (unsharded, even under ZeRO 2) and twice the bytes sent.
+    With sum_dtype=torch.float64 the micro-batches' gradients are summed and reduced in float64 and rounded to the
+    parameters' dtype once. Each micro-batch's gradient is exact in float64 and so are the few sums, so the result
+    no longer depends on how the global batch was split over ranks and micro-batches: every world size trains
+    bit-identical models. It costs a full float64 copy of the gradients (unsharded, even under ZeRO) and twice
+    the bytes sent.
     """
 
     def __init__(self, params, bucket_mb: float = 25, sum_dtype: torch.dtype | None = None,
@@ -1184,6 +1683,15 @@ class GradientBuckets:
     def owner(self, param: Tensor) -> int | None:
         """The rank that keeps this parameter's reduced gradient; None: every rank (plain all-reduce)."""
         return None if self.owner_of is None else self.owner_of[param]
+
+    @contextlib.contextmanager
+    def micro_batch(self, last: bool):
+        """Around one micro-batch's backward: the last reduces; the others' gradients go to the float64 sums."""
+        self.sync = last
+        yield
+        if not last and self.sums is not None:
+            for i in range(len(self.buckets)):
+                self._add_to_sum(i)
 
     def _hook(self, param: Tensor) -> None:
         if not self.sync:
@@ -1220,13 +1728,9 @@ class GradientBuckets:
             offset += p.numel()
             p.grad = None
 
-    def set_aside_micro_batch(self) -> None:
-        """Move this micro-batch's gradients into the float64 sums (nothing to do without them)."""
-        if self.sums is not None:
-            for i in range(len(self.buckets)):
-                self._add_to_sum(i)
-
-    def wait_for_gradients(self) -> None:
+    def wait(self) -> None:
+        """Wait for every bucket's reduction and hand each parameter its averaged gradient (under ZeRO, the
+        parameters this rank owns)."""
         missing = [i for i, flat in enumerate(self.flat) if flat is None]
         if missing:
             shapes = [tuple(p.shape) for p in self.buckets[missing[0]] if p.grad is None]
@@ -1251,150 +1755,26 @@ class GradientBuckets:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Pipeline parallel: each stage a contiguous run of blocks, activations passed on by point-to-point ops
-
-PIPELINE_SCHEDULES = ("afab", "1f1b")
-
-
-def stage_layers(num_layers: int, stages: int, stage: int) -> range:
-    """Stage `stage`'s contiguous share of the blocks; shares differ by at most one block."""
-    return range(stage * num_layers // stages, (stage + 1) * num_layers // stages)
-
-
-class PipelineStage:
-    """This rank's stage of the pipeline (seeds 000 and 002), and the point-to-point ops to its neighbours.
-
-    The stage before sends each micro-batch's carry (GPT.forward: residual stream, x0, value embeddings, pending
-    U-Net skips); the stage after sends back the gradient of the carry this stage sent. Every exchange at one
-    point of the schedule goes out as one batch of isend/irecv, both directions at once, so two neighbours that
-    each send and receive cannot wait on each other. With one stage (no pipeline) nothing is sent.
-    """
-
-    def __init__(self, model: GPT, pp: Axis = Axis(), schedule: str = "1f1b", dtype: torch.dtype = torch.float32):
-        self.model, self.pp, self.dtype = model, pp, dtype
-        self.schedule = schedule if pp.size > 1 else "1f1b"  # one stage: nothing to overlap, keep one in flight
-        self.first, self.last = pp.rank == 0, pp.rank == pp.size - 1
-        if pp.size > 1:  # NCCL wants a group's first call to involve all its ranks; a batch of isend/irecv may not
-            dist.barrier(group=pp.group)
-
-    def exchange(self, seq_len: int, to_next: list[Tensor] | None = None, to_prev: list[Tensor] | None = None,
-                 from_prev: bool = False, from_next: bool = False) -> tuple[list[Tensor] | None, list[Tensor] | None]:
-        """Send carries (forward) or their gradients (backward) and receive them, in one batch; returns what came
-        (from the stage before, from the stage after). Requests toward a missing neighbour are ignored."""
-        ops, received = [], []
-        peers = dict(prev=self.pp.rank - 1, next=self.pp.rank + 1)
-        for tensors, peer in ((to_next, "next"), (to_prev, "prev")):
-            if tensors is not None and 0 <= peers[peer] < self.pp.size:
-                count_comm("send", *tensors)
-                ops += [dist.P2POp(dist.isend, t.contiguous(), self.pp.global_rank(peers[peer]), self.pp.group)
-                        for t in tensors]
-        for wanted, peer, layer in ((from_prev, "prev", self.model.layers.start),
-                                    (from_next, "next", self.model.layers.stop)):
-            tensors = None
-            if wanted and 0 <= peers[peer] < self.pp.size:
-                tensors = [torch.empty(shape, dtype=self.dtype, device=self.device)
-                           for shape in self.model.carry_shapes(layer, seq_len)]
-                ops += [dist.P2POp(dist.irecv, t, self.pp.global_rank(peers[peer]), self.pp.group) for t in tensors]
-            received.append(tensors)
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-        return received[0], received[1]
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
-    def forward(self, model: nn.Module, inputs: Tensor, targets: Tensor, window: Tensor,
-                carry: list[Tensor] | None) -> Tensor | list[Tensor]:
-        """The loss on the last stage; elsewhere the carry for the next stage, in the activation dtype."""
-        if carry is not None and torch.is_grad_enabled():
-            for t in carry:
-                t.requires_grad_()  # the gradient of the carry goes back to the stage before
-        out = model(inputs, targets, window, carry)
-        return out if self.last else [t.to(self.dtype) for t in out]
-
-
-# ----------------------------------------------------------------------------------------------------
-# Building the run: model, optimizers, compile warm-up
-
-def build_model(args: Hyperparameters, device: torch.device, tp: Axis = Axis(), pp: Axis = Axis(),
-                cuda_dtypes: bool | None = None) -> GPT:
-    """This rank's model on device; cuda_dtypes (default: on CUDA) gives it the CUDA run's dtypes, for --plan.
-
-    With tensor or pipeline parallelism the one-process model is built first, so every layout starts from the
-    same weights, and this rank keeps its stage's blocks and its tensor-parallel slices of them.
-    `full_shapes` records the one-process model's parameter shapes, which checkpoints hold.
-    """
-    def make(tp: Axis, layers: range | None = None) -> GPT:
-        return GPT(vocab_size=args.vocab_size, num_layers=args.num_layers, num_heads=args.num_heads,
-                   head_dim=args.head_dim, model_dim=args.model_dim,
-                   max_seq_len=max(args.train_seq_len, args.val_seq_len), window_pattern=args.window_pattern,
-                   attention_free_layers=attention_free_layers(args), fp8_head=args.fp8_head, tp=tp,
-                   layers=layers, sequence=sequence_mode(args) if tp.size > 1 else "replicated").to(device)
-    model = make(Axis())
-    full_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    if tp.size > 1 or pp.size > 1:
-        full = model.state_dict()
-        model = make(tp, stage_layers(args.num_layers, pp.size, pp.rank))
-        model.load_state_dict(shard_state_dict(full, model))
-    model.full_shapes = full_shapes
-    model.use_flex = device.type == "cuda"
-    if device.type == "cuda" if cuda_dtypes is None else cuda_dtypes:
-        for m in model.modules():  # bf16 embeddings make the activations bf16; CPU stays fp32 (bf16 is slow there)
-            if isinstance(m, nn.Embedding):
-                m.bfloat16()
-    return model
-
-
-def compute_dtype(device_type: str) -> torch.dtype:
-    """Of activations and Newton-Schulz: bf16 on CUDA, fp32 on CPU (where bf16 matmuls are slow)."""
-    return torch.bfloat16 if device_type == "cuda" else torch.float32
-
-
-def shard_state_dict(full: dict[str, Tensor], model: GPT) -> dict[str, Tensor]:
-    """A one-process model's tensors cut to this rank's: its pipeline stage's, and its tensor-parallel slices."""
-    return {name: tp_shard(full[name], p.tp_dim, model.tp) if is_tensor_parallel(p) else full[name]
-            for name, p in model.named_parameters()}
-
-
-def optimizer_param_groups(model: GPT) -> dict[str, list[Tensor]]:
-    """Muon takes the hidden matrices; Adam the head, the embeddings and the scalars, each with its own lr."""
-    embeddings = [model.embed, *model.value_embeds] if model.embed is not None else []  # (a pipeline stage's own)
-    return dict(muon=[p for p in model.blocks.parameters() if p.ndim >= 2],
-                head=[model.lm_head.weight] if model.lm_head is not None else [],
-                embed=[p for m in embeddings for p in m.parameters()],
-                scalar=[p for p in model.parameters() if p.ndim < 2])
-
-
-def build_optimizers(model: GPT, args: Hyperparameters, ctx: ParallelContext) -> list[torch.optim.Optimizer]:
-    groups = optimizer_param_groups(model)
-    adam_groups = [dict(params=groups["head"], lr=args.lr_head), dict(params=groups["embed"], lr=args.lr_embed),
-                   dict(params=groups["scalar"], lr=args.lr_scalar)]
-    adam = torch.optim.Adam([group for group in adam_groups if group["params"]],  # (pipeline stages lack some)
-                            betas=(0.8, 0.95), eps=1e-10, fused=True)
-    on_cuda = ctx.device.type == "cuda"
-    muon = Muon(groups["muon"], lr=args.lr_muon, momentum=0.95, dp=ctx.dp, tp=ctx.tp,
-                orthogonalize=torch.compile(zeropower_via_newtonschulz5) if on_cuda else zeropower_via_newtonschulz5,
-                ns_dtype=compute_dtype(ctx.device.type), owner_applies=args.zero >= 3)
-    optimizers = [adam, muon]
-    for opt in optimizers:
-        for group in opt.param_groups:
-            group["initial_lr"] = group["lr"]
-    return optimizers
-
+# ZeRO (Rajbhandari et al. 2020): optimizer states, gradients and parameters sharded over data-parallel ranks
 
 @dataclass
 class Zero:
-    """The ZeRO stage over the data-parallel ranks and which rank owns (updates) each parameter.
+    """Which data-parallel rank owns (updates) each parameter, and what the stage shards.
 
-    Stage 1: Adam's moments live only on the parameter's owner, which broadcasts the updated parameter (Muon's
-    momentum is always kept by the one rank that orthogonalises the matrix). Stage 2: gradients are reduced to
-    the owner alone. Stage 3: parameters too live only on their owner between uses.
+    Every stage keeps Muon's momentum on the one rank that orthogonalises each matrix. Stage 0 shards nothing
+    else. Stage 1 keeps Adam's moments on the owner alone, which updates the parameter and sends it to the
+    others; the gradients are reduced to their owners, not all-reduced, so a step moves the paper's volume (a
+    reduce-scatter's worth of gradients and an all-gather's worth of parameters), and a rank keeps only the
+    gradients it uses. Stage 2, which the paper adds for that last point, therefore behaves as stage 1 here.
+    Stage 3 also keeps each parameter's values on its owner alone between uses (ShardedParameters).
+    Ownership is by whole parameters (Muon needs whole matrices): Muon's by its r, r+W, ... rule, Adam's
+    spread largest first to the least loaded rank. Stage 0's ownership only splits the gradient norm's work.
     """
     stage: int
     dp: Axis
     owner_of: dict  # parameter -> data-parallel rank
+    sent_after_step: list  # the parameters an owner updates alone and sends (Adam's, stages 1 and 2)
+    sharded: "ShardedParameters | None" = None
 
     @staticmethod
     def build(stage: int, groups: dict[str, list[Tensor]], dp: Axis) -> "Zero":
@@ -1405,10 +1785,22 @@ class Zero:
             owner = load.index(min(load))
             owner_of[p] = owner
             load[owner] += p.numel()
-        return Zero(stage, dp, owner_of)
+        return Zero(stage, dp, owner_of, adam_params if stage in (1, 2) and dp.size > 1 else [])
 
     def owns(self, param: Tensor) -> bool:
         return self.owner_of[param] == self.dp.rank
+
+    def gradient_owners(self) -> dict | None:
+        """For GradientBuckets: reduce each gradient to its owner (stage 1 and up), or all-reduce it (None)."""
+        return self.owner_of if self.stage >= 1 else None
+
+    def step(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """The optimizers' steps (a parameter without a gradient here is another rank's to update), then the
+        owners' updated parameters sent to the others."""
+        for opt in optimizers:
+            opt.step()
+        for handle in [self.broadcast_from_owner(p) for p in self.sent_after_step]:
+            handle.wait()
 
     def broadcast_from_owner(self, param: Tensor):
         """Async: the owner's values of param to the other data-parallel ranks (.data: see ShardedParameters)."""
@@ -1416,50 +1808,73 @@ class Zero:
         return dist.broadcast(param.data, self.dp.global_rank(self.owner_of[param]), group=self.dp.group,
                               async_op=True)
 
-    def gradient_owners(self) -> dict | None:
-        """For GradientBuckets: reduce each gradient to its owner (stage 2 and up), or all-reduce (None)."""
-        return self.owner_of if self.stage >= 2 else None
+    def shard_parameters(self, model: GPT) -> None:
+        self.sharded = ShardedParameters(model, self)
+
+    @contextlib.contextmanager
+    def whole_parameters(self):
+        """Every parameter's values on every rank for a while (to save or load a checkpoint)."""
+        if self.sharded is not None:
+            self.sharded.gather_all()
+        try:
+            yield
+        finally:
+            if self.sharded is not None:
+                self.sharded.drop_all()
+
+    def peak_parameter_bytes(self, model: nn.Module) -> int:
+        """The most parameter bytes this rank held at once (ZeRO 3 gathers them for a while)."""
+        held = sum(p.untyped_storage().nbytes() for p in model.parameters())
+        return max(held, self.sharded.peak_bytes) if self.sharded is not None else held
 
 
 class ShardedParameters:
     """ZeRO 3: a parameter's values live on its owner alone except while a forward or backward needs them.
 
-    Units are the blocks and the rest of the model (embeddings, head, scalars). A block is gathered (broadcast
-    from the owners into storage re-allocated for the purpose) just before its forward, with the next block's
-    gather already under way, and dropped after; a hook on its output gathers it again, and starts on the block
-    before it, when backward reaches it; it is dropped once all its gradients are in. The rest is gathered when
-    the forward starts and dropped after its gradients (or, without grad, after the forward). Autograd's saved
-    tensors share the parameters' storage, so they see the values again when backward runs.
+    Units are the blocks and the other modules holding parameters (embeddings, head). A unit is gathered
+    (broadcast from the owners into storage re-allocated for the purpose) just before its forward, a block with
+    the next block's gather already under way, and dropped after; a hook on its output gathers it again (a
+    block starting on the block before it) when backward reaches it, and it is dropped once all its gradients
+    are in. Autograd's saved tensors share the parameters' storage, so they see the values again when backward
+    runs. Parameters of the GPT itself (none in the record's model) stay whole: no module call brackets their use.
     """
 
     def __init__(self, model: GPT, zero: Zero):
         self.zero = zero
-        blocks = model.local_blocks()
-        in_blocks = {p for block in blocks for p in block.parameters()}
-        self.units = [list(block.parameters()) for block in blocks]
-        self.units.append([p for p in model.parameters() if p not in in_blocks])
-        self.root = len(self.units) - 1
+        blocks = [block for block in model.blocks if block is not None]
+        others = [module for name, module in model.named_modules() if name and not name.startswith("blocks")
+                  and next(module.parameters(recurse=False), None) is not None]
+        self.units = [list(module.parameters()) for module in blocks + others]
         self.unit_of = {p: u for u, unit in enumerate(self.units) for p in unit}
         self.handles: dict[int, list] = {}  # unit -> broadcasts in flight
         self.resident: set[int] = set(range(len(self.units)))
         self.grads_in = [0] * len(self.units)
-        model.register_forward_pre_hook(lambda module, args: self._enter(self.root, prefetch=0))
-        model.register_forward_hook(lambda module, args, out: self.drop(self.root) if not torch.is_grad_enabled()
-                                    else None)
-        for i, block in enumerate(blocks):
-            block.register_forward_pre_hook(lambda module, args, i=i: self._enter(i, i + 1))
-            block.register_forward_hook(lambda module, args, out, i=i: self._after_forward(i, out))
+        self.bytes = sum(p.untyped_storage().nbytes() for p in model.parameters())  # held now
+        self.peak_bytes = 0
+        for u, module in enumerate(blocks + others):
+            # a block prefetches its neighbour: the next one going forward, the one before going backward
+            neighbours = (u + 1 if u + 1 < len(blocks) else None, u - 1 if 0 < u < len(blocks) else None)
+            module.register_forward_pre_hook(lambda module, args, u=u, after=neighbours[0]: self._enter(u, after))
+            module.register_forward_hook(lambda module, args, out, u=u, before=neighbours[1]:
+                                         self._after_forward(u, out, before))
         for p in self.unit_of:
             p.register_post_accumulate_grad_hook(self._gradient_in)
         self.drop_all()
+        self.peak_bytes = self.bytes  # from here on: what a step gathers
 
-    def _start(self, u: int) -> None:
-        """Start gathering unit u (no-op past either end, or when it is resident or on its way)."""
-        if not 0 <= u < len(self.units) or u in self.resident or u in self.handles:
+    def _resize(self, p: Tensor, size: int) -> None:
+        storage = p.data.untyped_storage()
+        self.bytes += size - storage.nbytes()
+        storage.resize_(size)
+        self.peak_bytes = max(self.peak_bytes, self.bytes)
+
+    def _start(self, u: int | None) -> None:
+        """Start gathering unit u (no-op for None or past either end, or when it is resident or on its way)."""
+        if u is None or not 0 <= u < len(self.units) or u in self.resident or u in self.handles:
             return
         for p in self.units[u]:
             if not self.zero.owns(p):
-                p.data.untyped_storage().resize_(nbytes(p))
+                self._resize(p, nbytes(p))
         # into .data, which has its own version counter: refilling does not invalidate what autograd saved
         self.handles[u] = [self.zero.broadcast_from_owner(p) for p in self.units[u]]
 
@@ -1470,9 +1885,11 @@ class ShardedParameters:
         self.resident.add(u)
 
     def drop(self, u: int) -> None:
+        for handle in self.handles.pop(u, []):  # (never free storage a broadcast is still writing into)
+            handle.wait()
         for p in self.units[u]:
             if not self.zero.owns(p):
-                p.data.untyped_storage().resize_(0)
+                self._resize(p, 0)
         self.resident.discard(u)
 
     def gather_all(self) -> None:
@@ -1483,14 +1900,14 @@ class ShardedParameters:
         for u in range(len(self.units)):
             self.drop(u)
 
-    def _enter(self, u: int, prefetch: int) -> None:
+    def _enter(self, u: int, prefetch: int | None) -> None:
         self.gather(u)
         self._start(prefetch)
 
-    def _after_forward(self, i: int, out: Tensor) -> None:
-        self.drop(i)
+    def _after_forward(self, u: int, out: Tensor, prefetch: int | None) -> None:
+        self.drop(u)
         if out.requires_grad:
-            out.register_hook(lambda grad: self._enter(i, i - 1))
+            out.register_hook(lambda grad: self._enter(u, prefetch))
 
     def _gradient_in(self, p: Tensor) -> None:
         u = self.unit_of[p]
@@ -1500,764 +1917,616 @@ class ShardedParameters:
             self.drop(u)
 
 
-def set_schedules(optimizers: list[torch.optim.Optimizer], step: int, args: Hyperparameters) -> None:
-    for opt in optimizers:
-        for group in opt.param_groups:
-            group["lr"] = group["initial_lr"] * lr_multiplier(step, args)
-    for group in optimizers[1].param_groups:
-        group["momentum"] = muon_momentum(step, args)
+# ----------------------------------------------------------------------------------------------------
+# Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) and sequence parallelism (Korthikanti et al. 2022),
+# applied to a built one-process model
+
+class _Conjugate(torch.autograd.Function):
+    """A tensor-parallel collective whose backward is its conjugate: forward_op(x, tp) going forward,
+    backward_op(grad, tp) coming back (Megatron's f and g, and their sequence-parallel forms)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, tp: Axis, forward_op, backward_op) -> Tensor:
+        ctx.tp, ctx.backward_op = tp, backward_op
+        return forward_op(x, tp)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return ctx.backward_op(grad, ctx.tp), None, None, None
 
 
-def warmup_and_restore(model: nn.Module, optimizers: list[torch.optim.Optimizer], train_step, steps: int) -> None:
-    """Run `steps` training steps (to trigger compilation), then put model and optimizers back as they were."""
-    initial = dict(model=copy.deepcopy(model.state_dict()),
-                   optimizers=[copy.deepcopy(opt.state_dict()) for opt in optimizers])
-    for _ in range(steps):
-        train_step()
-    model.load_state_dict(initial["model"])
-    for opt, state in zip(optimizers, initial["optimizers"]):
-        opt.load_state_dict(state)
-    model.zero_grad(set_to_none=True)
+def identity(x: Tensor, tp: Axis) -> Tensor:
+    return x.view_as(x)
+
+
+def all_reduce_sum(x: Tensor, tp: Axis) -> Tensor:
+    out = x.contiguous().clone()
+    count_comm("all_reduce", out)
+    dist.all_reduce(out, group=tp.group)
+    return out
+
+
+def gather_sequence_shards(x: Tensor, tp: Axis, async_op: bool = False):
+    """(..., T / tp, d) shards -> (..., T, d) in rank order along the sequence (dims before it have size 1)."""
+    full = x.new_empty(*x.shape[:-2], tp.size * x.size(-2), x.size(-1))
+    count_comm("all_gather_into_tensor", full)
+    handle = dist.all_gather_into_tensor(full.view(-1), x.contiguous().view(-1), group=tp.group, async_op=async_op)
+    return (full, handle) if async_op else full
+
+
+def reduce_scatter_sequence_shards(x: Tensor, tp: Axis) -> Tensor:
+    """(..., T, d) partial sums -> this rank's (..., T / tp, d) shard of their sum."""
+    x = x.contiguous()
+    shard = x.new_empty(*x.shape[:-2], x.size(-2) // tp.size, x.size(-1))
+    count_comm("reduce_scatter_tensor", x)
+    dist.reduce_scatter_tensor(shard.view(-1), x.view(-1), group=tp.group)
+    return shard
+
+
+def enter_region(x: Tensor, tp: Axis, sp: bool) -> Tensor:
+    """The whole activation for a tensor-parallel region: f (identity forward; backward all-reduces the ranks'
+    partial input gradients), or under sequence parallelism an all-gather of the shards (backward reduce-scatters)."""
+    if sp:
+        return _Conjugate.apply(x, tp, gather_sequence_shards, reduce_scatter_sequence_shards)
+    return _Conjugate.apply(x, tp, identity, all_reduce_sum)
+
+
+def leave_region(x: Tensor, tp: Axis, sp: bool) -> Tensor:
+    """The sum of the ranks' partial outputs: g (all-reduce forward, identity backward), or under sequence
+    parallelism this rank's shard of it (reduce-scatter; backward all-gathers)."""
+    if sp:
+        return _Conjugate.apply(x, tp, reduce_scatter_sequence_shards, gather_sequence_shards)
+    return _Conjugate.apply(x, tp, all_reduce_sum, identity)
+
+
+class _GatherThenLinear(torch.autograd.Function):
+    """Asynchronous tensor parallelism (Wang et al. 2023, overlapping communication with dependent computation):
+    the column-parallel matmul of a sequence-sharded input starts the all-gather of the other shards, multiplies
+    its own shard while they travel, then the rest. Backward as gather-then-linear: the weight gradient from the
+    gathered input, the input gradient reduce-scattered."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, tp: Axis) -> Tensor:
+        full, handle = gather_sequence_shards(x, tp, async_op=True)
+        own = F.linear(x, weight)
+        handle.wait()
+        n = x.size(-2)
+        before = full.narrow(-2, 0, tp.rank * n)
+        after = full.narrow(-2, (tp.rank + 1) * n, (tp.size - tp.rank - 1) * n)
+        out = torch.cat([F.linear(before, weight), own, F.linear(after, weight)], dim=-2)
+        ctx.save_for_backward(full, weight)
+        ctx.tp = tp
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        full, weight = ctx.saved_tensors
+        grad_weight = grad.flatten(end_dim=-2).t() @ full.flatten(end_dim=-2)
+        return reduce_scatter_sequence_shards(grad @ weight, ctx.tp), grad_weight, None
+
+
+@dataclass(frozen=True)
+class TensorParallelSlice:
+    """How a parameter is split over the tensor-parallel ranks: along `dim`, zero-padded to a multiple of them,
+    this rank holding slice axis.rank of a tensor `size` long there."""
+    dim: int
+    size: int
+    axis: Axis
+
+    def cut(self, whole: Tensor) -> Tensor:
+        n = -(-self.size // self.axis.size)
+        pad = n * self.axis.size - self.size
+        if pad:
+            shape = list(whole.shape)
+            shape[self.dim] = pad
+            whole = torch.cat([whole, whole.new_zeros(shape)], self.dim)
+        return whole.narrow(self.dim, self.axis.rank * n, n).contiguous()
+
+    def gather(self, local: Tensor) -> Tensor:
+        parts = [torch.empty_like(local) for _ in range(self.axis.size)]
+        count_comm("all_gather", *parts)
+        dist.all_gather(parts, local.contiguous(), group=self.axis.group)
+        return torch.cat(parts, self.dim).narrow(self.dim, 0, self.size)
+
+    def full_shape(self, local: Tensor) -> tuple:
+        shape = list(local.shape)
+        shape[self.dim] = self.size
+        return tuple(shape)
+
+
+def split_parameter(module: nn.Module, name: str, dim: int, tp: Axis) -> None:
+    """Replace module.<name> by this rank's slice of it along dim."""
+    whole_param = getattr(module, name)
+    how = TensorParallelSlice(dim, whole_param.size(dim), tp)
+    # a storage of its own: a slice that viewed the whole one would keep all of it alive
+    part = nn.Parameter(how.cut(whole_param.detach()).clone(), requires_grad=whole_param.requires_grad)
+    part.slice_of = how
+    setattr(module, name, part)
+
+
+# How each module the plan names is split: module, tp axis, sequence parallel, asynchronous tensor parallel.
+
+def column_parallel(linear: CastedLinear, tp: Axis, sp: bool, async_tp: bool) -> None:
+    """Output features split (heads of q, k and v; the MLP's width). Under async TP this layer, not its region,
+    gathers its sequence-sharded input, overlapped with the matmul of its own shard."""
+    split_parameter(linear, "weight", -2, tp)
+    if async_tp:
+        linear.forward = lambda x: _GatherThenLinear.apply(x, linear.weight.flatten(end_dim=-2).type_as(x), tp)
+
+
+def row_parallel(linear: CastedLinear, tp: Axis, sp: bool, async_tp: bool) -> None:
+    """Input features split: each rank's output is a partial sum, completed where its region is left."""
+    split_parameter(linear, "weight", -1, tp)
+
+
+def region(module: nn.Module, tp: Axis, sp: bool, async_tp: bool) -> None:
+    """Attention or MLP: its first argument enters the region (unless async TP leaves that to the column-parallel
+    layers) and its output leaves it."""
+    if not async_tp:
+        module.register_forward_pre_hook(lambda m, args: (enter_region(args[0], tp, sp), *args[1:]))
+    module.register_forward_hook(lambda m, args, out: leave_region(out, tp, sp))
+
+
+def vocab_parallel_embedding(embedding: nn.Embedding, tp: Axis, sp: bool, async_tp: bool) -> None:
+    """Rows split by vocabulary: each rank looks up the tokens in its rows (zero for the others) and the partial
+    lookups are summed as the region is left."""
+    split_parameter(embedding, "weight", 0, tp)
+
+    def lookup(input_seq: Tensor) -> Tensor:
+        rows = embedding.weight.size(0)
+        local = input_seq - tp.rank * rows
+        inside = (local >= 0) & (local < rows)
+        found = F.embedding(local.clamp(0, rows - 1), embedding.weight) * inside[:, None].to(embedding.weight.dtype)
+        return leave_region(found, tp, sp)
+    embedding.forward = lookup
+
+
+def split_by_head(embedding: nn.Embedding, tp: Axis, sp: bool, async_tp: bool) -> None:
+    """Value embeddings: their dims split as the heads they are added to, with no communication."""
+    split_parameter(embedding, "weight", -1, tp)
+
+
+def vocab_parallel_head(head: LMHead, tp: Axis, sp: bool, async_tp: bool) -> None:
+    """Output rows split by vocabulary: the region is entered before the head, the logits stay split, and the
+    soft cap (element-wise) and a vocabulary-parallel cross-entropy work on the shards."""
+    split_parameter(head, "weight", -2, tp)
+    head.register_forward_pre_hook(lambda m, args: (enter_region(args[0], tp, sp), *args[1:]))
+    head.cross_entropy = functools.partial(vocab_parallel_cross_entropy, tp=tp)
+
+
+def replicated(module: nn.Module, tp: Axis, sp: bool, async_tp: bool) -> None:
+    """Whole on every rank, on purpose: a weight matrix inside a region that acts on its whole input."""
+
+
+# module name pattern -> how it splits. A fork that adds a weight matrix inside attention or the MLP names it
+# here; scalars and vectors need nothing (tensor_parallelize sums their gradients where they need it).
+TENSOR_PARALLEL_PLAN = {
+    "embed": vocab_parallel_embedding,
+    "value_embeds.*": split_by_head,
+    "blocks.*.attn": region,
+    "blocks.*.attn.qkv": column_parallel,
+    "blocks.*.attn.c_proj": row_parallel,
+    "blocks.*.mlp": region,
+    "blocks.*.mlp.c_fc": column_parallel,
+    "blocks.*.mlp.c_proj": row_parallel,
+    "lm_head": vocab_parallel_head,
+}
+REGION_STYLES = (region, vocab_parallel_head)
+
+
+def vocab_parallel_cross_entropy(logits: Tensor, targets: Tensor, tp: Axis) -> Tensor:
+    """Cross-entropy summed over tokens, of logits split by vocabulary across tp: (T, V / tp) here, full (T, V)
+    nowhere."""
+    n = logits.size(-1)
+    with torch.no_grad():
+        top = logits.max(dim=-1).values
+        count_comm("all_reduce", top)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=tp.group)
+    shifted = logits - top[:, None]
+    sum_exp = leave_region(shifted.exp().sum(dim=-1), tp, sp=False)
+    local = targets - tp.rank * n
+    inside = (local >= 0) & (local < n)
+    target_logit = shifted.gather(1, local.clamp(0, n - 1)[:, None]).squeeze(1) * inside
+    losses = sum_exp.log() - leave_region(target_logit, tp, sp=False)
+    return losses.sum()
+
+
+def tensor_parallelize(model: GPT, tp: Axis, sp: bool, async_tp: bool) -> None:
+    """Split the one-process model over the tensor-parallel ranks as TENSOR_PARALLEL_PLAN says.
+
+    Every parameter the plan does not split stays whole on every rank, and its gradient follows one rule: where
+    the parameter is used on a rank's part of the data (inside a region, which holds some heads or some of the
+    MLP's width; anywhere under sequence parallelism, where the stream outside the regions holds 1/tp of the
+    sequence) each rank's gradient is a part, and a hook sums the parts over the group; where it is used on
+    whole data, every rank's gradient is already whole. Where each parameter is used is read off one forward of
+    the one-process model.
+    """
+    styles = {name: style for name, _ in model.named_modules() for pattern, style in TENSOR_PARALLEL_PLAN.items()
+              if fnmatch.fnmatchcase(name, pattern)}
+    inside, outside = parameter_uses(model, [model.get_submodule(name) for name, style in styles.items()
+                                             if style in REGION_STYLES])
+    for name, style in styles.items():
+        style(model.get_submodule(name), tp, sp, async_tp)
+    for name, p in model.named_parameters():
+        if hasattr(p, "slice_of"):
+            continue
+        module_name = name.rpartition(".")[0]
+        if p.ndim >= 2 and name in inside and styles.get(module_name) is not replicated:
+            raise UserError(f"tensor parallelism: {name} is a weight matrix used inside a tensor-parallel region "
+                            "that TENSOR_PARALLEL_PLAN does not name; add its module ('blocks.*.' pattern) there "
+                            "as column_parallel, row_parallel, or replicated if it acts on the region's whole input")
+        if name in inside and name in outside and not sp:
+            raise UserError(f"tensor parallelism: {name} is used both inside a tensor-parallel region (on part of "
+                            "the heads or MLP width) and outside it (on whole data), so its gradient is neither a "
+                            "part nor the whole: use separate parameters")
+        if name in inside or (sp and name in outside):
+            p.register_hook(functools.partial(all_reduce_sum, tp=tp))
+
+
+class _ParameterUses(torch.overrides.TorchFunctionMode):
+    """Records the names of parameters that torch functions read, inside a region (depth > 0) or outside."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.names = {id(p): name for name, p in model.named_parameters()}
+        self.depth = 0
+        self.inside, self.outside = set(), set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for leaf in pytree.tree_leaves((args, kwargs)):
+            name = self.names.get(id(leaf))
+            if name is not None:
+                (self.inside if self.depth else self.outside).add(name)
+        return func(*args, **kwargs)
+
+
+def parameter_uses(model: GPT, regions: list[nn.Module]) -> tuple[set[str], set[str]]:
+    """(names of the parameters used inside the regions, those used outside): one training-mode forward of one
+    attention block's worth of tokens, through the dense attention twin."""
+    uses = _ParameterUses(model)
+
+    def enter(module, args):
+        uses.depth += 1
+
+    def leave(module, args, out):
+        uses.depth -= 1
+    hooks = [hook for module in regions
+             for hook in (module.register_forward_pre_hook(enter), module.register_forward_hook(leave))]
+    use_flex, model.use_flex = model.use_flex, False
+    device = next(model.parameters()).device
+    tokens = torch.full((ATTENTION_BLOCK_SIZE,), EOT_TOKEN, device=device)
+    try:
+        with torch.no_grad(), uses:
+            model(tokens.to(torch.int32), tokens, window_tensor(1, device))
+    finally:
+        model.use_flex = use_flex
+        for hook in hooks:
+            hook.remove()
+    return uses.inside, uses.outside
 
 
 # ----------------------------------------------------------------------------------------------------
-# Plan: each rank's memory and each collective's bytes per step, predicted from the model's shapes
+# Pipeline parallelism: GPipe's all-forwards-then-all-backwards (Huang et al. 2019) and one-forward-one-backward
+# (PipeDream-Flush, Narayanan et al. 2021) over stages cut from a built one-process model
 
-def nbytes(t: Tensor) -> int:
-    return t.numel() * t.element_size()
+PIPELINE_SCHEDULES = ("afab", "1f1b")
+
+
+def stage_layers(num_layers: int, stages: int, stage: int) -> range:
+    """Stage `stage`'s contiguous share of the blocks; shares differ by at most one block."""
+    return range(stage * num_layers // stages, (stage + 1) * num_layers // stages)
+
+
+def run_point_to_point(ops: list) -> None:
+    """Start the isends and irecvs as one batch, so two neighbours that each send and receive cannot wait on each
+    other, then wait for them. (The plan's meta tensors have no batched form; its fake sends cannot block.)"""
+    if not ops:
+        return
+    if ops[0].tensor.device.type == "meta":
+        works = [op.op(op.tensor, op.peer, op.group) for op in ops]
+    else:
+        works = dist.batch_isend_irecv(ops)
+    for work in works:
+        work.wait()
+
+
+class PipelineStage:
+    """This rank's pipeline stage: a contiguous run of the blocks (the first stage also keeps the embeddings, the
+    last the head and loss; what a stage drops becomes None, so parameter names stay the model's), the exchange of
+    the stream with its neighbours, and the schedules that run a step's micro-batches through the pipeline.
+
+    What crosses a boundary is whatever stream the forward holds there (GPT.embed_tokens: residual, x0, value
+    embeddings, pending U-Net skips, and anything a fork adds): the first time a stream of a given length crosses,
+    its structure, shapes and dtypes go ahead of it, so the receiver can allocate. Its gradient comes back.
+    """
+
+    def __init__(self, model: GPT, pp: Axis, schedule: str, carry_specs: dict | None = None):
+        self.model, self.pp, self.schedule = model, pp, schedule
+        self.layers = stage_layers(len(model.blocks), pp.size, pp.rank)
+        self.first, self.last = pp.rank == 0, pp.rank == pp.size - 1
+        for i in range(len(model.blocks)):
+            if i not in self.layers:
+                model.blocks[i] = None
+        if not self.first:
+            model.embed = model.value_embeds = None
+        if not self.last:
+            model.lm_head = None
+        # (boundary layer, sequence length, grad enabled) -> the stream's structure there; the plan shares one
+        self.carry_specs = {} if carry_specs is None else carry_specs
+        dist.barrier(group=pp.group)  # NCCL wants a group's first call to involve all its ranks
+
+    def forward(self, inputs: Tensor, targets: Tensor, window: Tensor, carry: dict | None) -> Tensor | dict:
+        """GPT.forward's steps for this stage's layers: the loss on the last stage, the stream elsewhere."""
+        model = self.model
+        masks = model.attention_masks(inputs, window)
+        stream = model.embed_tokens(inputs) if self.first else carry
+        for i in self.layers:
+            stream = model.run_block(i, stream, masks)
+        return model.head_loss(stream, targets) if self.last else stream
+
+    def exchange(self, seq_len: int, to_next: dict | None = None, to_prev: list[Tensor] | None = None,
+                 from_prev: bool = False, from_next: bool = False) -> tuple[dict | None, list[Tensor] | None]:
+        """Send a stream (forward) or the gradient of one (backward) and receive them, in one batch; returns what
+        came (the stream from the stage before, the gradient from the stage after). Requests toward a missing
+        neighbour are ignored."""
+        ops, mode = [], torch.is_grad_enabled()
+        prev, nxt = self.pp.rank - 1, self.pp.rank + 1
+        if to_next is not None and not self.last:
+            tensors = self._announce(to_next, (self.layers.stop, seq_len, mode), nxt)
+            ops += self._sends(tensors, nxt)
+        if to_prev is not None and not self.first:
+            ops += self._sends(to_prev, prev)
+        stream = grads = None
+        if from_prev and not self.first:
+            spec, shapes = self._structure((self.layers.start, seq_len, mode), prev)
+            tensors = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in shapes]
+            ops += self._receives(tensors, prev)
+            stream = pytree.tree_unflatten(tensors, spec)
+        if from_next and not self.last:
+            _, shapes = self.carry_specs[(self.layers.stop, seq_len, mode)]
+            grads = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in shapes
+                     if dtype.is_floating_point]
+            ops += self._receives(grads, nxt)
+        run_point_to_point(ops)
+        if stream is not None and mode:
+            for t in pytree.tree_leaves(stream):
+                if t.is_floating_point():
+                    t.requires_grad_()  # its gradient goes back to the stage before
+        return stream, grads
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def _announce(self, stream: dict, key: tuple, peer: int) -> list[Tensor]:
+        """The stream's tensors, its structure sent ahead the first time one crosses at key."""
+        tensors, spec = pytree.tree_flatten(stream)
+        if not all(isinstance(t, Tensor) for t in tensors):
+            raise TypeError(f"the stream crossing pipeline stages holds only tensors (in lists and dicts), got "
+                            f"{[type(t).__name__ for t in tensors if not isinstance(t, Tensor)]}")
+        structure = (pytree.treespec_dumps(spec), [(tuple(t.shape), t.dtype) for t in tensors])
+        known = self.carry_specs.get(key)
+        if known is None:
+            dist.send_object_list([structure], self.pp.global_rank(peer), group=self.pp.group)
+            self.carry_specs[key] = structure
+        elif known != structure:
+            raise RuntimeError(f"the stream crossing pipeline boundary {key} changed structure between "
+                               "micro-batches of the same length")
+        return tensors
+
+    def _structure(self, key: tuple, peer: int) -> tuple:
+        if key not in self.carry_specs:
+            box = [None]
+            dist.recv_object_list(box, self.pp.global_rank(peer), group=self.pp.group)
+            self.carry_specs[key] = box[0]
+        spec, shapes = self.carry_specs[key]
+        return pytree.treespec_loads(spec), shapes
+
+    def _sends(self, tensors: list[Tensor], peer: int) -> list:
+        count_comm("send", *tensors)
+        return [dist.P2POp(dist.isend, t.contiguous(), self.pp.global_rank(peer), self.pp.group) for t in tensors]
+
+    def _receives(self, tensors: list[Tensor], peer: int) -> list:
+        return [dist.P2POp(dist.irecv, t, self.pp.global_rank(peer), self.pp.group) for t in tensors]
+
+    def accumulate(self, model: nn.Module, batches, window: Tensor, micro_batches: int, gradients) -> Tensor:
+        """accumulate_gradients through the pipeline (the stage runs its own steps, not `model`): the step's
+        micro-batches in the schedule; returns their summed loss on the last stage, zero elsewhere."""
+        batch = [next(batches) for _ in range(micro_batches)]
+        seq_len = batch[0][0].numel()
+        loss_sum = torch.zeros((), device=window.device)
+        in_flight = collections.deque()  # (stream in, output) of micro-batches forwarded and not yet backwarded
+        backwards_done = 0
+
+        def forward(carry: dict | None) -> dict | None:
+            nonlocal loss_sum
+            out = self.forward(*batch[len(in_flight) + backwards_done], window, carry)
+            in_flight.append((carry, out))
+            if self.last:
+                loss_sum += out.detach()
+            return None if self.last else out
+
+        def backward(grads: list[Tensor] | None) -> list[Tensor] | None:
+            """Backward of the oldest micro-batch in flight, given its output's gradient; returns its input's."""
+            nonlocal backwards_done
+            carry, out = in_flight.popleft()
+            with gradients.micro_batch(last=backwards_done == micro_batches - 1):
+                if self.last:
+                    (out / micro_batches).backward()
+                else:
+                    outs = [t for t in pytree.tree_leaves(out) if t.is_floating_point()]
+                    pairs = [(t, g) for t, g in zip(outs, grads) if t.requires_grad]
+                    torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+            backwards_done += 1
+            if carry is None:
+                return None
+            return [t.grad if t.grad is not None else torch.zeros_like(t) for t in pytree.tree_leaves(carry)
+                    if t.is_floating_point()]
+
+        def exchange(**kwargs):
+            return self.exchange(seq_len, **kwargs)
+
+        # 1f1b: stage s runs stages - 1 - s forwards ahead, then alternates one forward and one backward, so it
+        # keeps at most stages - s micro-batches' activations; afab runs every forward first and keeps them all
+        warmup = micro_batches if self.schedule == "afab" else min(self.pp.size - 1 - self.pp.rank, micro_batches)
+        steady = micro_batches - warmup
+        for _ in range(warmup):
+            exchange(to_next=forward(exchange(from_prev=True)[0]))
+        carry = exchange(from_prev=True)[0] if steady else None
+        for i in range(steady):
+            grads = exchange(to_next=forward(carry), from_next=True)[1]
+            carry_grads = backward(grads)
+            if i < steady - 1:
+                carry = exchange(to_prev=carry_grads, from_prev=True)[0]
+            else:
+                exchange(to_prev=carry_grads)
+        for _ in range(warmup):
+            exchange(to_prev=backward(exchange(from_next=True)[1]))
+        gradients.wait()
+        return loss_sum
+
+    def forward_only(self, inputs: Tensor, targets: Tensor, window: Tensor) -> Tensor:
+        """Evaluation: the loss on the last stage, zero elsewhere."""
+        out = self.forward(inputs, targets, window, self.exchange(len(inputs), from_prev=True)[0])
+        if self.last:
+            return out
+        self.exchange(len(inputs), to_next=out)
+        return torch.zeros((), device=inputs.device)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Plan: each rank's memory and each collective's bytes per step, from one step of the real code on the meta device
+
+class _Saved:
+    """One tensor autograd saved, in a box that can be weakly referenced (to see when autograd lets go of it)."""
+
+    def __init__(self, tensor: Tensor):
+        self.tensor = tensor
+
+
+class SavedActivations:
+    """The peak bytes of tensors autograd keeps for backward (the activations), each storage counted once and
+    parameters left out. The dense attention twin's (T, T) scores are left out too: FlexAttention keeps none."""
+
+    def __init__(self, model: nn.Module, seq_len: int):
+        self.param_storages = {p.untyped_storage()._cdata for p in model.parameters()}
+        self.seq_len = seq_len
+        self.live: collections.Counter = collections.Counter()  # storage -> tensors saved from it, still held
+        self.bytes = self.peak = 0
+
+    def __enter__(self):
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda held: held.tensor)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc_info):
+        self.hooks.__exit__(*exc_info)
+
+    def _pack(self, t: Tensor):
+        held = _Saved(t)
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in self.param_storages or (t.dim() >= 2 and t.size(-1) == t.size(-2) == self.seq_len):
+            return held
+        if self.live[key] == 0:
+            self.bytes += storage.nbytes()
+            self.peak = max(self.peak, self.bytes)
+        self.live[key] += 1
+        weakref.finalize(held, self._release, key, storage.nbytes())
+        return held
+
+    def _release(self, key: int, size: int) -> None:
+        self.live[key] -= 1
+        if self.live[key] == 0:
+            self.bytes -= size
+
+
+def account_step(run: Run, batches, step: int = 0) -> dict:
+    """One training step of run with what this rank held and handed to collectives, in bytes: parameters (between
+    steps, and at the peak within one), gradients after backward, float64 gradient sums, optimizer states after
+    the step, activations at the peak, and each collective's bytes."""
+    comm_bytes.clear()
+    with SavedActivations(run.model, run.args.train_seq_len) as saved:
+        loss_sum = run.backward(batches, step)
+    held = dict(gradients=sum(nbytes(p.grad) for p in run.model.parameters() if p.grad is not None),
+                gradient_sums=sum(map(nbytes, getattr(run.gradients, "sums", None) or [])),
+                activations=saved.peak)
+    run.step_stats(loss_sum, run.gradient_squares(), stop=False)
+    run.optimizer_step(step)
+    held.update(parameters=sum(p.untyped_storage().nbytes() for p in run.model.parameters()),
+                peak_parameters=run.zero.peak_parameter_bytes(run.model),
+                optimizer_states=sum(nbytes(t) for opt in run.optimizers for state in opt.state.values()
+                                     for t in state.values()),
+                comm=dict(comm_bytes), loss_sum=loss_sum)
+    return held
+
+
+@contextlib.contextmanager
+def simulated_rank(rank: int, world_size: int):
+    """This process as rank `rank` of world_size under PyTorch's fake process group, whose collectives send
+    nothing (one process needs no group)."""
+    if world_size == 1:
+        yield
+        return
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def plan_layout(args: Hyperparameters, world_size: int, cuda: bool) -> dict:
-    """What a run of args on world_size processes holds per rank and sends per training step, in bytes.
+    """What each rank of a run of args on world_size processes holds and sends per training step, in bytes.
 
-    Built from each stage's model on the meta device (nothing allocated) and the same ownership rules the run
-    uses, so parameters, gradients, optimizer states and collectives are exact; activations are an estimate
-    (the tensors autograd keeps for the micro-batches in flight). Bytes of a collective or a send are those of
-    the tensors handed to it, per rank.
+    Each rank's first training step runs here in turn: the real code, on the meta device (nothing is allocated)
+    under a fake process group, so the bytes are those the run itself counts; activations are an estimate (see
+    SavedActivations). The pipeline stages run in order and share the structure of what crosses each boundary.
     """
-    grad_accum_steps = check_world_size(args, world_size)
-    tp, pp = args.tp, args.pp
-    dp = world_size // (tp * pp)
-    with torch.device("meta"):
-        stages = [build_model(args, torch.device("meta"), Axis(0, tp, None, tuple(range(tp))),
-                              Axis(s, pp, None, tuple(range(pp))), cuda_dtypes=cuda) for s in range(pp)]
-    ns_bytes = act_bytes = compute_dtype("cuda" if cuda else "cpu").itemsize
-    sum_bytes = 8 if args.fp64_grad_sum else None
-    tokens = args.train_seq_len
-
-    ranks = []
-    for rank in range(world_size):
-        stage, dp_rank = rank // (dp * tp), rank // tp % dp
-        model = stages[stage]
-        groups = optimizer_param_groups(model)
-        params = list(model.parameters())
-        adam_params = groups["head"] + groups["embed"] + groups["scalar"]
-        first, last = model.layers.start == 0, model.layers.stop == args.num_layers
-        zero = Zero.build(args.zero, groups, Axis(dp_rank, dp))
-        owned = [p for p in params if zero.owns(p)]
-        comm = collections.Counter()
-        if dp > 1:
-            grad_bytes = sum(sum_bytes * p.numel() if sum_bytes else nbytes(p) for p in params)
-            comm["reduce" if args.zero >= 2 else "all_reduce"] += grad_bytes
-            if args.zero >= 3:  # each micro-batch gathers every parameter for forward, the blocks' for backward
-                block_bytes = sum(map(nbytes, model.blocks.parameters()))
-                comm["broadcast"] += grad_accum_steps * (sum(map(nbytes, params)) + block_bytes)
-            else:  # Muon's updates exchanged; under ZeRO 1 and 2, Adam's updated parameters sent by their owners
-                for size, count in collections.Counter(p.numel() for p in groups["muon"]).items():
-                    comm["all_gather_into_tensor"] += math.ceil(count / dp) * dp * size * ns_bytes
-                if args.zero >= 1:
-                    comm["broadcast"] += sum(map(nbytes, adam_params))
-            if args.zero >= 2:
-                comm["all_reduce"] += 4  # the gradient norm's squared shares
-        if tp > 1:
-            activation = tokens * args.model_dim * act_bytes
-            n_layers = len(model.layers)
-            n_attention = sum(block.attn is not None for block in model.local_blocks())
-            # entering each attention, each MLP and the head, and leaving each attention, each MLP and the
-            # embedding, once forward and once backward: replicated, g and f's backward all-reduce the activation;
-            # sequence parallel, an all-gather of the shards and a reduce-scatter to them, each way
-            crossings = activation * (2 * (n_attention + n_layers) + first + last)
-            # f's backward sums each attention's lambdas (and under sp each block's lambdas and skip weight); the
-            # loss all-reduces its max, sum of exponentials and target logit
-            scalars = n_attention * 2 * 4 + last * 3 * tokens * 4
-            if args.sp:
-                comm["all_gather_into_tensor"] += grad_accum_steps * crossings
-                comm["reduce_scatter_tensor"] += grad_accum_steps * crossings
-                scalars += sum(sum(map(nbytes, (b.lambdas, b.skip_weight) if b.skip_weight is not None
-                                       else (b.lambdas,))) for b in model.local_blocks())
-            else:
-                comm["all_reduce"] += grad_accum_steps * crossings
-            comm["all_reduce"] += grad_accum_steps * scalars
-            comm["all_gather"] += sum(tp * nbytes(p) for p in groups["muon"] if zero.owns(p))  # Muon's whole matrices
-            comm["all_reduce"] += 4  # the gradient norm's sliced part
-        if pp > 1:  # each micro-batch's carry forward to the next stage, its gradient back to the one before
-            carry_bytes = [act_bytes * sum(map(math.prod, model.carry_shapes(layer, tokens)))
-                           for layer, exists in ((model.layers.stop, not last), (model.layers.start, not first))
-                           if exists]
-            comm["send"] += grad_accum_steps * sum(carry_bytes)
-            comm["broadcast"] += 4  # the last stage's loss
-            comm["all_reduce"] += 4  # the gradient norm's stage part
-        if world_size > 1:
-            comm["all_reduce"] += 3 * 4  # loss, gradient norm and stop flag, in one float32 all-reduce
-        ranks.append(dict(
-            stage=stage, parameters=sum(map(nbytes, owned if args.zero >= 3 else params)),
-            gradients=sum(map(nbytes, owned if args.zero >= 2 else params)),
-            optimizer_states=sum(2 * nbytes(p) + 4 for p in adam_params if args.zero == 0 or zero.owns(p))
-            + sum(math.prod(full_shape(p)) * p.element_size() for p in groups["muon"] if zero.owns(p)),
-            gradient_sums=sum(sum_bytes * p.numel() for p in params) if sum_bytes else 0,
-            activations=activation_estimate(args, cuda, model.layers, grad_accum_steps, stage), comm=dict(comm)))
-    return dict(world_size=world_size, dp=dp, tp=tp, pp=pp, grad_accum_steps=grad_accum_steps, zero=args.zero,
-                ranks=ranks, num_params=sum(math.prod(shape) for shape in stages[0].full_shapes.values()))
-
-
-def activation_estimate(args: Hyperparameters, cuda: bool, layers: range, micro_batches: int, stage: int) -> int:
-    """Bytes autograd keeps for a stage's micro-batches in flight: per layer, the inputs of each matmul, norm and
-    nonlinearity, split over tp where tensor parallelism splits them (and the residual stream too under --sp).
-    Without a pipeline one micro-batch is in flight; under 1f1b stage s keeps up to pp - s, under afab all."""
-    tokens, d, hdim = args.train_seq_len, args.model_dim, args.num_heads * args.head_dim
-    act_bytes = compute_dtype("cuda" if cuda else "cpu").itemsize
-    split, stream_split = args.tp, args.tp if args.sp else 1
-    attention = sum(i not in attention_free_layers(args) for i in layers)
-    per_token = (len(layers) * (3 * d / stream_split + (2 * 4 * d + 4 * d) / split)  # residual mix, norms; MLP
-                 + attention * (2 * d / stream_split + 5 * hdim / split))  # norm, input; q, k, v, output
-    has_head = layers.stop == args.num_layers
-    logits = has_head * tokens * next_multiple_of_n(args.vocab_size, n=128) // split * 4 * 2  # fp32, log-softmax
-    in_flight = micro_batches if args.pp > 1 and args.pp_schedule == "afab" else min(args.pp - stage, micro_batches)
-    return int(in_flight * (tokens * per_token * act_bytes + logits))
+    if dist.is_initialized():
+        raise UserError("--plan runs in one process, not under torchrun: give the process count with --nproc")
+    micro_batches = check_world_size(args, world_size)
+    args = dataclasses.replace(args, compile=False)
+    meta = torch.device("meta")
+    tokens = torch.empty(args.train_seq_len + 1, dtype=torch.int64, device=meta)
+    batches = iter(lambda: (tokens[:-1].to(torch.int32), tokens[1:]), None)
+    carry_specs, ranks = {}, []
+    with torch.random.fork_rng(devices=[]):
+        for rank in range(world_size):
+            with simulated_rank(rank, world_size):
+                ctx = build_parallel_context(rank, world_size, meta, args.tp, args.pp)
+                run = build_run(args, ctx, cuda_dtypes=cuda, carry_specs=carry_specs)
+                held = account_step(run, batches)
+                del held["loss_sum"]
+                ranks.append(dict(held, stage=ctx.pp.rank))
+    return dict(world_size=world_size, dp=world_size // (args.tp * args.pp), tp=args.tp, pp=args.pp,
+                grad_accum_steps=micro_batches, zero=args.zero, ranks=ranks,
+                num_params=sum(math.prod(shape) for shape in run.model.full_shapes.values()))
 
 
 def format_plan(plan: dict) -> str:
     mib = 2 ** 20
     psi = plan["num_params"]
-    memory = ("parameters", "gradients", "optimizer_states", "gradient_sums", "activations")
+    memory = ("parameters", "peak_parameters", "gradients", "optimizer_states", "gradient_sums", "activations")
     lines = [f"plan: {plan['world_size']} processes = pipeline {plan['pp']} x data parallel {plan['dp']} x tensor "
              f"parallel {plan['tp']}, ZeRO stage {plan['zero']}, {plan['grad_accum_steps']} micro-batches per rank "
              f"per step, {psi:,} parameters",
-             "rank stage  parameters  gradients  optimizer  grad sums  activations (est.)    total   [MiB]"]
+             "rank stage  parameters  (peak)  gradients  optimizer  grad sums  activations (est.)    total   [MiB]"]
     for rank, r in enumerate(plan["ranks"]):
         values = [r[kind] / mib for kind in memory]
-        lines.append(f"{rank:4d} {r['stage']:5d}  {values[0]:10.1f} {values[1]:10.1f} {values[2]:10.1f} "
-                     f"{values[3]:10.1f} {values[4]:19.1f} {sum(values):8.1f}")
+        lines.append(f"{rank:4d} {r['stage']:5d}  {values[0]:10.1f} {values[1]:7.1f} {values[2]:10.1f} "
+                     f"{values[3]:10.1f} {values[4]:10.1f} {values[5]:19.1f} {sum(values[1:]):8.1f}")
     lines.append("collectives per training step, bytes handed over per rank:")
     for rank, r in enumerate(plan["ranks"]):
         lines.append(f"{rank:4d}  " + (", ".join(f"{op} {n:,}" for op, n in sorted(r["comm"].items()))
                                        or "none (one process)"))
-    n = plan["dp"]  # seed 003's mixed-precision Adam formulas (2-byte params and grads, K = 12), for scale
+    n = plan["dp"]  # the ZeRO paper's mixed-precision Adam formulas (2-byte params and grads, K = 12), for scale
     formula = {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n, 3: 16 * psi / n}[plan["zero"]]
-    lines.append(f"seed 003's formula for this ZeRO stage (fp16 params, fp32 Adam states, K=12; tensor and "
-                 f"pipeline parallelism divide it further): {formula / mib:.1f} MiB per rank of model states")
+    lines.append(f"the ZeRO paper's model states for this stage (Rajbhandari et al. 2020: fp16 parameters and "
+                 f"gradients, fp32 Adam states, K=12; tensor and pipeline parallelism divide it further): "
+                 f"{formula / mib:.1f} MiB per rank")
     return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Checkpoints and stopping: full tensors keyed by parameter name, so a run resumes under any world size
-
-CHECKPOINT_FORMAT = 1
-EXIT_STOPPED = 3  # kill switch or signal: a checkpoint was saved; continue with --resume latest
-EXIT_DIVERGED = 4  # non-finite training loss or gradient norm
-
-
-class RunEnded(Exception):
-    """The run ended before its last step on purpose; exit_status tells the launcher why."""
-
-    def __init__(self, message: str, exit_status: int):
-        super().__init__(message)
-        self.exit_status = exit_status
-
-
-def from_master(value):
-    """Rank 0's `value`, on every rank: decisions that all ranks must take alike (paths, files, ids)."""
-    box = [value]
-    if dist.is_initialized():
-        dist.broadcast_object_list(box, 0)
-    return box[0]
-
-
-def agree_on_run_id(args: Hyperparameters, ctx: ParallelContext) -> None:
-    """--run_id, else torchrun's rendezvous id (the same after an elastic restart), else a fresh uuid."""
-    if not args.run_id:
-        rendezvous_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")  # torchrun's default id is "none"
-        if rendezvous_id == "none" and args.resume == "latest":
-            raise UserError("--resume latest needs the run's id: pass --run_id (or launch with torchrun --standalone "
-                            "or --rdzv-id, whose id the restarts share)")
-        args.run_id = from_master(rendezvous_id if rendezvous_id != "none" else str(uuid.uuid4()))
-
-
-def checkpoint_dir(args: Hyperparameters) -> Path:
-    return Path(args.log_dir) / args.run_id
-
-
-def checkpoint_path(args: Hyperparameters, step: int) -> Path:
-    return checkpoint_dir(args) / f"step{step:06d}.pt"
-
-
-def find_checkpoint(args: Hyperparameters, ctx: ParallelContext) -> Path | None:
-    """The file --resume names; with "latest", this run id's newest checkpoint, or None when there is none yet.
-
-    Rank 0 looks and tells the others, so all ranks resume from the same file (or none). Ranks on other nodes
-    need to see the same file system to read it.
-    """
-    found = None
-    if ctx.is_master and args.resume == "latest":
-        saved = sorted(checkpoint_dir(args).glob("step*.pt"))
-        found = str(saved[-1]) if saved else None
-    elif ctx.is_master and args.resume:
-        found = args.resume if Path(args.resume).is_file() else ""
-    found = from_master(found)
-    if found == "":
-        raise UserError(f"--resume {args.resume}: no such file; name a checkpoint (<log_dir>/<run_id>/stepNNNNNN.pt) "
-                        "or use 'latest'")
-    return Path(found) if found else None
-
-
-def optimizer_state_owners(optimizers: list[torch.optim.Optimizer], zero: Zero | None) -> list[dict]:
-    """Per optimizer, the rank holding each parameter's state: Muon's owner; Adam's under ZeRO, else None (all)."""
-    adam, muon = optimizers
-    adam_owners = {p: zero.owner_of[p] if zero else None for group in adam.param_groups for p in group["params"]}
-    return [adam_owners, dict(muon.param_owners())]
-
-
-OPTIMIZER_STATE_KEYS = {torch.optim.Adam: ("step", "exp_avg", "exp_avg_sq"), Muon: ("momentum_buffer",)}
-
-
-def full_state_tensor(key: str, value: Tensor, p: Tensor, tp: Axis) -> Tensor:
-    """The one-process tensor of an optimizer state: Adam's moments are sliced like their parameter; Muon keeps
-    whole matrices and the step count is a scalar."""
-    return tp_gather(value, p.tp_dim, p.tp_full, tp) if key.startswith("exp_avg") and is_tensor_parallel(p) \
-        else value
-
-
-def local_state_tensor(key: str, value: Tensor, p: Tensor, tp: Axis) -> Tensor:
-    """This rank's part of a one-process optimizer state tensor (inverse of full_state_tensor)."""
-    return tp_shard(value, p.tp_dim, tp) if key.startswith("exp_avg") and is_tensor_parallel(p) else value
-
-
-def optimizer_state_on_stage_master(opt: torch.optim.Optimizer, owners: dict, names: dict,
-                                    ctx: ParallelContext) -> dict[str, dict[str, Tensor]]:
-    """{parameter name: its full state} on the stage master (data- and tensor-parallel rank 0 of this pipeline
-    stage; empty elsewhere). The owner's tensor-parallel group gathers the slices; its first rank sends them to
-    the stage master, one tensor at a time."""
-    keys = OPTIMIZER_STATE_KEYS[type(opt)]
-    master = ctx.grid_rank(0, 0)
-    gathered = {}
-    for p, owner in owners.items():
-        holder = owner or 0  # the data-parallel rank whose tensor-parallel group holds this state
-        sender = ctx.grid_rank(holder, 0)
-        state = {k: full_state_tensor(k, opt.state[p][k], p, ctx.tp) for k in keys} if ctx.dp.rank == holder \
-            else None
-        if ctx.rank == master == sender:
-            gathered[names[p]] = state
-        elif ctx.rank == master:
-            gathered[names[p]] = {key: torch.empty((), dtype=torch.float32, device=p.device) if key == "step"
-                                  else torch.empty(full_shape(p), dtype=p.dtype, device=p.device) for key in keys}
-            for tensor in gathered[names[p]].values():
-                dist.recv(tensor, sender)
-        elif ctx.rank == sender:
-            for key in keys:
-                dist.send(state[key].contiguous(), master)
-    return gathered
-
-
-def stage_model_state(model: nn.Module, ctx: ParallelContext) -> dict[str, Tensor] | None:
-    """This stage's parameters as in a one-process model, on the stage master (None elsewhere), gathered over
-    tensor parallelism."""
-    if ctx.dp.rank != 0:
-        return None
-    state = {name: tp_gather(p.detach(), p.tp_dim, p.tp_full, ctx.tp) if is_tensor_parallel(p) else p.detach()
-             for name, p in model.named_parameters()}
-    return state if ctx.tp.rank == 0 else None
-
-
-def collect_stages(part: dict | None, ctx: ParallelContext) -> dict | None:
-    """Rank 0's merge of every stage master's `part` (a dict of dicts of tensors); None on other ranks.
-
-    The stage masters are rank 0's pipeline group; each sends its part at once, as CPU tensors."""
-    if ctx.pp.size == 1 or ctx.dp.rank != 0 or ctx.tp.rank != 0:
-        return part if ctx.is_master else None
-    parts = [None] * ctx.pp.size if ctx.is_master else None
-    cpu_part = {kind: {name: value.cpu() if isinstance(value, Tensor) else {k: v.cpu() for k, v in value.items()}
-                       for name, value in entries.items()} for kind, entries in part.items()}
-    dist.gather_object(cpu_part, parts, dst=ctx.pp.global_rank(0), group=ctx.pp.group)
-    if not ctx.is_master:
-        return None
-    return {kind: {name: value for stage_part in parts for name, value in stage_part[kind].items()} for kind in part}
-
-
-def save_checkpoint(path: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer], ctx: ParallelContext,
-                    zero: Zero | None = None, **run_state) -> None:
-    """Rank 0 writes full tensors keyed by name; ranks owning optimizer state (Muon's, Adam's under ZeRO) send it
-    to their stage's master, and the other stage masters send their stage to rank 0.
-
-    Written to a temporary name, then renamed: a crash mid-write leaves the previous checkpoint intact.
-    Tensors rank 0 holds are saved from where they live, so it holds at most one extra copy of the others' state.
-    """
-    names = {p: name for name, p in model.named_parameters()}
-    adam_state, muon_state = (optimizer_state_on_stage_master(opt, owners, names, ctx)
-                              for opt, owners in zip(optimizers, optimizer_state_owners(optimizers, zero)))
-    state = collect_stages(dict(model=stage_model_state(model, ctx), adam=adam_state,
-                                muon={name: s["momentum_buffer"] for name, s in muon_state.items()}), ctx)
-    if ctx.is_master:
-        state.update(format=CHECKPOINT_FORMAT,
-                     rng=dict(cpu=torch.get_rng_state(),
-                              cuda=torch.cuda.get_rng_state(ctx.device) if ctx.device.type == "cuda" else None),
-                     code=Path(__file__).read_text(), **run_state)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        directory = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(directory)  # the rename survives a power cut too
-        finally:
-            os.close(directory)
-    if dist.is_initialized():
-        dist.barrier()  # no rank goes on, or exits, before the file is complete
-
-
-def load_checkpoint(path: Path) -> dict:
-    try:  # weights_only: tensors and plain containers only, no code runs; mmap: no copy in memory until used
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
-        raise UserError(f"cannot read checkpoint {path} ({type(e).__name__}: {' '.join(str(e).split())[:300]}): "
-                        "the file is damaged or not a checkpoint; resume from an earlier one") from None
-    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-        raise UserError(f"{path} is not a checkpoint of this trainer (format {CHECKPOINT_FORMAT})")
-    return state
-
-
-def restore_checkpoint(state: dict, path: Path, model: nn.Module, optimizers: list[torch.optim.Optimizer],
-                       ctx: ParallelContext, zero: Zero | None = None) -> None:
-    """Load weights, the optimizer state this rank holds, and the RNG; refuse another model's shapes."""
-    def shape(t):
-        return "absent" if t is None else f"of shape {tuple(t if isinstance(t, tuple) else t.shape)}"
-    current = model.full_shapes  # every pipeline stage's, so a checkpoint of another model is caught on each
-    for name in [*current, *(n for n in state["model"] if n not in current)]:
-        here, there = current.get(name), state["model"].get(name)
-        if here is None or there is None or here != there.shape:
-            raise UserError(f"checkpoint {path} does not fit this model: tensor {name} is {shape(there)} there and "
-                            f"{shape(here)} here; resume with the model flags it was saved with (its "
-                            "'hyperparameters' entry lists them)")
-    model.load_state_dict(shard_state_dict(state["model"], model))
-    adam, muon = optimizers
-    adam_owners, muon_owners = optimizer_state_owners(optimizers, zero)
-    names = {p: name for name, p in model.named_parameters()}
-    for p, owner in adam_owners.items():  # moments in the parameter's dtype (bf16 embeddings on CUDA, fp32 on CPU)
-        if owner in (None, ctx.dp.rank):
-            adam.state[p] = {}
-            for key, value in state["adam"][names[p]].items():
-                value = local_state_tensor(key, value, p, ctx.tp)
-                adam.state[p][key] = value.to(p.device, copy=True) if key == "step" else \
-                    value.to(p.device, p.dtype, copy=True)
-    for p, owner in muon_owners.items():
-        if owner == ctx.dp.rank:
-            muon.state[p]["momentum_buffer"] = state["muon"][names[p]].to(p.device, p.dtype, copy=True)
-    torch.set_rng_state(state["rng"]["cpu"])
-    if ctx.device.type == "cuda" and state["rng"]["cuda"] is not None:
-        torch.cuda.set_rng_state(state["rng"]["cuda"], ctx.device)
-
-
-class StopRequests:
-    """Whether to stop after this step: the kill-switch file appeared, or SIGTERM or SIGINT arrived."""
-
-    def __init__(self, kill_switch: Path):
-        self.kill_switch = kill_switch
-        self.reason: str | None = None
-        self.previous_handlers = {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self.previous_handlers[sig] = signal.signal(sig, self._on_signal)
-        return self
-
-    def __exit__(self, *exc_info):
-        for sig, handler in self.previous_handlers.items():
-            signal.signal(sig, handler)
-
-    def _on_signal(self, signum, frame):
-        self.reason = signal.Signals(signum).name
-        signal.signal(signum, self.previous_handlers[signum])  # a second one acts at once
-
-    def check(self) -> str | None:
-        if self.reason is None and self.kill_switch.exists():
-            self.reason = f"kill switch {self.kill_switch}"
-        return self.reason
-
-
-# ----------------------------------------------------------------------------------------------------
-# Logging: the log file starts with this file's source, so a run is reproducible from its log alone
-
-def device_description(device: torch.device) -> str:
-    if device.type == "cuda":
-        try:
-            return subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout
-        except (OSError, subprocess.TimeoutExpired):
-            return f"GPU: {torch.cuda.get_device_name(device)} (nvidia-smi unavailable)"
-    model_name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model_name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"CPU: {model_name} ({os.cpu_count()} cores)"
-
-
-def peak_memory_line(device: torch.device) -> str:
-    if device.type == "cuda":
-        return (f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
-                f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
-    import resource
-    return f"peak memory rss: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MiB"
-
-
-class RunLog:
-    """Writes the log file on the master rank; other ranks' calls do nothing."""
-
-    def __init__(self, args: Hyperparameters, ctx: ParallelContext):
-        self.path = Path(args.log_dir) / f"{args.run_id}.txt" if ctx.is_master else None
-
-    def __call__(self, line: str, console: bool = False) -> None:
-        if self.path is None:
-            return
-        with open(self.path, "a") as f:
-            print(line, file=f)
-        if console:
-            print(line, flush=True)
-
-    def num_bytes(self) -> int:
-        return self.path.stat().st_size if self.path is not None else 0
-
-    def continue_from(self, num_bytes: int) -> bool:
-        """Cut this run's log back to where a checkpoint was saved, so the resumed run's lines follow on."""
-        if self.path is None or not self.path.is_file() or self.path.stat().st_size < num_bytes:
-            return False
-        os.truncate(self.path, num_bytes)
-        return True
-
-    def start(self, args: Hyperparameters, ctx: ParallelContext, grad_accum_steps: int) -> None:
-        if self.path is None:
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(Path(__file__).read_text().rstrip("\n") + "\n")  # the source, byte for byte
-        self("=" * 100)
-        self(f"Running Python {sys.version}")
-        self(f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda}")
-        self(device_description(ctx.device))
-        self("=" * 100)
-        self("hyperparameters: " + json.dumps(dataclasses.asdict(args)))
-        self(f"run: id={args.run_id} device={ctx.device.type} world_size={ctx.world_size} dp={ctx.dp.size} "
-             f"tp={ctx.tp.size} pp={ctx.pp.size} zero={args.zero} grad_accum_steps={grad_accum_steps}", console=True)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Training loop
-
-def device_synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # CPU ops are synchronous: nothing to wait for
-
-
-def all_reduce_mean(value: Tensor) -> Tensor:
-    if dist.is_initialized():
-        count_comm("all_reduce", value)
-        dist.all_reduce(value, op=dist.ReduceOp.AVG)
-    return value
-
-
-@functools.lru_cache(maxsize=8)
-def window_tensor(blocks: int, device: torch.device) -> Tensor:
-    # a tensor, not an int, so torch.compile(dynamic=False) does not recompile as the window grows
-    return torch.tensor(blocks, dtype=torch.int32, device=device)
-
-
-def accumulate_gradients(model: nn.Module, buckets: "GradientBuckets | None", batches, window: Tensor,
-                         grad_accum_steps: int, stage: PipelineStage | None = None) -> Tensor:
-    """Forward and backward over this rank's share of the global batch; returns its summed loss (zero on pipeline
-    stages but the last).
-
-    Afterwards every rank holds the gradient of the mean over the global batch's sequences of each
-    sequence's summed token loss, whatever the world size. The micro-batches run in the stage's schedule:
-    with one stage both schedules are forward, backward, forward, backward, ...
-    """
-    stage = stage or PipelineStage(model)
-    micro_batches = [next(batches) for _ in range(grad_accum_steps)]
-    seq_len = micro_batches[0][0].numel()
-    loss_sum = torch.zeros((), device=window.device)
-    in_flight = collections.deque()  # (carry in, output) of micro-batches forwarded and not yet backwarded
-    backwards_done = 0
-
-    def forward(carry: list[Tensor] | None) -> list[Tensor] | None:
-        nonlocal loss_sum
-        out = stage.forward(model, *micro_batches[len(in_flight) + backwards_done], window, carry)
-        in_flight.append((carry, out))
-        if stage.last:
-            loss_sum += out.detach()
-        return None if stage.last else out
-
-    def backward(grad: list[Tensor] | None) -> list[Tensor] | None:
-        """Backward of the oldest micro-batch in flight, given the gradient of its output; returns its carry's."""
-        nonlocal backwards_done
-        carry, out = in_flight.popleft()
-        last = backwards_done == grad_accum_steps - 1
-        if buckets is not None:
-            buckets.sync = last  # reduce once, during the last backward
-        if stage.last:
-            (out / grad_accum_steps).backward()
-        else:
-            torch.autograd.backward(out, grad)
-        if buckets is not None and not last:
-            buckets.set_aside_micro_batch()
-        backwards_done += 1
-        return None if carry is None else [t.grad if t.grad is not None else torch.zeros_like(t) for t in carry]
-
-    def exchange(**kwargs):
-        return stage.exchange(seq_len, **kwargs)
-
-    # 1f1b: stage s runs stages - 1 - s forwards ahead, then alternates one forward and one backward, so it keeps
-    # at most stages - s micro-batches' activations; afab runs every forward first and keeps them all
-    warmup = grad_accum_steps if stage.schedule == "afab" else min(stage.pp.size - 1 - stage.pp.rank,
-                                                                       grad_accum_steps)
-    steady = grad_accum_steps - warmup
-    for _ in range(warmup):
-        exchange(to_next=forward(exchange(from_prev=True)[0]))
-    carry = exchange(from_prev=True)[0] if steady else None
-    for i in range(steady):
-        grad = exchange(to_next=forward(carry), from_next=True)[1]
-        carry_grad = backward(grad)
-        if i < steady - 1:
-            carry = exchange(to_prev=carry_grad, from_prev=True)[0]
-        else:
-            exchange(to_prev=carry_grad)
-    for _ in range(warmup):
-        exchange(to_prev=backward(exchange(from_next=True)[1]))
-    if buckets is not None:
-        buckets.wait_for_gradients()
-    return loss_sum
-
-
-def optimizer_step(model: nn.Module, optimizers: list[torch.optim.Optimizer], step: int, args: Hyperparameters,
-                   zero: Zero | None = None) -> None:
-    set_schedules(optimizers, step, args)
-    adam = optimizers[0]
-    adam_params = [p for group in adam.param_groups for p in group["params"]]
-    if zero is not None and zero.stage >= 1:
-        for p in adam_params:
-            if not zero.owns(p):
-                p.grad = None  # Adam skips a parameter without a gradient: no moments for it here
-    for opt in optimizers:
-        opt.step()
-    if zero is not None and zero.stage in (1, 2) and zero.dp.size > 1:  # (stage 3 gathers before each use)
-        for handle in [zero.broadcast_from_owner(p) for p in adam_params]:
-            handle.wait()
-    model.zero_grad(set_to_none=True)
-
-
-def gradient_norm(params, zero: Zero | None, ctx: ParallelContext) -> Tensor:
-    """Global gradient norm: tensor-parallel slices summed over tp; under ZeRO 2 and 3 the ranks' disjoint shares
-    of the gradients summed over dp; the pipeline stages' parameters summed over pp."""
-    params = [p for p in params if p.grad is not None]
-    squared = []
-    for sliced in (True, False):
-        grads = [p.grad for p in params if is_tensor_parallel(p) == sliced]
-        squared.append(torch.nn.utils.get_total_norm(grads).square() if grads else
-                       torch.zeros((), device=ctx.device))
-    if ctx.tp.size > 1:
-        count_comm("all_reduce", squared[0])
-        dist.all_reduce(squared[0], group=ctx.tp.group)
-    total = squared[0] + squared[1]
-    if zero is not None and zero.stage >= 2 and ctx.dp.size > 1:
-        count_comm("all_reduce", total)
-        dist.all_reduce(total, group=ctx.dp.group)
-    if ctx.pp.size > 1:
-        count_comm("all_reduce", total)
-        dist.all_reduce(total, group=ctx.pp.group)
-    return total.sqrt()
-
-
-def evaluate(model: nn.Module, args: Hyperparameters, ctx: ParallelContext, step: int,
-             stage: PipelineStage | None = None) -> float:
-    """Mean val loss over val_tokens, the same for every world size (each rank averages equal shares); under
-    pipeline parallelism computed on the last stage, which shares it with the others."""
-    stage = stage or PipelineStage(model)
-    val_seqs = args.val_tokens // args.val_seq_len
-    loader = DistributedDataLoader(args.val_files, args.val_seq_len, val_seqs, ctx.dp.rank, ctx.dp.size,
-                                   ctx.device, flag="val_files")
-    window = window_tensor(window_size_blocks(step, args), ctx.device)
-    model.eval()
-    total = torch.zeros((), device=ctx.device, dtype=torch.float32)
-    with torch.no_grad():
-        for _ in range(val_seqs // ctx.dp.size):
-            inputs, targets = next(loader)
-            out = stage.forward(model, inputs, targets, window, stage.exchange(args.val_seq_len, from_prev=True)[0])
-            if stage.last:
-                total += out.float()
-            else:
-                stage.exchange(args.val_seq_len, to_next=out)
-    model.train()
-    total = from_last_stage(total / (val_seqs // ctx.dp.size), ctx.pp)
-    return all_reduce_mean(total).item()  # (tp ranks agree: their mean is the same)
-
-
-def from_last_stage(value: Tensor, pp: Axis) -> Tensor:
-    """The last pipeline stage's value (a loss) on every stage."""
-    if pp.size > 1:
-        count_comm("broadcast", value)
-        dist.broadcast(value, pp.global_rank(pp.size - 1), group=pp.group)
-    return value
-
-
-def reduce_step_stats(loss: Tensor, grad_norm: Tensor, stop: bool, device: torch.device) -> tuple[float, float, bool]:
-    """Mean train loss, gradient norm and whether any rank must stop, in one all-reduce and one host sync."""
-    stats = torch.stack([loss.float(), grad_norm.float(), torch.full((), float(stop), device=device)])
-    loss_value, grad_norm_value, stop_value = all_reduce_mean(stats).tolist()
-    return loss_value, grad_norm_value, stop_value > 0
-
-
-def main(argv=None) -> float | None:
-    """Train and return the final validation loss; with --plan, print the plan instead."""
-    args = parse_args(argv)
-    check_world_size(args, args.nproc if args.plan and args.nproc else int(os.environ.get("WORLD_SIZE", 1)))
-    if args.plan:
-        print(format_plan(plan_layout(args, args.nproc or int(os.environ.get("WORLD_SIZE", 1)),
-                                      cuda=args.plan_device == "cuda")))
-        return None
-    ctx = setup_distributed(args.tp, args.pp)
-    try:
-        return train(args, ctx)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def train(args: Hyperparameters, ctx: ParallelContext) -> float:
-    grad_accum_steps = check_world_size(args, ctx.world_size)
-    for pattern, flag in ((args.train_files, "train_files"), (args.val_files, "val_files")):
-        for path in list_shards(pattern, flag):  # refuse bad data before building anything
-            read_shard_header(path)
-    agree_on_run_id(args, ctx)
-    if args.compile is None:  # (tensor parallelism's collectives inside autograd functions, and a stage's
-        # carry, are not yet proven under compile on GPUs)
-        args.compile = ctx.device.type == "cuda" and args.zero < 3 and args.tp == 1 and args.pp == 1
-    stop_requests = StopRequests(Path(args.kill_switch or Path(args.log_dir) / f"{args.run_id}.stop"))
-    if from_master(stop_requests.kill_switch.exists()):
-        raise UserError(f"the kill switch {stop_requests.kill_switch} exists: delete it to start or resume the run")
-    resume_path = find_checkpoint(args, ctx)
-    checkpoint = load_checkpoint(resume_path) if resume_path else None
-
-    torch.manual_seed(args.seed)
-    raw_model = build_model(args, ctx.device, ctx.tp, ctx.pp)
-    broadcast_parameters(raw_model, ctx.dp)
-    optimizers = build_optimizers(raw_model, args, ctx)
-    zero = Zero.build(args.zero, optimizer_param_groups(raw_model), ctx.dp) if args.zero else None
-    sum_dtype = torch.float64 if args.fp64_grad_sum else None
-    buckets = None
-    if ctx.world_size > 1 or sum_dtype:
-        buckets = GradientBuckets(raw_model.parameters(), sum_dtype=sum_dtype, dp=ctx.dp,
-                                  owner_of=zero.gradient_owners() if zero else None)
-    model = torch.compile(raw_model, dynamic=False) if args.compile else raw_model
-    stage = PipelineStage(raw_model, ctx.pp, args.pp_schedule, compute_dtype(ctx.device.type))
-
-    def train_step(batches, step: int) -> tuple[Tensor, Tensor]:
-        window = window_tensor(window_size_blocks(step, args), ctx.device)
-        loss_sum = from_last_stage(accumulate_gradients(model, buckets, batches, window, grad_accum_steps, stage),
-                                   ctx.pp)
-        grad_norm = gradient_norm(raw_model.parameters(), zero, ctx)
-        optimizer_step(model, optimizers, step, args, zero)
-        return loss_sum, grad_norm
-
-    if args.compile and args.warmup_steps > 0:
-        def random_batches():
-            while True:
-                tokens = torch.randint(0, args.vocab_size, (args.train_seq_len + 1,), device=ctx.device)
-                yield tokens[:-1].to(torch.int32), tokens[1:]
-        random_stream = random_batches()
-        warmup_and_restore(raw_model, optimizers, lambda: train_step(random_stream, 0), args.warmup_steps)
-
-    start_step, training_time_ms, data_position = 0, 0.0, None
-    if checkpoint is not None:
-        restore_checkpoint(checkpoint, resume_path, raw_model, optimizers, ctx, zero)
-    shards = ShardedParameters(raw_model, zero) if args.zero >= 3 and ctx.dp.size > 1 else None
-    log = RunLog(args, ctx)  # opened only now, so a refused checkpoint leaves the previous log as it was
-    if checkpoint is None or checkpoint["run_id"] != args.run_id or not log.continue_from(checkpoint["log_bytes"]):
-        log.start(args, ctx, grad_accum_steps)
-    if log.path is not None:
-        print(f"logging to {log.path}", flush=True)
-    if checkpoint is not None:
-        start_step, training_time_ms, data_position = checkpoint["step"], checkpoint["training_time_ms"], \
-            checkpoint["data"]
-        log(f"resumed: step:{start_step}/{args.num_iterations} from {resume_path}", console=True)
-        bookkeeping = ("run_id", "resume", "save_every", "kill_switch")
-        changed = [f"{k}={v}" for k, v in dataclasses.asdict(args).items()
-                   if k not in bookkeeping and checkpoint["hyperparameters"].get(k) != v]
-        if changed:
-            log(f"resumed with changed hyperparameters: {' '.join(changed)}", console=True)
-        del checkpoint  # unmaps the file
-    elif args.resume:
-        log(f"no checkpoint of run {args.run_id} yet: starting from step 0", console=True)
-
-    train_loader = DistributedDataLoader(args.train_files, args.train_seq_len, args.seqs_per_step, ctx.dp.rank,
-                                         ctx.dp.size, ctx.device, position=data_position)
-    tokens_per_rank_step = grad_accum_steps * args.train_seq_len
-    last_checkpoint = resume_path
-    val_loss = float("nan")
-    last_comm_bytes = collections.Counter()
-    with stop_requests:
-        device_synchronize(ctx.device)
-        t0 = time.perf_counter()
-        for step in range(start_step, args.num_iterations + 1):
-            last_step = step == args.num_iterations
-            if last_step or (args.val_loss_every > 0 and step % args.val_loss_every == 0):
-                device_synchronize(ctx.device)
-                training_time_ms += 1000 * (time.perf_counter() - t0)  # validation is not timed
-                val_loss = evaluate(model, args, ctx, step, stage)
-                log(f"step:{step}/{args.num_iterations} val_loss:{val_loss:.4f} train_time:{training_time_ms:.0f}ms "
-                    f"step_avg:{training_time_ms / max(step, 1):.2f}ms", console=True)
-                device_synchronize(ctx.device)
-                t0 = time.perf_counter()
-            if last_step:
-                break
-            comm_bytes.clear()
-            loss_sum, grad_norm = train_step(train_loader, step)
-            train_loss, grad_norm, stop = reduce_step_stats(loss_sum / tokens_per_rank_step, grad_norm,
-                                                            stop_requests.check() is not None, ctx.device)
-            done = step + 1
-            if comm_bytes != last_comm_bytes:  # the same every step: logged when it first appears or changes
-                last_comm_bytes = collections.Counter(comm_bytes)
-                log(f"comm: step:{done} bytes per rank "
-                    + " ".join(f"{op}:{n}" for op, n in sorted(comm_bytes.items())))
-            elapsed_ms = training_time_ms + 1000 * (time.perf_counter() - t0)
-            log(f"step:{done}/{args.num_iterations} train_loss:{train_loss:.4f} train_time:{elapsed_ms:.0f}ms "
-                f"step_avg:{elapsed_ms / done:.2f}ms", console=True)
-            if not (math.isfinite(train_loss) and math.isfinite(grad_norm)):
-                message = (f"training diverged at step {done}: train loss {train_loss}, gradient norm {grad_norm}; "
-                           + (f"the last good checkpoint is {last_checkpoint}" if last_checkpoint
-                              else "there is no checkpoint to go back to (see --save_every)"))
-                log(f"diverged: {message}", console=True)
-                raise RunEnded(message, EXIT_DIVERGED)
-            if stop or (args.save_every > 0 and (done % args.save_every == 0 or done == args.num_iterations)):
-                training_time_ms = elapsed_ms  # checkpoints are not timed
-                last_checkpoint = checkpoint_path(args, done)
-                if shards is not None:
-                    shards.gather_all()
-                save_checkpoint(last_checkpoint, raw_model, optimizers, ctx, zero, step=done, run_id=args.run_id,
-                                data=train_loader.position(), training_time_ms=training_time_ms,
-                                log_bytes=log.num_bytes(), hyperparameters=dataclasses.asdict(args))
-                if shards is not None:
-                    shards.drop_all()
-                log(f"checkpoint: {last_checkpoint}", console=True)
-                if stop:
-                    reason = stop_requests.reason or "another rank was asked to stop"
-                    log(f"stopped: step:{done}/{args.num_iterations} reason:{reason}", console=True)
-                    raise RunEnded(f"stopped after step {done} ({reason}); to continue, remove the kill switch if "
-                                   f"it is there and run again with --run_id {args.run_id} --resume latest",
-                                   EXIT_STOPPED)
-                device_synchronize(ctx.device)
-                t0 = time.perf_counter()
-    log(peak_memory_line(ctx.device), console=True)
-    return val_loss
 
 
 if __name__ == "__main__":

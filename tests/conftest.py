@@ -15,8 +15,27 @@ def files(tmp_path_factory):
     return write_synthetic_shards(tmp_path_factory.mktemp("shards"))
 
 
-@pytest.fixture(scope="module")
-def single(files):
-    """Three steps of the tiny model in one process: the reference every layout must reproduce."""
-    from layouts import train_steps
-    return train_steps(0, 1, files, 3)
+@pytest.fixture(scope="session")
+def layout_files(tmp_path_factory):
+    """The synthetic shards every layout run of the session trains on."""
+    from synthetic import write_synthetic_shards
+    return write_synthetic_shards(tmp_path_factory.mktemp("layout_shards"))
+
+
+@pytest.fixture(scope="session")
+def layout_runs(layout_files):
+    """run(name, edit=None): three steps of the tiny model under layouts.LAYOUTS[name] (or in "one process"),
+    each rank's report (layouts.train_steps); each layout runs once per session, whichever tests look at it."""
+    from distributed import run_on_ranks
+    from layouts import LAYOUTS, train_steps
+    cache = {}
+
+    def run(name, edit=None):
+        if (name, edit) not in cache:
+            if name == "one process":
+                cache[name, edit] = train_steps(0, 1, layout_files, 3, None, edit)
+            else:
+                processes, layout = LAYOUTS[name]
+                cache[name, edit] = run_on_ranks(train_steps, processes, layout_files, 3, layout, edit, timeout=600)
+        return cache[name, edit]
+    return run

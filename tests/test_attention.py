@@ -38,8 +38,8 @@ def test_flex_attention_equals_dense_twin(window_blocks):
     ve = torch.randn(1, len(seq), 64)
     for mask in document_causal_masks(seq, torch.tensor(window_blocks, dtype=torch.int32)):
         with torch.no_grad():
-            flex = attn(x, ve, mask, use_flex=True)
-            dense = attn(x, ve, mask, use_flex=False)
+            flex = attn(x, ve, mask.flex())
+            dense = attn(x, ve, mask.dense())
         torch.testing.assert_close(flex, dense, rtol=1e-4, atol=1e-5)
 
 

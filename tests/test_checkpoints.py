@@ -120,11 +120,9 @@ def test_a_checkpoint_resumes_under_another_layout(tmp_path, files, saved, resum
 def restore_on_rank(rank, world_size, path, flags):
     """This rank's model, Adam state and the Muon momentum it owns after restoring the checkpoint at path."""
     args = train_gpt.parse_args(flags, cuda=False)
-    ctx = train_gpt.build_parallel_context(rank, world_size, torch.device("cpu"))
-    model = train_gpt.build_model(args, ctx.device)
-    optimizers = train_gpt.build_optimizers(model, args, ctx)
-    train_gpt.restore_checkpoint(train_gpt.load_checkpoint(path), path, model, optimizers, ctx)
-    adam, muon = optimizers
+    run = train_gpt.build_run(args, train_gpt.build_parallel_context(rank, world_size, torch.device("cpu")))
+    train_gpt.restore_checkpoint(train_gpt.load_checkpoint(path), path, run)
+    model, (adam, muon) = run.model, run.optimizers
     names = {p: n for n, p in model.named_parameters()}
     return dict(model={n: p.detach().clone() for n, p in model.named_parameters()},
                 adam={names[p]: dict(s) for p, s in adam.state.items()},

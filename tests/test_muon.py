@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from distributed import run_on_ranks
-from train_gpt import Muon, world_axis, zeropower_via_newtonschulz5
+from train_gpt import Muon, zeropower_via_newtonschulz5
 
 
 @pytest.mark.parametrize("shape", [(64, 128), (128, 64), (96, 96), (3, 48, 32)])
@@ -46,7 +46,7 @@ def gradients(step, params):
 
 def run_muon(rank, world_size, steps):
     params = make_params()
-    opt = Muon(params, lr=0.05, momentum=0.9, dp=world_axis(rank, world_size), ns_dtype=torch.float32)
+    opt = Muon(params, lr=0.05, momentum=0.9, rank=rank, world_size=world_size, ns_dtype=torch.float32)
     for step in range(steps):
         for p, g in zip(params, gradients(step, params)):
             p.grad = g

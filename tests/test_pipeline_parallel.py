@@ -1,33 +1,65 @@
-"""Pipeline parallelism on gloo processes: each schedule, a middle stage and pipeline x data parallel train the
-one-process model; the stage split, the plan's memory, and the layouts it refuses."""
+"""Pipeline parallelism on gloo processes: where each stage's parameters live, what crosses each boundary, the
+stage split, and the layouts it refuses. (tests/test_layouts.py: the same training as one process.)"""
 import pytest
+import torch
 
 import train_gpt
 from distributed import run_on_ranks
-from layouts import assert_holds_what_the_plan_predicts, assert_trains_like_one_process, train_steps
 from synthetic import tiny_flags
 
 
-@pytest.mark.parametrize("stages, schedule", [(2, "afab"), (3, "1f1b")])
-def test_pipeline_stages_train_the_one_process_model(files, single, stages, schedule):
+@pytest.mark.parametrize("name", ["pp2_afab", "pp3_1f1b"])
+def test_each_parameter_lives_on_one_stage_the_embeddings_first_and_the_head_last(layout_runs, name):
     # the tiny model's 6 blocks: 2 stages split at the U-Net's middle (three skips cross); 3 stages give a middle
     # stage that both receives and sends, with encoder skips passing through it
-    ranks = run_on_ranks(train_steps, stages, files, 3, None, dict(pp=stages, pp_schedule=schedule))
-    assert_trains_like_one_process(ranks, single)
-    assert_holds_what_the_plan_predicts(ranks, files, pp=stages, pp_schedule=schedule)
+    ranks = layout_runs(name)
     assert "embed.weight" in ranks[0]["params"] and "lm_head.weight" in ranks[-1]["params"]
-    for rank in ranks:  # each parameter on one stage only
+    for rank in ranks:
         assert sum(name in other["params"] for other in ranks for name in rank["params"]) == len(rank["params"])
 
 
-@pytest.mark.parametrize("layout", [dict(pp=2), dict(pp=2, zero=3), dict(pp=2, tp=2, sp=True)])
-def test_pipeline_2_combined_on_four_processes_trains_the_one_process_model(files, single, layout):
-    # pipeline x data parallel (plain, and with ZeRO 3 inside each stage), and pipeline x tensor parallel with
-    # sequence-sharded carries
-    ranks = run_on_ranks(train_steps, 4, files, 3, None, layout, timeout=600)
-    assert_trains_like_one_process(ranks, single)
+@pytest.mark.parametrize("name", ["dp2_pp2", "dp2_pp2_zero3", "pp2_tp2_sp"])
+def test_ranks_of_one_stage_hold_the_same_parameters(layout_runs, name):
+    ranks = layout_runs(name)
     assert ranks[0]["params"].keys() == ranks[1]["params"].keys()  # ranks 0, 1: within stage 0
-    assert_holds_what_the_plan_predicts(ranks, files, **layout)
+    assert not ranks[0]["params"].keys() & ranks[2]["params"].keys()
+
+
+def stream_structures(rank, world_size, files, layout):
+    """The structure of every stream this rank received or sent, after one training step and one evaluation."""
+    args = train_gpt.parse_args(tiny_flags(files, **layout), cuda=False)
+    ctx = train_gpt.build_parallel_context(rank, world_size, torch.device("cpu"), args.tp, args.pp)
+    run = train_gpt.build_run(args, ctx)
+    batches = train_gpt.DistributedDataLoader(args.train_files, args.train_seq_len, args.seqs_per_step,
+                                              ctx.dp.rank, ctx.dp.size, ctx.device)
+    run.train_step(batches, 0)
+    run.evaluate(0)
+    return run.accumulate.__self__.carry_specs  # (the PipelineStage whose schedule accumulate is)
+
+
+def test_what_crosses_each_boundary_is_what_the_one_process_forward_holds_there(files):
+    # 3 stages of 2 blocks: x, x0, the three value embeddings and the encoder outputs not yet taken as skips
+    # (blocks 0-1 after stage 0: two skips; blocks 0-2 minus the one block 3 took after stage 1: two skips)
+    layout = dict(pp=3)
+    specs = {}
+    for rank_specs in run_on_ranks(stream_structures, 3, files, layout):
+        specs.update(rank_specs)
+    args = train_gpt.parse_args(tiny_flags(files, **layout), cuda=False)
+    model = train_gpt.build_model(args, torch.device("cpu"))
+    for training, seq_len in ((True, args.train_seq_len), (False, args.val_seq_len)):
+        model.train(training)
+        tokens = torch.full((seq_len,), train_gpt.EOT_TOKEN)
+        with torch.set_grad_enabled(training):
+            masks = model.attention_masks(tokens, train_gpt.window_tensor(1, torch.device("cpu")))
+            stream = model.embed_tokens(tokens)
+            for layer in range(6):
+                stream = model.run_block(layer, stream, masks)
+                if layer + 1 in (2, 4):
+                    leaves, spec = torch.utils._pytree.tree_flatten(stream)
+                    assert specs[layer + 1, seq_len, training] == (
+                        torch.utils._pytree.treespec_dumps(spec), [(tuple(t.shape), t.dtype) for t in leaves])
+                    assert len(stream["skips"]) == 2 and len(stream["ve"]) == 3
+    assert len(specs) == 4  # two boundaries, in training and in evaluation
 
 
 def test_stages_split_the_blocks_evenly_and_in_order():
@@ -35,15 +67,6 @@ def test_stages_split_the_blocks_evenly_and_in_order():
         split = [train_gpt.stage_layers(num_layers, stages, s) for s in range(stages)]
         assert [i for layers in split for i in layers] == list(range(num_layers))
         assert max(map(len, split)) - min(map(len, split)) <= 1
-
-
-def test_the_carry_holds_the_skips_each_boundary_leaves_pending():
-    # 12 layers: encoder 0-5 pushes a skip after each block, decoder 6-11 pops one before each
-    model = train_gpt.GPT(100, 12, 2, 8, 16, 128, "L" * 12, layers=range(4, 9))
-    assert len(model.carry_shapes(4, 128)) == 2 + 3 + 4  # x, x0, value embeddings, skips of blocks 0-3
-    assert len(model.carry_shapes(9, 128)) == 2 + 3 + 3  # skips of blocks 0-2 still to be taken by 9-11
-    assert [name.split(".")[1] for name, _ in model.named_parameters() if name.startswith("blocks.")][:1] == ["4"]
-    assert model.embed is None and model.lm_head is None
 
 
 @pytest.mark.parametrize("world_size, flags, words", [

@@ -1,28 +1,19 @@
-"""Tensor parallelism (Megatron: heads, MLP width and vocabulary split) on gloo processes: the same training as
-one process, alone and combined with data parallelism and ZeRO, and the layouts it refuses."""
+"""Tensor parallelism (Megatron: heads, MLP width and vocabulary split) on gloo processes: what each rank holds,
+the vocabulary-parallel loss, and the layouts it refuses. (tests/test_layouts.py: the same training as one
+process.)"""
 import pytest
 import torch
 
 import train_gpt
 from distributed import run_on_ranks
-from layouts import assert_holds_what_the_plan_predicts, assert_trains_like_one_process, train_steps
 from synthetic import tiny_flags
 
 
-@pytest.mark.parametrize("layout", [dict(tp=2), dict(tp=2, sp=True), dict(tp=2, sp=True, async_tp=True)])
-def test_two_tensor_parallel_ranks_train_the_one_process_model_holding_half(files, single, layout):
-    # replicated activations (f/g all-reduces), sequence parallel (all-gather / reduce-scatter of sequence
-    # shards), and asynchronous tensor parallelism (the column-parallel matmul overlapping the all-gather)
-    ranks = run_on_ranks(train_steps, 2, files, 3, None, layout)
-    assert_trains_like_one_process(ranks, single)
-    assert_holds_what_the_plan_predicts(ranks, files, **layout)
-    for rank in ranks:  # every matrix and embedding is split in two; only the scalars are whole on both ranks
-        assert rank["held"]["parameters"] < 0.51 * single["held"]["parameters"]
-
-
-def test_data_parallel_2_by_tensor_parallel_2_with_zero_3_trains_the_one_process_model(files, single):
-    ranks = run_on_ranks(train_steps, 4, files, 3, None, dict(zero=3, tp=2), timeout=600)
-    assert_trains_like_one_process(ranks, single)
+@pytest.mark.parametrize("name", ["tp2", "tp2_sp", "tp2_sp_async"])
+def test_two_tensor_parallel_ranks_hold_half_of_the_one_process_model(layout_runs, name):
+    single = layout_runs("one process")["first_step"]
+    for rank in layout_runs(name):  # every matrix and embedding is split in two; only the scalars are whole on both
+        assert rank["first_step"]["parameters"] < 0.51 * single["parameters"]
 
 
 def test_vocab_parallel_cross_entropy_equals_the_dense_one_on_one_rank_pair():
@@ -40,7 +31,7 @@ def test_vocab_parallel_cross_entropy_equals_the_dense_one_on_one_rank_pair():
 
 def split_cross_entropy(rank, world_size, logits, targets):
     tp = train_gpt.world_axis(rank, world_size)
-    local = train_gpt.tp_shard(logits, 1, tp).requires_grad_()
+    local = train_gpt.TensorParallelSlice(1, logits.size(1), tp).cut(logits).requires_grad_()
     loss = train_gpt.vocab_parallel_cross_entropy(local, targets, tp)
     loss.backward()
     return loss.item(), local.grad

@@ -53,40 +53,31 @@ def test_schedules_at_hand_computed_points():
 
 def build(files, **overrides):
     args = train_gpt.parse_args(tiny_flags(files, **overrides), cuda=False)
-    ctx = train_gpt.build_parallel_context(0, 1, torch.device("cpu"))
-    torch.manual_seed(0)
-    model = train_gpt.build_model(args, ctx.device)
-    return args, ctx, model, train_gpt.build_optimizers(model, args, ctx)
-
-
-def one_step(args, model, optimizers, batches, step=0):
-    window = train_gpt.window_tensor(train_gpt.window_size_blocks(step, args), torch.device("cpu"))
-    loss = train_gpt.accumulate_gradients(model, None, batches, window, args.seqs_per_step)
-    train_gpt.optimizer_step(model, optimizers, step, args)
-    return loss.item()
+    return args, train_gpt.build_run(args, train_gpt.build_parallel_context(0, 1, torch.device("cpu")))
 
 
 def test_warmup_leaves_no_trace(tmp_path):
     files = write_synthetic_shards(tmp_path)
-    args, ctx, model, optimizers = build(files)
+    args, run = build(files)
+    model, optimizers = run.model, run.optimizers
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     random_tokens = iter(lambda: (torch.randint(0, 50257, (128,), dtype=torch.int32),
                                   torch.randint(0, 50257, (128,))), None)
-    train_gpt.warmup_and_restore(model, optimizers, lambda: one_step(args, model, optimizers, random_tokens, 50), 3)
+    train_gpt.warmup_and_restore(model, optimizers, lambda: run.train_step(random_tokens, 50), 3)
     for k, v in model.state_dict().items():
         assert torch.equal(v, initial[k]), k
     assert all(not opt.state for opt in optimizers)  # no momentum or Adam moments survive
     assert all(p.grad is None for p in model.parameters())
     # and training from here is exactly training from a fresh model
-    _, _, fresh, fresh_optimizers = build(files)
-    loader = lambda: train_gpt.DistributedDataLoader(args.train_files, 128, args.seqs_per_step, 0, 1, ctx.device)
+    _, fresh = build(files)
+    loader = lambda: train_gpt.DistributedDataLoader(args.train_files, 128, args.seqs_per_step, 0, 1, run.ctx.device)
     after_warmup, batches = [], loader()
     reference, fresh_batches = [], loader()
     for step in range(2):
-        after_warmup.append(one_step(args, model, optimizers, batches, step))
-        reference.append(one_step(args, fresh, fresh_optimizers, fresh_batches, step))
+        after_warmup.append(run.train_step(batches, step)[0].item())
+        reference.append(fresh.train_step(fresh_batches, step)[0].item())
     assert after_warmup == reference
-    for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
+    for (name, p), q in zip(model.named_parameters(), fresh.model.parameters()):
         assert torch.equal(p, q), name
 
 
@@ -98,11 +89,11 @@ def test_evaluation_runs_the_head_in_slices_and_averages_over_every_token():
     tokens = torch.randint(0, 50257, (257,))
     tokens[[0, 90, 200]] = train_gpt.EOT_TOKEN
     inputs, targets, window = tokens[:-1], tokens[1:], train_gpt.window_tensor(2, torch.device("cpu"))
-    head_inputs = []
-    model.lm_head.register_forward_hook(lambda module, args, out: head_inputs.append(args[0]))
+    head_inputs, summed_loss = [], model.lm_head.summed_loss
+    model.lm_head.summed_loss = lambda x, t: head_inputs.append(x) or summed_loss(x, t)
     with torch.no_grad():
         whole = model(inputs, targets, window)  # 256 tokens: one slice
-        model.EVAL_HEAD_ROWS = 100  # slices of 100, 100 and 56 tokens
+        model.lm_head.EVAL_ROWS = 100  # slices of 100, 100 and 56 tokens
         sliced = model(inputs, targets, window)
     assert [len(x) for x in head_inputs] == [256, 100, 100, 56]
     # fp64 reference: the soft-capped logits of every token, averaged once
