@@ -1832,10 +1832,11 @@ class ShardedParameters:
     """ZeRO 3: a parameter's values live on its owner alone except while a forward or backward needs them.
 
     Units are the blocks and the other modules holding parameters (embeddings, head). A unit is gathered
-    (broadcast from the owners into storage re-allocated for the purpose) just before its forward, a block with
-    the next block's gather already under way, and dropped after; a hook on its output gathers it again (a
-    block starting on the block before it) when backward reaches it, and it is dropped once all its gradients
-    are in. Autograd's saved tensors share the parameters' storage, so they see the values again when backward
+    (broadcast from the owners into storage re-allocated for the purpose) just before its forward. A block, with
+    the next block's gather already under way, is dropped after its forward; a hook on its output gathers it
+    again, starting on the block before it, when backward reaches it. An embedding is dropped after its forward
+    too (its backward needs only the token ids); another module (the head, whose backward follows at once)
+    stays. Every unit is dropped once all its gradients are in. Autograd's saved tensors share the parameters' storage, so they see the values again when backward
     runs. Parameters of the GPT itself (none in the record's model) stay whole: no module call brackets their use.
     """
 
@@ -1855,8 +1856,12 @@ class ShardedParameters:
             # a block prefetches its neighbour: the next one going forward, the one before going backward
             neighbours = (u + 1 if u + 1 < len(blocks) else None, u - 1 if 0 < u < len(blocks) else None)
             module.register_forward_pre_hook(lambda module, args, u=u, after=neighbours[0]: self._enter(u, after))
-            module.register_forward_hook(lambda module, args, out, u=u, before=neighbours[1]:
-                                         self._after_forward(u, out, before))
+            if u < len(blocks):
+                module.register_forward_hook(lambda module, args, out, u=u, before=neighbours[1]:
+                                             self._after_forward(u, out, before))
+            else:  # an embedding's backward needs the token ids, not the table; the head's comes right after it
+                module.register_forward_hook(lambda module, args, out, u=u, embedding=isinstance(module, nn.Embedding):
+                                             self.drop(u) if embedding or not out.requires_grad else None)
         for p in self.unit_of:
             p.register_post_accumulate_grad_hook(self._gradient_in)
         self.drop_all()
