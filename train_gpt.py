@@ -56,15 +56,38 @@ def _scale(value: float, like: Tensor) -> Tensor:
     return torch.full((), value, dtype=torch.float32, device=like.device)  # a fill kernel, no host-to-device copy
 
 
-@torch.library.custom_op("nanogpt::mm", mutates_args=())
-def fp8_mm(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor, Tensor]:
-    """x @ w.T with both operands in float8_e4m3fn (x / x_s, w / w_s); also returns the fp8 operands for backward."""
+def fp8_mm_body(x: Tensor, w: Tensor, x_s: float, w_s: float) -> tuple[Tensor, Tensor, Tensor]:
     x_f8 = x.div(x_s).to(torch.float8_e4m3fn)
     w_f8 = w.div(w_s).to(torch.float8_e4m3fn)
     # _scaled_mm wants the second operand column-major: w_f8.T of a row-major w_f8 is exactly that
     out = torch._scaled_mm(x_f8, w_f8.T, out_dtype=x.dtype, scale_a=_scale(x_s, x), scale_b=_scale(w_s, x),
                            use_fast_accum=True)
     return out, x_f8, w_f8
+
+
+def fp8_mm_backward_body(grad: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s: float,
+                         grad_s: float) -> tuple[Tensor, Tensor]:
+    grad_f8 = grad.div(grad_s).to(torch.float8_e5m2)
+    # grad_x = grad @ w: (M, N) @ (N, K); w_f8 made column-major
+    grad_x = torch._scaled_mm(grad_f8, w_f8.T.contiguous().T, out_dtype=grad.dtype,
+                              scale_a=_scale(grad_s, grad), scale_b=_scale(w_s, grad), use_fast_accum=False)
+    # grad_w = grad.T @ x: (N, M) @ (M, K), row-major like w (the fake promises that layout to torch.compile);
+    # kept in fp32 for the optimizer
+    grad_w = torch._scaled_mm(grad_f8.T.contiguous(), x_f8.T.contiguous().T, out_dtype=torch.float32,
+                              scale_a=_scale(grad_s, grad), scale_b=_scale(x_s, grad), use_fast_accum=False)
+    return grad_x, grad_w
+
+
+# the bodies compiled on CUDA, where each scale-and-cast becomes one kernel instead of first writing the scaled
+# tensor (the backward's grad / grad_s is 4.9 GB a step on the record config); eager elsewhere, computing the same
+compiled_fp8_mm_body = torch.compile(fp8_mm_body, dynamic=False)
+compiled_fp8_mm_backward_body = torch.compile(fp8_mm_backward_body, dynamic=False)
+
+
+@torch.library.custom_op("nanogpt::mm", mutates_args=())
+def fp8_mm(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor, Tensor]:
+    """x @ w.T with both operands in float8_e4m3fn (x / x_s, w / w_s); also returns the fp8 operands for backward."""
+    return (compiled_fp8_mm_body if x.is_cuda else fp8_mm_body)(x, w, x_s, w_s)
 
 
 @fp8_mm.register_fake
@@ -76,15 +99,8 @@ def _(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float):
 def fp8_mm_backward(grad: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s: float,
                     grad_s: float) -> tuple[Tensor, Tensor]:
     """Gradients of fp8_mm: the incoming gradient goes to float8_e5m2 (wider range, less precision) scaled by grad_s."""
-    grad_f8 = grad.div(grad_s).to(torch.float8_e5m2)
-    # grad_x = grad @ w: (M, N) @ (N, K); w_f8 made column-major
-    grad_x = torch._scaled_mm(grad_f8, w_f8.T.contiguous().T, out_dtype=grad.dtype,
-                              scale_a=_scale(grad_s, grad), scale_b=_scale(w_s, grad), use_fast_accum=False)
-    # grad_w = grad.T @ x: (N, M) @ (M, K), row-major like w (the fake promises that layout to torch.compile);
-    # kept in fp32 for the optimizer
-    grad_w = torch._scaled_mm(grad_f8.T.contiguous(), x_f8.T.contiguous().T, out_dtype=torch.float32,
-                              scale_a=_scale(grad_s, grad), scale_b=_scale(x_s, grad), use_fast_accum=False)
-    return grad_x, grad_w
+    return (compiled_fp8_mm_backward_body if grad.is_cuda else fp8_mm_backward_body)(grad, x_f8, w_f8, x_s, w_s,
+                                                                                      grad_s)
 
 
 @fp8_mm_backward.register_fake
@@ -1089,25 +1105,28 @@ def train(args: Hyperparameters, ctx: "ParallelContext") -> float:
                                          ctx.dp.size, ctx.device, position=book.data_position)
     val_loss = float("nan")
     with stop_requests:
-        clock = TrainingClock(ctx.device, book.training_time_ms)
+        book.start(train_loader, stop_requests)
         for step in range(book.start_step, args.num_iterations + 1):
             last_step = step == args.num_iterations
             if last_step or (args.val_loss_every > 0 and step % args.val_loss_every == 0):
-                with clock.paused():  # validation is not timed
+                book.flush()  # the step before is logged and checked first
+                with book.clock.paused():  # validation is not timed
                     val_loss = run.evaluate(step)
-                    book.log(f"step:{step}/{args.num_iterations} val_loss:{val_loss:.4f} "
-                             f"train_time:{clock.ms():.0f}ms step_avg:{clock.ms() / max(step, 1):.2f}ms", console=True)
+                    book.log(f"step:{step}/{args.num_iterations} val_loss:{val_loss:.4f} train_time:"
+                             f"{book.clock.ms():.0f}ms step_avg:{book.clock.ms() / max(step, 1):.2f}ms", console=True)
             if last_step:
                 break
             comm_bytes.clear()
             stats = run.step_stats(*run.train_step(train_loader, step), stop_requests.check() is not None)
-            book.after_step(step + 1, stats, clock, train_loader, stop_requests)  # logs, guards, saves, stops
+            book.after_step(step + 1, stats)  # logs, guards, saves, stops (on CUDA, for the step before)
     book.log(peak_memory_line(ctx.device), console=True)
     return val_loss
 
 
 def main(argv=None) -> float | None:
     """Train and return the final validation loss; with --plan, print the plan instead."""
+    # before CUDA first allocates: memory grows in place instead of in fixed segments that fragment
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     args = parse_args(argv)
     check_world_size(args, args.nproc if args.plan and args.nproc else int(os.environ.get("WORLD_SIZE", 1)))
     if args.plan:
@@ -1380,9 +1399,39 @@ class TrainingClock:
         self.t0 = time.perf_counter()
 
 
+def reads_stats_late(device: torch.device) -> bool:
+    """Whether a step's loss, gradient norm and stop votes are read a step late: on CUDA, so that reading them does
+    not stop the host from queueing the next step; elsewhere (the host does the work itself) at once."""
+    return device.type == "cuda"
+
+
+def read_later(stats: Tensor) -> Callable[[], list[float]]:
+    """A way to read stats later: on CUDA from a copy queued behind the step and waited for only when read."""
+    if stats.device.type != "cuda":
+        values = stats.tolist()
+        return lambda: values
+    host = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
+    host.copy_(stats, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def read() -> list[float]:
+        copied.synchronize()
+        return host.tolist()
+    return read
+
+
+@dataclass
+class PendingStep:
+    done: int  # the steps done with it
+    read: Callable[[], list[float]]  # its [train loss, squared gradient norm, stop votes]
+    comm: collections.Counter  # the bytes it handed to collectives
+
+
 class Bookkeeping:
-    """Where the run starts (a restored checkpoint, or step 0), its log, and what follows each step: the log line,
-    the divergence guard, checkpoints and stopping."""
+    """Where the run starts (a restored checkpoint, or step 0), its log and clock, and what follows each step: the
+    log line, the divergence guard, checkpoints and stopping. On CUDA a step is decided when the next one has
+    been queued (reads_stats_late), unless a checkpoint is due or a stop was asked for."""
 
     def __init__(self, args: Hyperparameters, run: Run, checkpoint: dict | None, resume_path: Path | None):
         self.args, self.run = args, run
@@ -1408,14 +1457,35 @@ class Bookkeeping:
             self.log(f"no checkpoint of run {args.run_id} yet: starting from step 0", console=True)
         self.last_checkpoint = resume_path
         self.last_comm_bytes = collections.Counter()
+        self.read_late = reads_stats_late(run.ctx.device)
+        self.pending: PendingStep | None = None
+        self.stop_seen = False  # a stop vote read a step late: stop after the step in flight
 
-    def after_step(self, done: int, stats: Tensor, clock: TrainingClock, train_loader: DistributedDataLoader,
-                   stop_requests: StopRequests) -> None:
+    def start(self, train_loader: DistributedDataLoader, stop_requests: StopRequests) -> None:
+        self.train_loader, self.stop_requests = train_loader, stop_requests
+        self.clock = TrainingClock(self.run.ctx.device, self.training_time_ms)
+
+    def after_step(self, done: int, stats: Tensor) -> None:
+        previous, self.pending = self.pending, PendingStep(done, read_later(stats), collections.Counter(comm_bytes))
+        if previous is not None:
+            self._decide(previous)
         args = self.args
-        train_loss, grad_squares, stop_votes = stats.tolist()
-        if comm_bytes != self.last_comm_bytes:  # the same every step: logged when it first appears or changes
-            self.last_comm_bytes = collections.Counter(comm_bytes)
-            self.log(f"comm: step:{done} bytes per rank " + " ".join(f"{op}:{n}" for op, n in sorted(comm_bytes.items())))
+        if not self.read_late or self.stop_seen or (args.save_every > 0 and (done % args.save_every == 0 or
+                                                                             done == args.num_iterations)):
+            self.flush()
+
+    def flush(self) -> None:
+        """Decide the step in flight now (before a validation, a checkpoint or the end)."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            self._decide(pending)
+
+    def _decide(self, step: PendingStep) -> None:
+        args, done, clock = self.args, step.done, self.clock
+        train_loss, grad_squares, stop_votes = step.read()
+        if step.comm != self.last_comm_bytes:  # the same every step: logged when it first appears or changes
+            self.last_comm_bytes = step.comm
+            self.log(f"comm: step:{done} bytes per rank " + " ".join(f"{op}:{n}" for op, n in sorted(step.comm.items())))
         self.log(f"step:{done}/{args.num_iterations} train_loss:{train_loss:.4f} train_time:{clock.ms():.0f}ms "
                  f"step_avg:{clock.ms() / done:.2f}ms", console=True)
         grad_norm = grad_squares ** 0.5
@@ -1425,16 +1495,19 @@ class Bookkeeping:
                           else "there is no checkpoint to go back to (see --save_every)"))
             self.log(f"diverged: {message}", console=True)
             raise RunEnded(message, EXIT_DIVERGED)
-        stop = stop_votes > 0
+        stop = stop_votes > 0 or self.stop_seen
+        if stop and self.pending is not None:  # read late: the next step is already under way, so stop after it
+            self.stop_seen = True
+            return
         if stop or (args.save_every > 0 and (done % args.save_every == 0 or done == args.num_iterations)):
             with clock.paused():  # checkpoints are not timed
                 self.last_checkpoint = checkpoint_path(args, done)
                 save_checkpoint(self.last_checkpoint, self.run, step=done, run_id=args.run_id,
-                                data=train_loader.position(), training_time_ms=clock.ms(),
+                                data=self.train_loader.position(), training_time_ms=clock.ms(),
                                 log_bytes=self.log.num_bytes(), hyperparameters=dataclasses.asdict(args))
                 self.log(f"checkpoint: {self.last_checkpoint}", console=True)
             if stop:
-                reason = stop_requests.reason or "another rank was asked to stop"
+                reason = self.stop_requests.reason or "another rank was asked to stop"
                 self.log(f"stopped: step:{done}/{args.num_iterations} reason:{reason}", console=True)
                 raise RunEnded(f"stopped after step {done} ({reason}); to continue, remove the kill switch if it is "
                                f"there and run again with --run_id {args.run_id} --resume latest", EXIT_STOPPED)
@@ -1644,6 +1717,8 @@ class GradientBuckets:
     Hooks run after a parameter's gradient is accumulated, so communication overlaps the rest of backward.
     Buckets follow reverse registration order (roughly the order backward produces gradients) and never mix
     dtypes. Gradient accumulation wraps each micro-batch's backward in micro_batch(last): only the last reduces.
+    Gradients are all-reduced where they are; a bucket is copied into one flat tensor only for a reduce to one
+    owner (which takes one tensor) or into the float64 sums.
 
     owner_of (ZeRO 1 and up): a bucket then holds one owner's parameters and is reduced to that rank alone; the
     other ranks drop those gradients, so each rank keeps only the gradients of the parameters it updates.
@@ -1673,9 +1748,9 @@ class GradientBuckets:
         self.sums = None if sum_dtype is None else [
             torch.zeros(sum(p.numel() for p in bucket), dtype=sum_dtype, device=bucket[0].device)
             for bucket in self.buckets]
-        self.flat: list[Tensor | None] = [None] * len(self.buckets)
+        self.reduced: list[list[Tensor] | None] = [None] * len(self.buckets)  # what each reduction works on
         self.ready = [0] * len(self.buckets)
-        self.handles: list = [None] * len(self.buckets)
+        self.handles: list[list] = [[] for _ in self.buckets]
         self.sync = True
         for param in self.bucket_of:
             param.register_post_accumulate_grad_hook(self._hook)
@@ -1702,24 +1777,27 @@ class GradientBuckets:
             self._launch(i)
 
     def _launch(self, i: int) -> None:
+        bucket, owner = self.buckets[i], self.owner(self.buckets[i][0])
         if self.sums is not None:
             self._add_to_sum(i)
-            flat = self.sums[i]
-        else:
-            flat = torch.cat([p.grad.view(-1) for p in self.buckets[i]])
-            for p in self.buckets[i]:
+            tensors = [self.sums[i]]
+        elif len(bucket) == 1 or owner is None:
+            tensors = [p.grad for p in bucket]  # reduced where they are, no copy
+        else:  # a reduce takes one tensor
+            tensors = [torch.cat([p.grad.view(-1) for p in bucket])]
+            for p in bucket:
                 p.grad = None
-        self.flat[i] = flat
+        self.reduced[i] = tensors
         if self.dp.size == 1:
             return
-        owner = self.owner(self.buckets[i][0])
         if owner is None:
-            count_comm("all_reduce", flat)
-            self.handles[i] = dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=self.dp.group, async_op=True)
+            count_comm("all_reduce", *tensors)
+            self.handles[i] = [dist.all_reduce(t, op=dist.ReduceOp.AVG, group=self.dp.group, async_op=True)
+                               for t in tensors]
         else:  # (no AVG for reduce on gloo: the owner divides)
-            count_comm("reduce", flat)
-            self.handles[i] = dist.reduce(flat, dst=self.dp.global_rank(owner), op=dist.ReduceOp.SUM,
-                                          group=self.dp.group, async_op=True)
+            count_comm("reduce", *tensors)
+            self.handles[i] = [dist.reduce(tensors[0], dst=self.dp.global_rank(owner), op=dist.ReduceOp.SUM,
+                                           group=self.dp.group, async_op=True)]
 
     def _add_to_sum(self, i: int) -> None:
         offset = 0
@@ -1731,27 +1809,31 @@ class GradientBuckets:
     def wait(self) -> None:
         """Wait for every bucket's reduction and hand each parameter its averaged gradient (under ZeRO, the
         parameters this rank owns)."""
-        missing = [i for i, flat in enumerate(self.flat) if flat is None]
+        missing = [i for i, reduced in enumerate(self.reduced) if reduced is None]
         if missing:
             shapes = [tuple(p.shape) for p in self.buckets[missing[0]] if p.grad is None]
             raise RuntimeError(f"gradient bucket {missing[0]} was never reduced; parameters without a gradient "
                                f"this step: {shapes}")
-        for i, (bucket, flat, handle) in enumerate(zip(self.buckets, self.flat, self.handles)):
-            if handle is not None:
+        for bucket, reduced, handles in zip(self.buckets, self.reduced, self.handles):
+            for handle in handles:
                 handle.wait()
             owner = self.owner(bucket[0])
-            if owner is None or owner == self.dp.rank:  # (another rank's shard: its gradients stay dropped)
+            if owner is not None and owner != self.dp.rank:
+                for p in bucket:  # another rank's shard: its gradients are dropped
+                    p.grad = None
+            else:
                 if owner is not None and self.dp.size > 1:
-                    flat.div_(self.dp.size)
-                offset = 0
-                for p in bucket:  # views of the flat buffer, or (float64 sums) rounded once to the parameter's dtype
-                    p.grad = flat[offset:offset + p.numel()].view_as(p).to(p.dtype)
-                    offset += p.numel()
+                    reduced[0].div_(self.dp.size)
+                if reduced[0] is not bucket[0].grad:  # a flat copy: views of it, or (float64 sums) rounded once
+                    offset = 0
+                    for p in bucket:
+                        p.grad = reduced[0][offset:offset + p.numel()].view_as(p).to(p.dtype)
+                        offset += p.numel()
             if self.sums is not None:
-                flat.zero_()
+                reduced[0].zero_()
         self.ready = [0] * len(self.buckets)
-        self.flat = [None] * len(self.buckets)
-        self.handles = [None] * len(self.buckets)
+        self.reduced = [None] * len(self.buckets)
+        self.handles = [[] for _ in self.buckets]
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import torch
 
 import train_gpt
 from conftest import REPO_ROOT
+from train_gpt import accumulate_gradients
 from distributed import run_on_ranks
 from synthetic import tiny_flags
 
@@ -341,3 +342,48 @@ def test_ctrl_c_stops_the_trainer_process_with_a_checkpoint_and_exit_status_3(tm
     assert stopped[1] == str(tmp_path / "logs" / "ctrlc" / f"step{step:06d}.pt")
     assert torch.load(stopped[1], weights_only=True)["step"] == step
     assert f"stopped after step {step} (SIGINT)" in err and "Traceback" not in err
+
+
+@pytest.fixture
+def stats_read_late(monkeypatch):
+    """Bookkeeping as on CUDA: each step's loss, gradient norm and stop votes read when the next step is queued."""
+    monkeypatch.setattr(train_gpt, "reads_stats_late", lambda device: True)
+
+
+def test_read_a_step_late_the_log_and_the_model_are_those_of_reading_at_once(tmp_path, files, monkeypatch):
+    at_once = run(tmp_path, files, 1, "at_once", save_every=STEPS)
+    monkeypatch.setattr(train_gpt, "reads_stats_late", lambda device: True)
+    late = run(tmp_path, files, 1, "late", save_every=STEPS)
+    assert step_lines(late) == step_lines(at_once)  # every train and val line, in the same order
+    assert_states_equal(checkpoint(tmp_path, "at_once", STEPS), checkpoint(tmp_path, "late", STEPS))
+
+
+def test_read_a_step_late_a_kill_switch_stops_after_the_next_step_and_resumes_exactly(tmp_path, files, monkeypatch,
+                                                                                     stats_read_late):
+    reference = run(tmp_path, files, 1, "reference", save_every=STEPS)
+    kill_switch = tmp_path / "logs" / "stopme.stop"
+    interrupt_at_call(monkeypatch, 3, lambda _: kill_switch.touch())
+    with pytest.raises(train_gpt.RunEnded) as stopped:
+        run(tmp_path, files, 1, "stopme", save_every=STEPS)
+    assert stopped.value.exit_status == train_gpt.EXIT_STOPPED
+    # the vote of step 3 is read once step 4 is under way: the run stops after step 4, with its checkpoint
+    assert (tmp_path / "logs" / "stopme.txt").read_text().endswith(
+        f"checkpoint: {tmp_path / 'logs' / 'stopme' / 'step000004.pt'}\n"
+        f"stopped: step:4/{STEPS} reason:kill switch {kill_switch}\n")
+    kill_switch.unlink()
+    monkeypatch.setattr(train_gpt, "accumulate_gradients", accumulate_gradients)
+    resumed = run(tmp_path, files, 1, "stopme", save_every=STEPS, resume="latest")
+    assert step_lines(resumed) == step_lines(reference)
+    assert_states_equal(checkpoint(tmp_path, "reference", STEPS), checkpoint(tmp_path, "stopme", STEPS))
+
+
+def test_read_a_step_late_divergence_stops_at_the_diverged_step_before_saving_the_next(tmp_path, files, monkeypatch,
+                                                                                     stats_read_late):
+    def poison(model):  # this step's loss is finite, its gradient is not
+        model.blocks[0].mlp.c_fc.weight.grad.view(-1)[0] = float("inf")
+    interrupt_at_call(monkeypatch, 3, poison)
+    with pytest.raises(train_gpt.RunEnded) as diverged:
+        run(tmp_path, files, 1, "nan", save_every=2)
+    assert str(diverged.value).startswith("training diverged at step 3: ")
+    # step 4 ran (it was queued when step 3 was read), but its checkpoint was never written
+    assert sorted(p.name for p in (tmp_path / "logs" / "nan").iterdir()) == ["step000002.pt"]

@@ -78,3 +78,17 @@ def test_lm_head_carries_the_record_scales():
     head = model.lm_head
     assert head.use_fp8 and head.weight.shape == (384, 64)  # vocab padded to a multiple of 128
     assert (head.x_s, head.w_s, head.grad_s) == (64 ** 0.5 / 448, 24 / 448, 1 / 448)
+
+
+def test_compiled_bodies_compute_what_the_eager_ones_do():
+    # CUDA runs the op's bodies compiled; compiled here on the CPU they must give the same bits as the eager
+    # bodies the CPU runs (each output compared, and the fp8 operands are not trivially equal to zero)
+    x, w, grad = operands(2)
+    eager = train_gpt.fp8_mm_body(x, w, X_S, W_S)
+    compiled = train_gpt.compiled_fp8_mm_body(x, w, X_S, W_S)
+    for a, b in zip(eager, compiled):
+        assert a.float().abs().sum() > 0 and torch.equal(a.float(), b.float())
+    _, x_f8, w_f8 = eager
+    backward = (grad, x_f8, w_f8, X_S, W_S, GRAD_S)
+    for a, b in zip(train_gpt.fp8_mm_backward_body(*backward), train_gpt.compiled_fp8_mm_backward_body(*backward)):
+        assert a.abs().sum() > 0 and torch.equal(a, b)
