@@ -25,12 +25,16 @@ def _detach(value):
     return value
 
 
-def _worker(rank, world_size, port, fn, args, results):
+def _worker(rank, world_size, port, fn, args, results, backend):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)  # two processes on two cores
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if backend == "nccl":  # one GPU per rank
+            torch.cuda.set_device(rank)
+            dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=torch.device("cuda", rank))
+        else:
+            dist.init_process_group(backend, rank=rank, world_size=world_size)
         results.put((rank, "ok", _detach(fn(rank, world_size, *args))))
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
@@ -45,15 +49,16 @@ _context = mp.get_context("forkserver")
 _context.set_forkserver_preload(["torch", "torch.distributed", "train_gpt"])
 
 
-def run_on_ranks(fn, world_size: int, *args, timeout: float = 300.0) -> list:
-    """fn(rank, world_size, *args) on world_size processes; returns the results ordered by rank.
+def run_on_ranks(fn, world_size: int, *args, timeout: float = 300.0, backend: str = "gloo") -> list:
+    """fn(rank, world_size, *args) on world_size processes (backend "nccl": one GPU each); returns the results
+    ordered by rank.
 
     fn must be a module-level function (it is pickled by name). A rank that raises fails the caller with
     that rank's traceback; a hang fails after `timeout` seconds instead of blocking the suite.
     """
     results = _context.Queue()
     port = free_port()
-    procs = [_context.Process(target=_worker, args=(r, world_size, port, fn, args, results), daemon=True)
+    procs = [_context.Process(target=_worker, args=(r, world_size, port, fn, args, results, backend), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()

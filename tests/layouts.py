@@ -30,17 +30,19 @@ LAYOUTS = {
 }
 
 
-def train_steps(rank, world_size, files, steps, layout=None, edit=None):
+def train_steps(rank, world_size, files, steps, layout=None, edit=None, device_type="cpu"):
     """Losses of `steps` steps; every gradient this rank holds after the last step's backward and the parameters
     after its update, as full one-process tensors (a pipeline stage has its own only); and what the first step
-    held and sent (train_gpt.account_step). edit: a MODEL_EDITS entry applied to the model first."""
+    held and sent (train_gpt.account_step). edit: a MODEL_EDITS entry applied to the model first. device_type
+    "cuda": on GPU `rank`, in the CUDA run's dtypes with FlexAttention."""
+    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
     with model_edit(edit):
         args = train_gpt.parse_args(tiny_flags(files, **(layout or {})), cuda=False)
-        ctx = train_gpt.build_parallel_context(rank, world_size, torch.device("cpu"), args.tp, args.pp)
+        ctx = train_gpt.build_parallel_context(rank, world_size, device, args.tp, args.pp)
         run = train_gpt.build_run(args, ctx)
         batches = train_gpt.DistributedDataLoader(args.train_files, args.train_seq_len, args.seqs_per_step,
                                                   ctx.dp.rank, ctx.dp.size, ctx.device)
-        losses, no_gradient = [], torch.zeros(())
+        losses, no_gradient = [], torch.zeros((), device=device)
         for step in range(steps):
             if step == 0:
                 first = train_gpt.account_step(run, batches, step)
@@ -71,7 +73,8 @@ def assert_close_in_norm(got, expected, tolerance, what):
     assert error <= tolerance * expected.norm().item(), (what, error / expected.norm().item())
 
 
-def assert_trains_like_one_process(ranks, single, gradient_tolerance=0.0, parameter_tolerance=None):
+def assert_trains_like_one_process(ranks, single, gradient_tolerance=0.0, parameter_tolerance=None,
+                                   loss_tolerance=1e-6):
     """Each rank's gradients (at the last step, every one of them non-zero) and losses equal the one-process run's,
     its parameters after the last step too, and together the ranks hold every one of them.
 
@@ -87,7 +90,7 @@ def assert_trains_like_one_process(ranks, single, gradient_tolerance=0.0, parame
         for name, grad in rank["grads"].items():
             assert single["grads"][name].norm() > 0, f"gradient of {name} is zero: the comparison would be empty"
             assert_close_in_norm(grad, single["grads"][name], gradient_tolerance, f"gradient of {name}")
-        assert rank["losses"] == pytest.approx(single["losses"], rel=1e-6)
+        assert rank["losses"] == pytest.approx(single["losses"], rel=loss_tolerance)
         for name, param in rank["params"].items():
             assert_close_in_norm(param, single["params"][name], parameter_tolerance, f"parameter {name}")
     assert set().union(*(rank["grads"] for rank in ranks)) == single["grads"].keys()

@@ -1,0 +1,171 @@
+"""Benchmark (not a test) of the record config on the GPUs present: a short run after the compile warm-up, on the
+FineWeb shards or, where they are missing, on synthetic shards of the same format.
+
+    torchrun --standalone --nproc_per_node=$(nvidia-smi -L | wc -l) tests/benchmark_gpu.py [--steps 30] [flags]
+
+Further flags go to train_gpt.py's parser (the record preset is the base). It prints ms per step, tokens per second
+per GPU, MFU (model FLOPs counted as below, against the GPU's dense bf16 peak), peak memory, and the step split
+into forward+backward, the gradient wait (the compute stream waiting for the last gradient reduction) and the
+optimizer. The steps are taken at the middle of the schedule (--at_step), where the sliding window is half grown.
+"""
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+import train_gpt  # noqa: E402
+
+# dense bf16 tensor-core peak, FLOP/s, by what torch.cuda.get_device_name contains (first match wins)
+PEAK_BF16 = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("H800", 989e12), ("A100", 312e12),
+             ("L40S", 362e12), ("A10", 125e12), ("RTX 4090", 165e12)]
+
+
+def model_flops_per_token(args: train_gpt.Hyperparameters, window_tokens: int) -> float:
+    """Forward and backward FLOPs per token: 6 per weight of every matmul (q, k, v, the attention output, the MLP,
+    the head over the padded vocabulary; embedding lookups are free), and for attention 12 per query, key and
+    head dimension, counting each query's keys as its sliding window (long layers the window, short ones half;
+    documents end it sooner, so this is an upper bound)."""
+    d, hdim = args.model_dim, args.num_heads * args.head_dim
+    attention_layers = [i for i in range(args.num_layers) if i not in train_gpt.attention_free_layer_indices(args)]
+    matmul_weights = (len(attention_layers) * 4 * hdim * d + args.num_layers * 8 * d * d
+                      + train_gpt.next_multiple_of_n(args.vocab_size, n=128) * d)
+    keys = sum(min(window_tokens if args.window_pattern[i] == "L" else window_tokens // 2, args.train_seq_len)
+               for i in attention_layers)
+    return 6 * matmul_weights + 12 * keys * hdim
+
+
+def synthetic_shards(directory: Path, train_tokens: int, seed: int = 0) -> dict:
+    """Random tokens below the GPT-2 vocabulary with a document start (EOT) every few hundred tokens."""
+    rng = np.random.default_rng(seed)
+    for name, n in (("train", train_tokens), ("val", 2 * 262144)):
+        tokens = rng.integers(0, train_gpt.EOT_TOKEN, n)
+        tokens[np.cumsum(rng.integers(100, 800, n // 100)) % n] = train_gpt.EOT_TOKEN
+        tokens[0] = train_gpt.EOT_TOKEN
+        train_gpt.write_data_shard(directory / f"synthetic_{name}_000000.bin", tokens)
+    return dict(train_files=str(directory / "synthetic_train_*.bin"), val_files=str(directory / "synthetic_val_*.bin"))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30, help="timed steps after the warm-up")
+    parser.add_argument("--at_step", type=int, default=None, help="schedule step to time at (default: the middle)")
+    ours, rest = parser.parse_known_args()
+    args = train_gpt.parse_args(["--preset", "record", *rest])
+    ctx = train_gpt.setup_distributed(args.tp, args.pp)
+    if args.compile is None:
+        args.compile = ctx.device.type == "cuda"
+    at_step = args.num_iterations // 2 if ours.at_step is None else ours.at_step
+    step_tokens = args.seqs_per_step * args.train_seq_len
+    with tempfile.TemporaryDirectory() as scratch:
+        if not train_gpt.glob.glob(args.train_files):
+            files = [None]
+            if ctx.is_master:
+                files[0] = synthetic_shards(Path(scratch), (ours.steps + 2) * step_tokens + 1)
+            if dist.is_initialized():
+                dist.broadcast_object_list(files, 0)
+            args.train_files, args.val_files = files[0]["train_files"], files[0]["val_files"]
+            source = "synthetic shards (no FineWeb in " + str(Path(train_gpt.Hyperparameters.train_files).parent) + ")"
+        else:
+            source = args.train_files
+        run = train_gpt.build_run(args, ctx)
+        batches = train_gpt.DistributedDataLoader(args.train_files, args.train_seq_len, args.seqs_per_step,
+                                                  ctx.dp.rank, ctx.dp.size, ctx.device)
+        if args.compile and args.warmup_steps > 0:
+            warmup = train_gpt.random_batches(args, ctx.device)
+            train_gpt.warmup_and_restore(run.model, run.optimizers, lambda: run.train_step(warmup, at_step),
+                                         args.warmup_steps)
+        phases = time_steps(run, batches, at_step, ours.steps, ctx.device)
+    report(args, ctx, source, at_step, ours.steps, phases)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class Marks:
+    """Points on the device's timeline (CUDA events, not waited for until the end), or host clock times on a CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda, self.points = device.type == "cuda", []
+
+    def mark(self, name: str) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.points.append((name, event))
+        else:
+            self.points.append((name, time.perf_counter()))
+
+    def durations_ms(self) -> list[tuple[str, float]]:
+        """(name of the phase that ends at a mark, its milliseconds), for each mark after the first."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [(name, start.elapsed_time(end)) for (_, start), (name, end) in zip(self.points, self.points[1:])]
+        return [(name, 1000 * (end - start)) for (_, start), (name, end) in zip(self.points, self.points[1:])]
+
+
+def time_steps(run, batches, at_step: int, steps: int, device: torch.device) -> dict:
+    """Train `steps` steps as train() does, marking where backward ends, the gradients arrive and the optimizer
+    step ends; returns the wall time and each phase's total, in ms."""
+    marks = Marks(device)
+    gradients_wait = run.gradients.wait
+
+    def marked_wait():
+        marks.mark("forward+backward")
+        gradients_wait()
+        marks.mark("gradient wait")
+    run.gradients.wait = marked_wait
+    train_gpt.device_synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    pending = None
+    for step in range(at_step, at_step + steps):
+        marks.mark("start")
+        loss_sum, grad_squares = run.train_step(batches, step)
+        marks.mark("optimizer")
+        stats = train_gpt.read_later(run.step_stats(loss_sum, grad_squares, stop=False))
+        if pending is not None:
+            pending()  # read a step late, as the trainer does
+        pending = stats
+    pending()
+    train_gpt.device_synchronize(device)
+    wall_ms = 1000 * (time.perf_counter() - start)
+    totals = {}
+    for name, ms in marks.durations_ms():
+        if name != "start":
+            totals[name] = totals.get(name, 0.0) + ms
+    return dict(wall_ms=wall_ms, **totals)
+
+
+def report(args, ctx, source: str, at_step: int, steps: int, phases: dict) -> None:
+    ms = phases["wall_ms"] / steps
+    tokens_per_gpu = args.seqs_per_step * args.train_seq_len / ctx.world_size
+    window = train_gpt.window_size_blocks(at_step, args) * train_gpt.ATTENTION_BLOCK_SIZE
+    flops_per_gpu = model_flops_per_token(args, window) * tokens_per_gpu
+    peak = next((flops for name, flops in PEAK_BF16 if name in torch.cuda.get_device_name(ctx.device)), None) \
+        if ctx.device.type == "cuda" else None
+    device = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else \
+        train_gpt.device_description(ctx.device)
+    lines = [f"benchmark: {ctx.world_size} x {device}, preset {args.preset}, {steps} steps at step {at_step} (window "
+             f"{window} tokens), data: {source}",
+             f"ms per step: {ms:.2f}   tokens/s per GPU: {tokens_per_gpu / ms * 1000:,.0f}",
+             f"model FLOPs per step per GPU: {flops_per_gpu / 1e12:.2f} TFLOP (6 per matmul weight and token, 12 per "
+             f"query, key and head dim of attention)   MFU: "
+             + (f"{flops_per_gpu / (ms / 1000) / peak:.1%} of {peak / 1e12:.0f} TFLOP/s dense bf16" if peak
+                else "unknown peak for this device"),
+             train_gpt.peak_memory_line(ctx.device),
+             "per step: " + ", ".join(f"{name} {phases[name] / steps:.2f} ms" for name in
+                                      ("forward+backward", "gradient wait", "optimizer") if name in phases)]
+    if ctx.is_master:
+        print("\n".join(lines), flush=True)
+
+
+if __name__ == "__main__":
+    main()

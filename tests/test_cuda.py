@@ -1,0 +1,170 @@
+"""The CUDA path: FlexAttention, the FP8 op, the compiled model, compile warm-up, a record-shape step, and on two or
+more GPUs the layouts over NCCL, each against its reference. Skipped where there is no GPU:
+
+    python -m pytest -q tests/test_cuda.py
+"""
+import copy
+
+import pytest
+import torch
+
+import train_gpt
+from distributed import run_on_ranks
+from layouts import LAYOUTS, assert_trains_like_one_process, train_steps
+from synthetic import tiny_flags, write_synthetic_shards
+from test_attention import DOC_STARTS, sequence_with_documents
+from test_fp8 import GRAD_S, W_S, X_S, operands, quantised
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+CUDA = torch.device("cuda")
+
+
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    expected = expected.double()
+    return ((got.double() - expected).norm() / expected.norm()).item()
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("window_blocks", [1, 3, 8, 20])
+def test_flex_attention_equals_the_dense_twin_forward_and_backward(dtype, tolerance, window_blocks):
+    # several documents (starting mid-block, on a block edge, one token long, spanning blocks); tolerance in norm:
+    # the two kernels add in different orders, in bf16 with an 8-bit mantissa
+    torch.manual_seed(window_blocks)
+    seq = sequence_with_documents(DOC_STARTS, 8 * train_gpt.ATTENTION_BLOCK_SIZE).to(CUDA)
+    attn = train_gpt.CausalSelfAttention(dim=128, num_heads=2, head_dim=64, max_seq_len=len(seq)).to(CUDA)
+    torch.nn.init.normal_(attn.c_proj.weight, std=0.1)  # zero-init would hide the attention output
+    x = torch.randn(1, len(seq), 128, device=CUDA, dtype=dtype)
+    ve = torch.randn(1, len(seq), 128, device=CUDA, dtype=dtype)
+    for mask in train_gpt.document_causal_masks(seq, torch.tensor(window_blocks, dtype=torch.int32, device=CUDA)):
+        results = []
+        for twin in (mask.flex(), mask.dense()):
+            attn.zero_grad()
+            inputs = x.clone().requires_grad_()
+            out = attn(inputs, ve, twin)
+            out.float().square().sum().backward()
+            results.append([out, inputs.grad, *(p.grad for p in attn.parameters())])
+        for flex, dense in zip(*results):
+            assert dense.norm() > 0 and relative_error(flex, dense) < tolerance
+
+
+def test_fp8_op_on_cuda_equals_the_fp64_product_of_its_quantised_operands_eager_and_compiled():
+    x, w, grad = (t.to(CUDA) for t in operands(4))
+    reference = quantised(x, X_S, torch.float8_e4m3fn) @ quantised(w, W_S, torch.float8_e4m3fn).T
+    g_q = quantised(grad, GRAD_S, torch.float8_e5m2)
+    x_q, w_q = quantised(x, X_S, torch.float8_e4m3fn), quantised(w, W_S, torch.float8_e4m3fn)
+
+    def product(x, w):
+        return train_gpt.fp8_mm(x, w, X_S, W_S, GRAD_S)[0]
+    for fn in (product, torch.compile(product, dynamic=False)):
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = fn(xr, wr)
+        out.backward(grad)
+        # fp32 accumulation on the tensor cores (fast accumulation forward): 1e-3 of the norm
+        assert relative_error(out, reference) < 1e-3
+        assert relative_error(xr.grad, g_q @ w_q) < 1e-3 and relative_error(wr.grad, g_q.T @ x_q) < 1e-3
+        assert wr.grad.dtype == w.dtype
+
+
+def test_fp8_ops_pass_opcheck_on_cuda():
+    x, w, grad = (t.to(CUDA) for t in operands(5))
+    torch.library.opcheck(train_gpt.fp8_mm, (x.requires_grad_(True), w.requires_grad_(True), X_S, W_S, GRAD_S),
+                          test_utils=("test_faketensor", "test_autograd_registration"))
+    x_f8, w_f8 = (x.detach() / X_S).to(torch.float8_e4m3fn), (w.detach() / W_S).to(torch.float8_e4m3fn)
+    torch.library.opcheck(train_gpt.fp8_mm_backward, (grad, x_f8, w_f8, X_S, W_S, GRAD_S),
+                          test_utils=("test_faketensor",))
+
+
+def small_args(files=None, **overrides):
+    files = files or dict(train_files="unused", val_files="unused")
+    return train_gpt.parse_args(tiny_flags(files, model_dim=128, num_heads=2, head_dim=64, fp8_head=True,
+                                           train_seq_len=1024, **overrides), cuda=True)
+
+
+def nonzero_model(args):
+    """The model with its zero-initialised layers given values, so that every gradient is non-zero at once."""
+    torch.manual_seed(0)
+    model = train_gpt.build_model(args, CUDA)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not p.any():
+                p.normal_(std=0.02)
+    return model
+
+
+def test_compiled_model_gives_the_eager_loss_and_gradients():
+    args = small_args()
+    eager = nonzero_model(args)
+    compiled_copy = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_copy, dynamic=False)
+    tokens = sequence_with_documents(DOC_STARTS, args.train_seq_len + 1).to(CUDA)
+    window = train_gpt.window_tensor(4, CUDA)
+    losses = [m(tokens[:-1].to(torch.int32), tokens[1:], window) for m in (eager, compiled)]
+    for loss in losses:
+        loss.backward()
+    assert abs(losses[1].item() - losses[0].item()) <= 1e-3 * losses[0].item()
+    for (name, p), q in zip(eager.named_parameters(), compiled_copy.parameters()):
+        assert p.grad.norm() > 0 and relative_error(q.grad, p.grad) < 2e-2, name  # bf16, kernels fused apart
+
+
+def test_the_model_compiles_once_across_the_window_schedule_with_no_graph_break():
+    args = small_args(num_iterations=20, window_max_tokens=1024)
+    model = nonzero_model(args)
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    compiled = torch.compile(model, dynamic=False)
+    tokens = sequence_with_documents(DOC_STARTS, args.train_seq_len + 1).to(CUDA)
+    windows = sorted({train_gpt.window_size_blocks(step, args) for step in range(args.num_iterations + 1)})
+    assert len(windows) == 1024 // train_gpt.ATTENTION_BLOCK_SIZE  # every window size from 1 to 8 blocks
+    graphs_after_first_window = None
+    with torch._dynamo.config.patch(error_on_recompile=True):  # a recompile raises
+        for blocks in windows:
+            compiled(tokens[:-1].to(torch.int32), tokens[1:], train_gpt.window_tensor(blocks, CUDA)).backward()
+            # (the first step also compiles the FP8 op's bodies, which run inside the opaque op)
+            graphs_after_first_window = graphs_after_first_window or counters["stats"]["unique_graphs"]
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == graphs_after_first_window
+
+
+def test_compiled_warmup_restores_model_and_optimizer_state_exactly(tmp_path):
+    files = write_synthetic_shards(tmp_path)
+    args = small_args(files, compile=True)
+    run = train_gpt.build_run(args, train_gpt.build_parallel_context(0, 1, CUDA))
+    initial = {k: v.clone() for k, v in run.model.state_dict().items()}
+    warmup = train_gpt.random_batches(args, CUDA)
+    train_gpt.warmup_and_restore(run.model, run.optimizers, lambda: run.train_step(warmup, 0), 3)
+    for k, v in run.model.state_dict().items():
+        assert torch.equal(v, initial[k]), k
+    assert all(not opt.state for opt in run.optimizers) and all(p.grad is None for p in run.model.parameters())
+
+
+def test_a_record_shape_step_with_gradient_accumulation_fits_one_gpu_and_has_a_finite_loss():
+    args = train_gpt.parse_args(["--preset", "record", "--seqs_per_step", "2", "--compile", "true"], cuda=True)
+    run = train_gpt.build_run(args, train_gpt.build_parallel_context(0, 1, CUDA))
+    torch.cuda.reset_peak_memory_stats()
+    loss_sum, grad_squares = run.train_step(train_gpt.random_batches(args, CUDA), 0)
+    loss = loss_sum.item() / (2 * args.train_seq_len)
+    assert abs(loss - 10.83) < 0.1  # the zero-initialised head: uniform over the padded vocabulary, log(50304)
+    assert torch.isfinite(grad_squares) and grad_squares > 0
+    assert torch.cuda.max_memory_allocated() < torch.cuda.get_device_properties(CUDA).total_memory
+
+
+# NCCL: the layouts the CPU tests run on gloo, one GPU per rank, against one process on GPU 0 (bf16 activations:
+# tolerances in norm, a gradient summed over too few ranks is off by a factor)
+NCCL_LAYOUTS = ["dp2", "dp2_zero1", "dp2_zero2", "dp2_zero3", "tp2_sp", "pp2_afab"]
+
+
+@pytest.fixture(scope="module")
+def nccl_single(tmp_path_factory):
+    files = write_synthetic_shards(tmp_path_factory.mktemp("nccl_shards"))
+    return files, train_steps(0, 1, files, 3, None, None, "cuda")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank: two or more")
+@pytest.mark.parametrize("name", NCCL_LAYOUTS)
+def test_layouts_over_nccl_train_the_one_process_model(nccl_single, name):
+    files, single = nccl_single
+    processes, layout = LAYOUTS[name]
+    ranks = run_on_ranks(train_steps, processes, files, 3, layout, None, "cuda", backend="nccl", timeout=900)
+    assert_trains_like_one_process(ranks, single, gradient_tolerance=5e-2, parameter_tolerance=2e-2,
+                                   loss_tolerance=1e-3)
