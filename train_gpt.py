@@ -1485,7 +1485,8 @@ class Bookkeeping:
         train_loss, grad_squares, stop_votes = step.read()
         if step.comm != self.last_comm_bytes:  # the same every step: logged when it first appears or changes
             self.last_comm_bytes = step.comm
-            self.log(f"comm: step:{done} bytes per rank " + " ".join(f"{op}:{n}" for op, n in sorted(step.comm.items())))
+            self.log(f"comm: step:{done} bytes per rank "
+                     + " ".join(f"{op}:{n}" for op, n in sorted(step.comm.items())))
         self.log(f"step:{done}/{args.num_iterations} train_loss:{train_loss:.4f} train_time:{clock.ms():.0f}ms "
                  f"step_avg:{clock.ms() / done:.2f}ms", console=True)
         grad_norm = grad_squares ** 0.5
@@ -1918,8 +1919,9 @@ class ShardedParameters:
     the next block's gather already under way, is dropped after its forward; a hook on its output gathers it
     again, starting on the block before it, when backward reaches it. An embedding is dropped after its forward
     too (its backward needs only the token ids); another module (the head, whose backward follows at once)
-    stays. Every unit is dropped once all its gradients are in. Autograd's saved tensors share the parameters' storage, so they see the values again when backward
-    runs. Parameters of the GPT itself (none in the record's model) stay whole: no module call brackets their use.
+    stays. Every unit is dropped once all its gradients are in. Autograd's saved tensors share the parameters'
+    storage, so they see the values again when backward runs. Parameters of the GPT itself (none in the record's
+    model) stay whole: no module call brackets their use.
     """
 
     def __init__(self, model: GPT, zero: Zero):

@@ -38,7 +38,8 @@ def patched_reference(source: str, steps: int) -> str:
 
 
 def timed(log: str, steps: int) -> tuple[float, str]:
-    """ms per step after the first SKIPPED_STEPS, from the step lines' cumulative train_time, and the peak memory line."""
+    """ms per step after the first SKIPPED_STEPS (from the step lines' cumulative train_time), and the peak memory
+    line."""
     times = {int(m[1]): float(m[2]) for m in re.finditer(r"^step:(\d+)/\d+ (?:train_loss:\S+ )?train_time:(\d+)ms",
                                                           log, flags=re.M)}
     if SKIPPED_STEPS not in times or steps not in times:
