@@ -16,6 +16,7 @@ import argparse
 import collections
 import contextlib
 import copy
+import ctypes
 import dataclasses
 import fnmatch
 import functools
@@ -438,6 +439,24 @@ class Block(nn.Module):
         return x + self.mlp(norm(x))
 
 
+class SoftCap(torch.autograd.Function):
+    """30 * sigmoid(logits / scale), element-wise into (0, 30), and its gradient: the kernels autograd would run for
+    that expression, with two fewer (tokens x vocabulary) tensors written (on a CPU the head's element-wise passes
+    are a third of a step)."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, scale: float) -> Tensor:
+        capped = (logits / scale).sigmoid_()
+        ctx.save_for_backward(capped)
+        ctx.scale = scale
+        return capped * 30
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        capped, = ctx.saved_tensors
+        return torch.ops.aten.sigmoid_backward(grad * 30, capped).div_(ctx.scale), None
+
+
 class LMHead(CastedLinear):
     """The output layer and the loss: soft-capped logits, cross-entropy summed over tokens."""
 
@@ -451,8 +470,7 @@ class LMHead(CastedLinear):
         return sum(self.summed_loss(x[i:i + rows], targets[i:i + rows]) for i in range(0, len(x), rows))
 
     def summed_loss(self, x: Tensor, targets: Tensor) -> Tensor:
-        logits = super().forward(x).float()
-        logits = 30 * torch.sigmoid(logits / (7.5 * x.size(-1) ** 0.5))  # soft cap in (0, 30), element-wise
+        logits = SoftCap.apply(super().forward(x).float(), 7.5 * x.size(-1) ** 0.5)
         return self.cross_entropy(logits, targets)
 
     @staticmethod
@@ -1043,6 +1061,12 @@ def build_run(args: Hyperparameters, ctx: "ParallelContext", cuda_dtypes: bool |
     if ctx.dp.size > 1 or args.fp64_grad_sum:
         gradients = GradientBuckets(model.parameters(), sum_dtype=torch.float64 if args.fp64_grad_sum else None,
                                     dp=ctx.dp, owner_of=zero.gradient_owners())
+    # the float64 sums take an embedding's few rows from a sparse gradient, for less work (the plan's meta tensors
+    # have no values to find those rows in)
+    if args.fp64_grad_sum and ctx.device.type != "meta":
+        for module in model.modules():
+            if isinstance(module, nn.Embedding):
+                module.sparse = True
     if zero.stage >= 3 and ctx.dp.size > 1:
         zero.shard_parameters(model)
     compiled = torch.compile(model, dynamic=False) if args.compile else model
@@ -1123,10 +1147,24 @@ def train(args: Hyperparameters, ctx: "ParallelContext") -> float:
     return val_loss
 
 
+def keep_freed_memory_for_reuse() -> None:
+    """The allocators' settings for a training loop that frees and allocates the same sizes every step. CUDA's
+    segments grow in place instead of fragmenting. glibc hands each freed block above 32 MB (a micro-batch's
+    logits) back to the system and faults in fresh zeroed pages for the next one: 40% of a CPU step went to the
+    kernel; all blocks now come from and return to the heap, which is not trimmed below 1 GiB."""
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # (read at CUDA's first allocation)
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return  # not glibc
+    m_trim_threshold, m_mmap_max = -1, -4
+    libc.mallopt(m_mmap_max, 0)
+    libc.mallopt(m_trim_threshold, 2**30)
+
+
 def main(argv=None) -> float | None:
     """Train and return the final validation loss; with --plan, print the plan instead."""
-    # before CUDA first allocates: memory grows in place instead of in fixed segments that fragment
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    keep_freed_memory_for_reuse()
     args = parse_args(argv)
     check_world_size(args, args.nproc if args.plan and args.nproc else int(os.environ.get("WORLD_SIZE", 1)))
     if args.plan:
@@ -1749,6 +1787,11 @@ class GradientBuckets:
         self.sums = None if sum_dtype is None else [
             torch.zeros(sum(p.numel() for p in bucket), dtype=sum_dtype, device=bucket[0].device)
             for bucket in self.buckets]
+        self.sum_of = {}  # parameter -> its part of its bucket's sums, shaped like it
+        self.rows_summed = {}  # parameter -> the rows added to its sum this step (a mask), or None: any row
+        for bucket, sums in zip(self.buckets, self.sums or []):
+            self.sum_of.update(zip(bucket, (part.view_as(p) for part, p in
+                                            zip(sums.split([p.numel() for p in bucket]), bucket))))
         self.reduced: list[list[Tensor] | None] = [None] * len(self.buckets)  # what each reduction works on
         self.ready = [0] * len(self.buckets)
         self.handles: list[list] = [[] for _ in self.buckets]
@@ -1801,11 +1844,39 @@ class GradientBuckets:
                                            group=self.dp.group, async_op=True)]
 
     def _add_to_sum(self, i: int) -> None:
-        offset = 0
+        """Move each gradient of bucket i into its float64 sum. A sparse gradient (an embedding's, see build_run)
+        adds only the rows of the micro-batch's tokens, each first summed in the parameter's dtype in token order
+        as the dense backward sums it: adding zero changes no sum, so the result is the dense one's."""
         for p in self.buckets[i]:
-            self.sums[i][offset:offset + p.numel()] += p.grad.view(-1)
-            offset += p.numel()
-            p.grad = None
+            grad, p.grad = p.grad, None
+            if not grad.is_sparse:
+                self.sum_of[p] += grad
+                self.rows_summed[p] = None
+                continue
+            rows, where = grad._indices()[0].unique(return_inverse=True)
+            per_row = grad._values().new_zeros(len(rows), *grad.shape[1:]).index_add_(0, where, grad._values())
+            self.sum_of[p].index_add_(0, rows, per_row.to(self.sum_dtype))
+            if self.rows_summed.get(p, True) is not None:
+                added = torch.zeros(len(p), dtype=torch.bool, device=p.device).index_fill_(0, rows, True)
+                self.rows_summed[p] = added | self.rows_summed[p] if p in self.rows_summed else added
+
+    def _take_sum(self, p: Tensor) -> Tensor:
+        """p's float64 sum rounded once to p's dtype, and cleared for the next step. On one rank, where only some
+        rows were added to, only those are rounded and cleared: the rest is zero."""
+        total, rows = self.sum_of[p], self.rows_summed.pop(p, None)
+        if rows is None or self.dp.size > 1:  # (a reduction may have filled any row)
+            grad = total.to(p.dtype)
+            total.zero_()
+            return grad
+        rows = rows.nonzero().squeeze(1)
+        grad = torch.zeros_like(p)
+        grad[rows] = total[rows].to(p.dtype)
+        total[rows] = 0
+        return grad
+
+    def _clear_sum(self, p: Tensor) -> None:
+        self.rows_summed.pop(p, None)
+        self.sum_of[p].zero_()
 
     def wait(self) -> None:
         """Wait for every bucket's reduction and hand each parameter its averaged gradient (under ZeRO, the
@@ -1819,19 +1890,20 @@ class GradientBuckets:
             for handle in handles:
                 handle.wait()
             owner = self.owner(bucket[0])
-            if owner is not None and owner != self.dp.rank:
-                for p in bucket:  # another rank's shard: its gradients are dropped
-                    p.grad = None
-            else:
-                if owner is not None and self.dp.size > 1:
-                    reduced[0].div_(self.dp.size)
-                if reduced[0] is not bucket[0].grad:  # a flat copy: views of it, or (float64 sums) rounded once
-                    offset = 0
-                    for p in bucket:
-                        p.grad = reduced[0][offset:offset + p.numel()].view_as(p).to(p.dtype)
-                        offset += p.numel()
+            mine = owner is None or owner == self.dp.rank  # (another rank's shard: its gradients are dropped)
+            if owner is not None and mine and self.dp.size > 1:
+                reduced[0].div_(self.dp.size)
             if self.sums is not None:
-                reduced[0].zero_()
+                for p in bucket:
+                    p.grad = self._take_sum(p) if mine else self._clear_sum(p)
+            elif not mine:
+                for p in bucket:
+                    p.grad = None
+            elif reduced[0] is not bucket[0].grad:  # a flat copy: views of it
+                offset = 0
+                for p in bucket:
+                    p.grad = reduced[0][offset:offset + p.numel()].view_as(p)
+                    offset += p.numel()
         self.ready = [0] * len(self.buckets)
         self.reduced = [None] * len(self.buckets)
         self.handles = [[] for _ in self.buckets]

@@ -164,3 +164,39 @@ def test_two_process_run_ends_with_the_single_process_val_loss(tmp_path):
         # float64 gradient sums (the tiny preset's) make the models bit-identical; the val loss itself is
         # averaged over ranks in float32, so it may differ in the last bits
         assert abs(val_loss - single) < 1e-5
+
+
+def test_soft_cap_computes_the_plain_expression_and_its_autograd_gradient_bit_for_bit():
+    torch.manual_seed(0)
+    logits = torch.randn(64, 1000) * 20  # the sigmoid's flat tails and its steep middle
+    targets = torch.randint(0, 1000, (64,))
+    scale = 7.5 * 128 ** 0.5
+    results = []
+    for soft_cap in (lambda x: 30 * torch.sigmoid(x / scale), lambda x: train_gpt.SoftCap.apply(x, scale)):
+        x = logits.clone().requires_grad_()
+        capped = soft_cap(x)
+        torch.nn.functional.cross_entropy(capped, targets, reduction="sum").div(3).backward()
+        results.append((capped.detach(), x.grad))
+    (plain, plain_grad), (fused, fused_grad) = results
+    assert plain_grad.abs().sum() > 0
+    assert torch.equal(fused, plain) and torch.equal(fused_grad, plain_grad)
+
+
+def test_float64_sums_of_sparse_embedding_gradients_equal_those_of_dense_ones(tmp_path):
+    # the float64 sums take embeddings' gradients sparse (the micro-batch's rows): the summed gradients must be
+    # those of the dense backward, bit for bit, with tokens repeated within micro-batches
+    files = write_synthetic_shards(tmp_path)
+    grads = []
+    for sparse in (True, False):
+        args, run = build(files)
+        embeddings = [m for m in run.model.modules() if isinstance(m, torch.nn.Embedding)]
+        assert embeddings and all(m.sparse for m in embeddings)  # (what build_run chose with --fp64_grad_sum)
+        for m in embeddings:
+            m.sparse = sparse
+        batches = train_gpt.DistributedDataLoader(args.train_files, 128, args.seqs_per_step, 0, 1, run.ctx.device)
+        run.train_step(batches, 0)  # a second step: the zero-initialised head no longer zeroes every gradient
+        run.backward(batches, 1)
+        grads.append({name: p.grad for name, p in run.model.named_parameters()})
+    for name, grad in grads[1].items():
+        assert not grad.is_sparse and torch.equal(grads[0][name], grad), name
+    assert grads[1]["embed.weight"].abs().sum() > 0

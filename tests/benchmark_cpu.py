@@ -1,0 +1,120 @@
+"""Benchmark (not a test) of a cpu-preset training step and evaluation, this train_gpt.py against an earlier one.
+
+    python tests/benchmark_cpu.py [--against REV] [--steps 10] [--rounds 2] [--eval_tokens 131072]
+
+Each version runs in its own process, in turn (`--rounds` times, alternating, on an otherwise idle machine), the
+same steps of the cpu preset from the same seed; the figures are each version's best round. It prints tokens/s,
+where a step's time goes (data, forward, backward, float64 gradient sums, gradient norm, optimizer), the CPU time
+spent in the kernel (allocation churn shows there), the evaluation time of --eval_tokens validation tokens in
+256-token sequences, and the ratios old / new. The losses of both must be identical, bit for bit.
+"""
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BASELINE = "03330e0"  # the last train_gpt.py before the CPU track's same-math speed-up
+
+
+def measure(source_dir: str, steps: int, eval_tokens: int) -> dict:
+    """In this process: the train_gpt.py in source_dir, `steps` timed steps after two untimed, then an evaluation."""
+    sys.path.insert(0, source_dir)
+    import torch
+    import train_gpt
+    getattr(train_gpt, "keep_freed_memory_for_reuse", lambda: None)()  # what its main() sets up, where it does
+    args = train_gpt.parse_args(["--preset", "cpu", "--val_seq_len", "256", "--val_tokens", str(eval_tokens)],
+                                cuda=False)
+    run = train_gpt.build_run(args, train_gpt.build_parallel_context(0, 1, torch.device("cpu")))
+    batches = train_gpt.DistributedDataLoader(args.train_files, args.train_seq_len, args.seqs_per_step, 0, 1,
+                                              torch.device("cpu"))
+    phases = dict.fromkeys(("data", "forward", "backward", "  of which float64 sums", "gradient norm",
+                            "optimizer"), 0.0)
+
+    def timed(phase, fn):
+        def wrapped(*a, **k):
+            start = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                phases[phase] += time.perf_counter() - start
+        return wrapped
+    run.compiled = timed("forward", run.compiled)
+    run.accumulate = timed("backward", run.accumulate)  # (less the forward and the data, below)
+    for name in ("_add_to_sum", "_take_sum"):
+        if hasattr(run.gradients, name):
+            setattr(run.gradients, name, timed("  of which float64 sums", getattr(run.gradients, name)))
+    run.gradient_squares = timed("gradient norm", run.gradient_squares)
+    run.optimizer_step = timed("optimizer", run.optimizer_step)
+
+    class TimedBatches:
+        __next__ = staticmethod(timed("data", lambda: next(batches)))
+    data = TimedBatches()
+    losses = [run.train_step(data, step)[0].item() for step in range(2)]
+    for phase in phases:
+        phases[phase] = 0.0
+    before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    losses += [run.train_step(data, step)[0].item() for step in range(2, 2 + steps)]
+    wall, after = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF)
+    phases["backward"] -= phases["forward"] + phases["data"]
+    start = time.perf_counter()
+    val_loss = run.evaluate(0)
+    return dict(step_ms=1000 * wall / steps, tokens_per_s=steps * args.seqs_per_step * args.train_seq_len / wall,
+                phases_ms={k: 1000 * v / steps for k, v in phases.items()},
+                user_s=(after.ru_utime - before.ru_utime) / steps, sys_s=(after.ru_stime - before.ru_stime) / steps,
+                eval_s=time.perf_counter() - start, val_loss=val_loss, losses=losses,
+                threads=torch.get_num_threads())
+
+
+def run_version(source_dir: str, steps: int, eval_tokens: int) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--measure", source_dir, "--steps", str(steps),
+                          "--eval_tokens", str(eval_tokens)], capture_output=True, text=True, cwd=REPO_ROOT)
+    if out.returncode:
+        raise SystemExit(f"measuring {source_dir} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--against", default=BASELINE, help="the git revision whose train_gpt.py is 'old'")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--eval_tokens", type=int, default=131072)
+    parser.add_argument("--measure", help=argparse.SUPPRESS)
+    flags = parser.parse_args()
+    if flags.measure:
+        print(json.dumps(measure(flags.measure, flags.steps, flags.eval_tokens)))
+        return
+    with tempfile.TemporaryDirectory() as old_dir:
+        source = subprocess.run(["git", "show", f"{flags.against}:train_gpt.py"], capture_output=True, text=True,
+                                cwd=REPO_ROOT, check=True).stdout
+        (Path(old_dir) / "train_gpt.py").write_text(source)
+        rounds = {"old": [], "new": []}
+        for _ in range(flags.rounds):
+            for name, directory in (("old", old_dir), ("new", str(REPO_ROOT))):
+                rounds[name].append(run_version(directory, flags.steps, flags.eval_tokens))
+    old, new = (min(rounds[name], key=lambda r: r["step_ms"]) for name in ("old", "new"))
+    eval_old, eval_new = (min(r["eval_s"] for r in rounds[name]) for name in ("old", "new"))
+    print(f"cpu preset, {flags.steps} steps of 4 x 256 tokens, best of {flags.rounds} rounds; old = {flags.against}, "
+          f"{new['threads']} threads")
+    print(f"{'':24}{'old':>10}{'new':>10}{'old/new':>10}")
+    print(f"{'ms per step':24}{old['step_ms']:10.0f}{new['step_ms']:10.0f}{old['step_ms'] / new['step_ms']:10.2f}")
+    print(f"{'tokens/s':24}{old['tokens_per_s']:10.0f}{new['tokens_per_s']:10.0f}"
+          f"{new['tokens_per_s'] / old['tokens_per_s']:10.2f}  (new / old)")
+    for phase in old["phases_ms"]:
+        print(f"{'  ' + phase + ' ms':24}{old['phases_ms'][phase]:10.1f}{new['phases_ms'][phase]:10.1f}")
+    print(f"{'CPU s per step: user':24}{old['user_s']:10.2f}{new['user_s']:10.2f}")
+    print(f"{'               kernel':24}{old['sys_s']:10.2f}{new['sys_s']:10.2f}")
+    print(f"{'evaluation s':24}{eval_old:10.1f}{eval_new:10.1f}{eval_old / eval_new:10.2f}  "
+          f"({flags.eval_tokens} tokens; val loss {old['val_loss']:.6f} / {new['val_loss']:.6f})")
+    same = old["losses"] == new["losses"] and old["val_loss"] == new["val_loss"]
+    print(f"losses of the {len(new['losses'])} steps and the evaluation: " + ("identical" if same else
+                                                                               f"DIFFERENT: {old['losses']} vs {new['losses']}"))
+
+
+if __name__ == "__main__":
+    main()
