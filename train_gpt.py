@@ -18,6 +18,8 @@ import contextlib
 import copy
 import ctypes
 import dataclasses
+import errno
+import fcntl
 import fnmatch
 import functools
 import glob
@@ -26,6 +28,7 @@ import math
 import os
 import pickle
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -559,13 +562,15 @@ def read_shard_header(path) -> int:
     """Check a shard's header and size; return its token count. Raises UserError naming the file."""
     path = Path(path)
     try:
+        if not path.is_file():
+            raise UserError(f"data shard {path} is not a file: point the flag's pattern at .bin shards only")
         size = path.stat().st_size
+        if size < SHARD_HEADER_BYTES:
+            raise UserError(f"data shard {path} is {size} bytes, shorter than its {SHARD_HEADER_BYTES}-byte header: "
+                            "the file is truncated or not a shard; fetch or build it again")
+        header = np.fromfile(path, dtype="<i4", count=SHARD_HEADER_INTS)
     except OSError as e:
         raise UserError(f"cannot read data shard {path}: {e.strerror}") from None
-    if size < SHARD_HEADER_BYTES:
-        raise UserError(f"data shard {path} is {size} bytes, shorter than its {SHARD_HEADER_BYTES}-byte header: "
-                        "the file is truncated or not a shard; fetch or build it again")
-    header = np.fromfile(path, dtype="<i4", count=SHARD_HEADER_INTS)
     if header[0] != SHARD_MAGIC:
         raise UserError(f"data shard {path} has magic number {header[0]}, expected {SHARD_MAGIC}: "
                         "not a .bin token shard (or corrupt); fetch or build it again")
@@ -758,19 +763,22 @@ def _parse_bool(text: str) -> bool:
 
 
 def parse_args(argv=None, cuda: bool | None = None) -> Hyperparameters:
-    """Flags named after the fields; `--preset` (default: record with CUDA, cpu without) sets the base values."""
+    """Flags named after the fields (a bare boolean flag means true); `--preset` sets the base values, by default
+    record with CUDA or when planning (--plan: a plan is for GPUs), else cpu."""
     if cuda is None:
         cuda = torch.cuda.is_available()
     parser = argparse.ArgumentParser(description="GPT-2 speedrun trainer", allow_abbrev=False)
     for field in dataclasses.fields(Hyperparameters):
         if field.name == "preset":
-            parser.add_argument("--preset", choices=sorted(PRESETS), default="record" if cuda else "cpu")
+            parser.add_argument("--preset", choices=sorted(PRESETS), default=None)
         elif field.type in (bool, bool | None):
-            parser.add_argument(f"--{field.name}", type=_parse_bool, default=None, metavar="BOOL")
+            parser.add_argument(f"--{field.name}", type=_parse_bool, nargs="?", const=True, default=None,
+                                metavar="BOOL")
         else:
             parser.add_argument(f"--{field.name}", type=field.type, default=None)
     flags = parser.parse_args(argv)
-    values = dict(PRESETS[flags.preset], preset=flags.preset)
+    preset = flags.preset or ("record" if cuda or flags.plan else "cpu")
+    values = dict(PRESETS[preset], preset=preset)
     values.update({k: v for k, v in vars(flags).items() if v is not None and k != "preset"})
     args = Hyperparameters(**values)
     check_hyperparameters(args)
@@ -825,6 +833,24 @@ def check_hyperparameters(args: Hyperparameters) -> None:
     need(args.head_dim % 4 == 0, f"--head_dim {args.head_dim} must be a multiple of 4 (half-truncated rotary)")
     bad = [i for i in attention_free_layer_indices(args) if not 0 <= i < args.num_layers]
     need(not bad, f"--attention_free_layers names layers {bad} outside 0..{args.num_layers - 1}")
+    for k in range(GPT.NUM_VALUE_EMBEDS):  # value embedding k is added to the values of layers k and n - 3 + k
+        layers = (k, args.num_layers - GPT.NUM_VALUE_EMBEDS + k)
+        need(not set(layers) <= set(attention_free_layer_indices(args)),
+             f"--attention_free_layers {args.attention_free_layers!r} leaves value embedding {k} nothing to feed: "
+             f"it is added to the values of layers {layers[0]} and {layers[1]}, and neither has attention; keep "
+             "attention in one of them")
+    need(args.vocab_size > EOT_TOKEN, f"--vocab_size {args.vocab_size} must be above {EOT_TOKEN}, the end-of-text "
+         "token that starts every document")
+    for name in ("lr_head", "lr_embed", "lr_scalar", "lr_muon", "target_val_loss"):
+        need(math.isfinite(getattr(args, name)) and getattr(args, name) >= 0,
+             f"--{name} must be a finite number >= 0, got {getattr(args, name)}")
+    need(0 <= args.seed < 2**63, f"--seed must be in [0, 2**63), got {args.seed}")
+    need(args.warmup_steps >= 0, f"--warmup_steps must be >= 0, got {args.warmup_steps}")
+    need(args.run_id not in (".", "..") and "/" not in args.run_id and os.sep not in args.run_id,
+         f"--run_id {args.run_id!r} would put the run's log and checkpoints outside --log_dir: use a plain name "
+         "(no path separators, not '.' or '..')")
+    need(not args.kill_switch or not Path(args.kill_switch).is_dir(),
+         f"--kill_switch {args.kill_switch} is a directory: name a file (the run stops when it appears)")
 
 
 def check_world_size(args: Hyperparameters, world_size: int) -> int:
@@ -1106,44 +1132,40 @@ def random_batches(args: Hyperparameters, device: torch.device):
 def train(args: Hyperparameters, ctx: "ParallelContext") -> float:
     """Train this rank's part to --num_iterations; returns the final validation loss."""
     check_world_size(args, ctx.world_size)
-    for pattern, flag in ((args.train_files, "train_files"), (args.val_files, "val_files")):
-        for path in list_shards(pattern, flag):  # refuse bad data before building anything
-            read_shard_header(path)
     agree_on_run_id(args, ctx)
-    if args.compile is None:  # (the layouts' collectives inside autograd functions and hooks are not yet proven
-        # under compile on GPUs)
-        args.compile = ctx.device.type == "cuda" and args.zero < 3 and args.tp == 1 and args.pp == 1
-    stop_requests = StopRequests(Path(args.kill_switch or Path(args.log_dir) / f"{args.run_id}.stop"))
-    if from_master(stop_requests.kill_switch.exists()):
-        raise UserError(f"the kill switch {stop_requests.kill_switch} exists: delete it to start or resume the run")
-    resume_path = find_checkpoint(args, ctx)
-    checkpoint = load_checkpoint(resume_path) if resume_path else None
-
-    run = build_run(args, ctx)
-    if args.compile and args.warmup_steps > 0:
-        warmup = random_batches(args, ctx.device)
-        warmup_and_restore(run.model, run.optimizers, lambda: run.train_step(warmup, 0), args.warmup_steps)
-    book = Bookkeeping(args, run, checkpoint, resume_path)  # restores the checkpoint, then opens the log
-    del checkpoint  # unmaps the file
-    train_loader = DistributedDataLoader(args.train_files, args.train_seq_len, args.seqs_per_step, ctx.dp.rank,
-                                         ctx.dp.size, ctx.device, position=book.data_position)
-    val_loss = float("nan")
-    with stop_requests:
-        book.start(train_loader, stop_requests)
-        for step in range(book.start_step, args.num_iterations + 1):
-            last_step = step == args.num_iterations
-            if last_step or (args.val_loss_every > 0 and step % args.val_loss_every == 0):
-                book.flush()  # the step before is logged and checked first
-                with book.clock.paused():  # validation is not timed
-                    val_loss = run.evaluate(step)
-                    book.log(f"step:{step}/{args.num_iterations} val_loss:{val_loss:.4f} train_time:"
-                             f"{book.clock.ms():.0f}ms step_avg:{book.clock.ms() / max(step, 1):.2f}ms", console=True)
-            if last_step:
-                break
-            comm_bytes.clear()
-            stats = run.step_stats(*run.train_step(train_loader, step), stop_requests.check() is not None)
-            book.after_step(step + 1, stats)  # logs, guards, saves, stops (on CUDA, for the step before)
-    book.log(peak_memory_line(ctx.device), console=True)
+    on_master(check_log_dir, args)
+    with RunIdLock(args, ctx):  # another run with this id is refused at once; held until this one ends
+        resume_path, checkpoint = check_run_inputs(args, ctx)  # refused now rather than mid-run
+        if args.compile is None:  # (the layouts' collectives inside autograd functions and hooks are not yet
+            # proven under compile on GPUs)
+            args.compile = ctx.device.type == "cuda" and args.zero < 3 and args.tp == 1 and args.pp == 1
+        run = build_run(args, ctx)
+        if args.compile and args.warmup_steps > 0:
+            warmup = random_batches(args, ctx.device)
+            warmup_and_restore(run.model, run.optimizers, lambda: run.train_step(warmup, 0), args.warmup_steps)
+        book = Bookkeeping(args, run, checkpoint, resume_path)  # restores the checkpoint, then opens the log
+        del checkpoint  # unmaps the file
+        train_loader = DistributedDataLoader(args.train_files, args.train_seq_len, args.seqs_per_step, ctx.dp.rank,
+                                             ctx.dp.size, ctx.device, position=book.data_position)
+        stop_requests = StopRequests(kill_switch_path(args))
+        val_loss = float("nan")
+        with stop_requests:
+            book.start(train_loader, stop_requests)
+            for step in range(book.start_step, args.num_iterations + 1):
+                last_step = step == args.num_iterations
+                if last_step or (args.val_loss_every > 0 and step % args.val_loss_every == 0):
+                    book.flush()  # the step before is logged and checked first
+                    with book.clock.paused():  # validation is not timed
+                        val_loss = run.evaluate(step)
+                        book.log(f"step:{step}/{args.num_iterations} val_loss:{val_loss:.4f} train_time:"
+                                 f"{book.clock.ms():.0f}ms step_avg:{book.clock.ms() / max(step, 1):.2f}ms",
+                                 console=True)
+                if last_step:
+                    break
+                comm_bytes.clear()
+                stats = run.step_stats(*run.train_step(train_loader, step), stop_requests.check() is not None)
+                book.after_step(step + 1, stats)  # logs, guards, saves, stops (on CUDA, for the step before)
+        book.log(peak_memory_line(ctx.device), console=True)
     return val_loss
 
 
@@ -1250,6 +1272,8 @@ def optimizer_state_owners(optimizers: list[torch.optim.Optimizer], zero: "Zero"
 
 
 OPTIMIZER_STATE_KEYS = {torch.optim.Adam: ("step", "exp_avg", "exp_avg_sq"), Muon: ("momentum_buffer",)}
+CHECKPOINT_KEYS = ("model", "adam", "muon", "rng", "step", "run_id", "data", "training_time_ms", "log_bytes",
+                   "hyperparameters")
 
 
 def full_state_tensor(key: str, value: Tensor, p: Tensor) -> Tensor:
@@ -1313,13 +1337,10 @@ def collect_stages(part: dict | None, ctx: "ParallelContext") -> dict | None:
 
 def save_checkpoint(path: Path, run: Run, **run_state) -> None:
     """Rank 0 writes full tensors keyed by name; ranks owning optimizer state (Muon's, Adam's under ZeRO) send it
-    to their stage's master, and the other stage masters send their stage to rank 0.
-
-    Written to a temporary name, then renamed: a crash mid-write leaves the previous checkpoint intact.
-    Tensors rank 0 holds are saved from where they live, so it holds at most one extra copy of the others' state.
-    """
+    to their stage's master, and the other stage masters send their stage to rank 0. Tensors rank 0 holds are
+    saved from where they live, so it holds at most one extra copy of the others' state."""
+    ctx, failure = run.ctx, None
     with run.zero.whole_parameters():  # (until written: rank 0 saves its parameters from where they live)
-        ctx = run.ctx
         names = {p: name for name, p in run.model.named_parameters()}
         adam_state, muon_state = (optimizer_state_on_stage_master(opt, owners, names, ctx) for opt, owners
                                   in zip(run.optimizers, optimizer_state_owners(run.optimizers, run.zero)))
@@ -1330,20 +1351,36 @@ def save_checkpoint(path: Path, run: Run, **run_state) -> None:
                          rng=dict(cpu=torch.get_rng_state(),
                                   cuda=torch.cuda.get_rng_state(ctx.device) if ctx.device.type == "cuda" else None),
                          code=Path(__file__).read_text(), **run_state)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(path.name + ".tmp")
-            with open(tmp, "wb") as f:
-                torch.save(state, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-            directory = os.open(path.parent, os.O_RDONLY)
-            try:
-                os.fsync(directory)  # the rename survives a power cut too
-            finally:
-                os.close(directory)
-    if dist.is_initialized():
-        dist.barrier()  # no rank goes on, or exits, before the file is complete
+            failure = write_atomically(path, state)
+    # no rank goes on, or exits, before the file is complete; if it could not be written, all stop
+    failure = from_master(failure if ctx.is_master else None)
+    if failure is not None:
+        raise UserError(failure)
+
+
+def write_atomically(path: Path, state: dict) -> str | None:
+    """torch.save to a temporary name, then renamed: a crash mid-write leaves the previous file intact. On a
+    failed write the temporary file is removed and the reason returned (None: written)."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        directory = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)  # the rename survives a power cut too
+        finally:
+            os.close(directory)
+    except (OSError, RuntimeError) as e:  # (torch.save reports a full disk as a RuntimeError)
+        tmp.unlink(missing_ok=True)
+        free = shutil.disk_usage(path.parent if path.parent.exists() else ".").free
+        cause = f"no space left on the device ({free / 2**20:.1f} MiB free)" \
+            if getattr(e, "errno", None) == errno.ENOSPC or free < 2**20 * 64 else " ".join(str(e).split())[:300]
+        return f"cannot write checkpoint {path}: {cause}; the earlier checkpoints are intact"
+    return None
 
 
 def load_checkpoint(path: Path) -> dict:
@@ -1354,6 +1391,9 @@ def load_checkpoint(path: Path) -> dict:
                         "the file is damaged or not a checkpoint; resume from an earlier one") from None
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         raise UserError(f"{path} is not a checkpoint of this trainer (format {CHECKPOINT_FORMAT})")
+    missing = [key for key in CHECKPOINT_KEYS if key not in state]
+    if missing:
+        raise UserError(f"checkpoint {path} lacks {', '.join(missing)}: it is incomplete; resume from another one")
     return state
 
 
@@ -1369,11 +1409,18 @@ def restore_checkpoint(state: dict, path: Path, run: Run) -> None:
             raise UserError(f"checkpoint {path} does not fit this model: tensor {name} is {shape(there)} there and "
                             f"{shape(here)} here; resume with the model flags it was saved with (its "
                             "'hyperparameters' entry lists them)")
-    with run.zero.whole_parameters():
-        model.load_state_dict({name: own_slice(p, state["model"][name]) for name, p in model.named_parameters()})
     adam, muon = run.optimizers
     adam_owners, muon_owners = optimizer_state_owners(run.optimizers, run.zero)
     names = {p: name for name, p in model.named_parameters()}
+    for opt, owners, saved in ((adam, adam_owners, state["adam"]), (muon, muon_owners, state["muon"])):
+        keys = OPTIMIZER_STATE_KEYS[type(opt)] if opt is adam else ()
+        gaps = [f"{names[p]}{'.' + missing if missing else ''}" for p in owners
+                for missing in ([None] if names[p] not in saved else [k for k in keys if k not in saved[names[p]]])]
+        if gaps:
+            raise UserError(f"checkpoint {path} has no {type(opt).__name__} state for {', '.join(gaps[:5])}"
+                            f"{' and more' if len(gaps) > 5 else ''}: it is incomplete; resume from another one")
+    with run.zero.whole_parameters():
+        model.load_state_dict({name: own_slice(p, state["model"][name]) for name, p in model.named_parameters()})
     for p, owner in adam_owners.items():  # moments in the parameter's dtype (bf16 embeddings on CUDA, fp32 on CPU)
         if owner in (None, ctx.dp.rank):
             adam.state[p] = {}
@@ -1493,7 +1540,7 @@ class Bookkeeping:
                 self.log(f"resumed with changed hyperparameters: {' '.join(changed)}", console=True)
         elif args.resume:
             self.log(f"no checkpoint of run {args.run_id} yet: starting from step 0", console=True)
-        self.last_checkpoint = resume_path
+        self.last_checkpoint, self.last_checkpoint_step = resume_path, self.start_step
         self.last_comm_bytes = collections.Counter()
         self.read_late = reads_stats_late(run.ctx.device)
         self.pending: PendingStep | None = None
@@ -1530,7 +1577,8 @@ class Bookkeeping:
         grad_norm = grad_squares ** 0.5
         if not (math.isfinite(train_loss) and math.isfinite(grad_norm)):
             message = (f"training diverged at step {done}: train loss {train_loss}, gradient norm {grad_norm}; "
-                       + (f"the last good checkpoint is {self.last_checkpoint}" if self.last_checkpoint
+                       + (f"the last checkpoint, {self.last_checkpoint}, was saved at step {self.last_checkpoint_step}"
+                          " with a finite training loss" if self.last_checkpoint
                           else "there is no checkpoint to go back to (see --save_every)"))
             self.log(f"diverged: {message}", console=True)
             raise RunEnded(message, EXIT_DIVERGED)
@@ -1540,7 +1588,7 @@ class Bookkeeping:
             return
         if stop or (args.save_every > 0 and (done % args.save_every == 0 or done == args.num_iterations)):
             with clock.paused():  # checkpoints are not timed
-                self.last_checkpoint = checkpoint_path(args, done)
+                self.last_checkpoint, self.last_checkpoint_step = checkpoint_path(args, done), done
                 save_checkpoint(self.last_checkpoint, self.run, step=done, run_id=args.run_id,
                                 data=self.train_loader.position(), training_time_ms=clock.ms(),
                                 log_bytes=self.log.num_bytes(), hyperparameters=dataclasses.asdict(args))
@@ -1550,6 +1598,179 @@ class Bookkeeping:
                 self.log(f"stopped: step:{done}/{args.num_iterations} reason:{reason}", console=True)
                 raise RunEnded(f"stopped after step {done} ({reason}); to continue, remove the kill switch if it is "
                                f"there and run again with --run_id {args.run_id} --resume latest", EXIT_STOPPED)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Run inputs: the run id, the log directory, the checkpoint and the data, refused before any work rather than mid-run
+
+def on_master(check, *args) -> None:
+    """check(*args) on rank 0; its UserError raised on every rank, so that all ranks stop alike."""
+    error = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            check(*args)
+        except UserError as e:
+            error = str(e)
+    error = from_master(error)
+    if error is not None:
+        raise UserError(error)
+
+
+def kill_switch_path(args: Hyperparameters) -> Path:
+    return Path(args.kill_switch or Path(args.log_dir) / f"{args.run_id}.stop")
+
+
+def run_log_path(args: Hyperparameters) -> Path:
+    return Path(args.log_dir) / f"{args.run_id}.txt"
+
+
+def check_log_dir(args: Hyperparameters) -> None:
+    """--log_dir exists or can be made, is a writable folder, and <log_dir>/<run_id> is not a file."""
+    log_dir = Path(args.log_dir)
+    if log_dir.exists() and not log_dir.is_dir():
+        raise UserError(f"--log_dir {log_dir} is a file: name a folder for the logs and checkpoints")
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        probe = log_dir / f".{args.run_id}.{os.getpid()}.probe"
+        probe.write_bytes(b"x")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"cannot write in --log_dir {log_dir} ({e.strerror}): point it at a writable folder") from None
+    if checkpoint_dir(args).exists() and not checkpoint_dir(args).is_dir():
+        raise UserError(f"{checkpoint_dir(args)} is a file, but this run's checkpoints go into a folder of that "
+                        "name: move the file, or pick another --run_id")
+
+
+class RunIdLock:
+    """Rank 0 holds an exclusive lock on <log_dir>/<run_id>.lock while the run lasts, so a second run started with
+    the same id is refused at once (the processes of an elastic restart are new, and the dead ones' lock went with
+    them). The file stays; only the lock is released."""
+
+    def __init__(self, args: Hyperparameters, ctx: "ParallelContext"):
+        self.path = Path(args.log_dir) / f"{args.run_id}.lock"
+        self.run_id, self.master, self.file = args.run_id, ctx.is_master, None
+
+    def __enter__(self):
+        error = None
+        if self.master:
+            self.file = open(self.path, "a")
+            try:
+                fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                error = (f"run id {self.run_id} is in use: another run holds {self.path}; wait for it to end, or "
+                         "pick another --run_id")
+        error = from_master(error)
+        if error is not None:
+            self.__exit__()
+            raise UserError(error)
+        return self
+
+    def __exit__(self, *exc_info):
+        if self.file is not None:
+            self.file.close()  # (releases the lock)
+            self.file = None
+
+
+def check_run_inputs(args: Hyperparameters, ctx: "ParallelContext") -> tuple[Path | None, dict | None]:
+    """The checkpoint to resume from (or none) once everything the run will need has been checked: the kill switch
+    is absent, the checkpoint is whole and not past --num_iterations, a new log does not replace another run's,
+    the log folder has room, and the data holds enough tokens below --vocab_size for every remaining step."""
+    if from_master(kill_switch_path(args).exists()):
+        raise UserError(f"the kill switch {kill_switch_path(args)} exists: delete it to start or resume the run")
+    resume_path = find_checkpoint(args, ctx)
+    checkpoint = load_checkpoint(resume_path) if resume_path else None
+    if checkpoint is not None and checkpoint["step"] > args.num_iterations:
+        raise UserError(f"checkpoint {resume_path} is at step {checkpoint['step']}, past --num_iterations "
+                        f"{args.num_iterations}: resume with --num_iterations "
+                        f"{checkpoint['hyperparameters']['num_iterations']} (or at least {checkpoint['step']})")
+    on_master(check_run_id_is_free, args, checkpoint)
+    on_master(check_room_for_the_run, args)
+    on_master(check_data, args, ctx.dp.size, checkpoint)
+    return resume_path, checkpoint
+
+
+def check_run_id_is_free(args: Hyperparameters, checkpoint: dict | None) -> None:
+    """A run that will start a log of its own must not find another run's there: only a resume of this run id's
+    own checkpoint continues its log. After an elastic restart that found no checkpoint, the dead attempt's log is
+    moved aside instead."""
+    log, saved = run_log_path(args), sorted(checkpoint_dir(args).glob("step*.pt"))
+    if checkpoint is not None and checkpoint["run_id"] == args.run_id:
+        return
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0 and args.resume == "latest" and log.exists() \
+            and not saved:
+        aside = log.with_name(f"{log.name}.attempt{os.environ['TORCHELASTIC_RESTART_COUNT']}")
+        log.rename(aside)
+        print(f"no checkpoint of run {args.run_id} to resume: its earlier attempt's log moved to {aside}",
+              flush=True)
+        return
+    if log.exists() or saved:
+        held = " and ".join([f"a log {log}"] * log.exists() + [f"{len(saved)} checkpoint(s) in {checkpoint_dir(args)}"]
+                            * bool(saved))
+        advice = f"resume it with --run_id {args.run_id} --resume latest, or " if saved else ""
+        raise UserError(f"run id {args.run_id} is taken: {held} exist; {advice}pick another --run_id (a new run "
+                        "never overwrites another's log or checkpoints)")
+
+
+def check_room_for_the_run(args: Hyperparameters) -> None:
+    """The log folder's free space holds the log and, with --save_every, a checkpoint (a full one-process copy
+    of the parameters and both optimizers' states: at most 16 bytes a parameter, counted on the meta device)."""
+    free = shutil.disk_usage(args.log_dir).free
+    log_bytes = len(Path(__file__).read_bytes()) + 200 * (args.num_iterations + 10)
+    params = sum(math.prod(shape) for shape in build_model(args, torch.device("meta")).full_shapes.values())
+    checkpoint_bytes = 16 * params + len(Path(__file__).read_bytes()) if args.save_every > 0 else 0
+    if free < log_bytes + checkpoint_bytes:
+        what = f"its log and a {checkpoint_bytes / 2**20:.0f} MiB checkpoint" if checkpoint_bytes else "its log"
+        raise UserError(f"--log_dir {args.log_dir} has {free / 2**20:.1f} MiB free, and this run needs about "
+                        f"{(log_bytes + checkpoint_bytes) / 2**20:.1f} MiB for {what}: free some space, or point "
+                        "--log_dir at another disk")
+
+
+def check_data(args: Hyperparameters, dp: int, checkpoint: dict | None) -> None:
+    """The validation sequences fit one shard, the training shards hold every remaining step's batch (a batch never
+    straddles shards) from the checkpoint's position on, and every shard the run reads has ids below
+    --vocab_size. From the shard headers, and a max over each shard read, before any model is built."""
+    val_files = list_shards(args.val_files, "val_files")
+    val_sizes = [read_shard_header(f) for f in val_files]
+    fits = [f for f, n in zip(val_files, val_sizes) if n >= args.val_tokens + 1]
+    if not fits:
+        most = (max(val_sizes) - 1) // (args.val_seq_len * dp) * args.val_seq_len * dp
+        raise UserError(f"--val_tokens {args.val_tokens} needs {args.val_tokens + 1} tokens in one shard of "
+                        f"--val_files {args.val_files!r}, whose largest holds {max(val_sizes)}: "
+                        + (f"use --val_tokens {most} or less" if most else
+                           f"no multiple of --val_seq_len {args.val_seq_len} x {dp} ranks fits, lower --val_seq_len"))
+    train_files = list_shards(args.train_files, "train_files")
+    sizes = [read_shard_header(f) for f in train_files]
+    position = checkpoint["data"] if checkpoint is not None else dict(shard=train_files[0].name, offset=0)
+    names = [f.name for f in train_files]
+    if position["shard"] not in names:
+        raise UserError(f"the checkpoint's data position is in shard {position['shard']}, which --train_files "
+                        f"{args.train_files!r} does not match: resume with the data the run was started on")
+    start, needed = (checkpoint["step"] if checkpoint is not None else 0), args.num_iterations
+    batch = args.seqs_per_step * args.train_seq_len
+    steps, read, offset = start, [], position["offset"]
+    for i in range(names.index(position["shard"]), len(train_files)):
+        batches = max(0, (sizes[i] - 1 - offset) // batch)
+        if batches and steps < needed:
+            read.append(train_files[i])
+        steps, offset = steps + batches, 0
+    if steps < needed:
+        where = f" from the checkpoint's position (token {position['offset']} of {position['shard']})" \
+            if checkpoint is not None else ""
+        raise UserError(f"--train_files {args.train_files!r}: its {len(train_files)} shard(s) hold the batches of "
+                        f"{batch} tokens (--seqs_per_step x --train_seq_len, each within one shard) of steps "
+                        f"{start + 1}..{steps}{where}, and the run needs them up to step {needed}: fetch more shards, "
+                        f"or set --num_iterations {steps}")
+    for path in read + fits[:1]:
+        check_token_ids(path, args.vocab_size)
+
+
+def check_token_ids(path: Path, vocab_size: int) -> None:
+    tokens = np.memmap(path, dtype="<u2", mode="r", offset=SHARD_HEADER_BYTES)
+    largest = int(tokens.max())
+    if largest >= vocab_size:
+        where = int(np.argmax(tokens >= vocab_size))
+        raise UserError(f"data shard {path} holds token id {largest} (the first at token {where}), not below "
+                        f"--vocab_size {vocab_size}: rebuild the shard with the GPT-2 tokenizer, or raise --vocab_size")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -2661,8 +2882,8 @@ def plan_layout(args: Hyperparameters, world_size: int, cuda: bool) -> dict:
                 held = account_step(run, batches)
                 del held["loss_sum"]
                 ranks.append(dict(held, stage=ctx.pp.rank))
-    return dict(world_size=world_size, dp=world_size // (args.tp * args.pp), tp=args.tp, pp=args.pp,
-                grad_accum_steps=micro_batches, zero=args.zero, ranks=ranks,
+    return dict(preset=args.preset, world_size=world_size, dp=world_size // (args.tp * args.pp), tp=args.tp,
+                pp=args.pp, grad_accum_steps=micro_batches, zero=args.zero, ranks=ranks,
                 num_params=sum(math.prod(shape) for shape in run.model.full_shapes.values()))
 
 
@@ -2670,9 +2891,9 @@ def format_plan(plan: dict) -> str:
     mib = 2 ** 20
     psi = plan["num_params"]
     memory = ("parameters", "peak_parameters", "gradients", "optimizer_states", "gradient_sums", "activations")
-    lines = [f"plan: {plan['world_size']} processes = pipeline {plan['pp']} x data parallel {plan['dp']} x tensor "
-             f"parallel {plan['tp']}, ZeRO stage {plan['zero']}, {plan['grad_accum_steps']} micro-batches per rank "
-             f"per step, {psi:,} parameters",
+    lines = [f"plan: preset {plan['preset']}, {plan['world_size']} processes = pipeline {plan['pp']} x data parallel "
+             f"{plan['dp']} x tensor parallel {plan['tp']}, ZeRO stage {plan['zero']}, {plan['grad_accum_steps']} "
+             f"micro-batches per rank per step, {psi:,} parameters",
              "rank stage  parameters  (peak)  gradients  optimizer  grad sums  activations (est.)    total   [MiB]"]
     for rank, r in enumerate(plan["ranks"]):
         values = [r[kind] / mib for kind in memory]

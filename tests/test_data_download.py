@@ -23,7 +23,7 @@ import pytest
 from huggingface_hub.constants import DOWNLOAD_CHUNK_SIZE
 
 from conftest import REPO_ROOT
-from data import fineweb, gpt2_tokenizer
+from data import fineweb
 from train_gpt import EOT_TOKEN, write_data_shard
 
 SCRIPT = REPO_ROOT / "data" / "cached_fineweb10B.py"
@@ -270,9 +270,7 @@ def test_unreachable_hub_fails_fast_with_one_paragraph(tmp_path, served):
     assert sorted(p.name for p in out.iterdir()) == [VAL]
 
 
-def test_fineweb_build_from_the_hub_equals_the_build_from_local_files(tmp_path):
-    if gpt2_tokenizer.ranks_file() is None:
-        pytest.skip(f"no GPT-2 ranks file: run `{gpt2_tokenizer.FETCH_COMMAND}` first")
+def test_fineweb_build_from_the_hub_equals_the_build_from_local_files(tmp_path, gpt2_ranks):
     parts = []
     for i in range(2):
         texts = [f"part {i} document {j}: " + "some words here. " * (j % 5) for j in range(120)]

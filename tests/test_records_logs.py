@@ -179,7 +179,8 @@ def test_real_logs_of_stopped_and_resumed_runs(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert (log_dir / "stopped.txt").read_text().endswith("reason:kill switch " + str(log_dir / "stopped.stop") + "\n")
     stopped = logs.read_log(log_dir / "stopped.txt")
-    assert stopped.problem == "no 'peak memory' line: it stopped at step 3/4 (crashed, killed, or still running)"
+    assert stopped.problem == (f"stopped on request at step 3/4 (stopped: step:3/4 reason:kill switch "
+                               f"{log_dir / 'stopped.stop'}); a checkpoint was saved, so it can be resumed")
 
     (log_dir / "stopped.stop").unlink()
     train("stopped", resume="latest")
@@ -414,7 +415,7 @@ def test_crashed_run_is_reported_and_not_counted(tmp_path, capsys):
     assert "complete runs: 2 of 4" in out and f"val loss:   5.6000 ± {np.std([5.5, 5.7], ddof=1):.4f} (n=2)" in out
     assert re.search(r"crashed\.txt\s+incomplete\s+36\.000 s\s+9000\.00 ms\s+4/4\s+-", out)
     assert f"{crashed}: incomplete run, not counted: no 'peak memory' line" in err
-    assert f"{stopped}: incomplete run, not counted: its last val step is not num_iterations=4" in err
+    assert f"{stopped}: incomplete run, not counted: stopped on request at step 4/4 (stopped: kill switch)" in err
     assert_refused(capsys, crashed, "no complete run to count", command="summary")
 
 
@@ -431,3 +432,83 @@ def test_command_line_errors_exit_2_without_traceback(tmp_path):
     for argv in (["summary", str(not_a_log)], ["compare", str(not_a_log)], ["diff", str(not_a_log)]):
         result = subprocess.run([sys.executable, script, *argv], capture_output=True, text=True, timeout=60)
         assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+
+
+# ----------------------------------------------------------------------------------------------------
+# The reference trainer's logs (the field's record history): no hyperparameters line, no training loss
+
+def reference_log_text(final_loss=3.27, final_time_ms=180000.0, num_iterations=20, val_loss_every=10,
+                       finished=True) -> str:
+    """A log as the reference trainer writes it: its source, the environment with nvidia-smi's table, a few lines
+    of its own, step lines without a training loss, and the peak memory line."""
+    lines = ["import torch", "print('the reference trainer')", SEPARATOR, "Running Python 3.12.7",
+             "Running PyTorch 2.7.0.dev20250110+cu126 compiled for CUDA 12.6",
+             "|   0  NVIDIA H100 80GB HBM3          On  |   00000000:19:00.0 Off |", SEPARATOR,
+             "Created 2 gradient buckets", "Bucket 0: 1 params, 147.4 MB"]
+    for step in range(num_iterations + 1):
+        time_ms = final_time_ms * step / num_iterations
+        if step == num_iterations or step % val_loss_every == 0:
+            loss = 10 + (final_loss - 10) * step / num_iterations
+            lines.append(f"step:{step}/{num_iterations} val_loss:{loss:.4f} train_time:{time_ms:.0f}ms "
+                         f"step_avg:{time_ms / max(step, 1):.2f}ms")
+        if step < num_iterations:
+            time_ms = final_time_ms * (step + 1) / num_iterations
+            lines.append(f"step:{step + 1}/{num_iterations} train_time:{time_ms:.0f}ms step_avg:"
+                         f"{time_ms / (step + 1):.2f}ms")
+    if finished:
+        lines.append("peak memory allocated: 30712 MiB reserved: 31010 MiB")
+    return "\n".join(lines) + "\n"
+
+
+def write_reference_logs(folder: Path, final_losses, final_times_ms) -> list[str]:
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, (loss, time_ms) in enumerate(zip(final_losses, final_times_ms)):
+        (folder / f"ref{i}.txt").write_text(reference_log_text(loss, time_ms))
+    return [str(folder / f"ref{i}.txt") for i in range(len(final_losses))]
+
+
+def test_a_reference_trainer_log_parses_to_its_results(tmp_path):
+    path = tmp_path / "ref.txt"
+    path.write_text(reference_log_text())
+    run = logs.read_log(path)
+    assert run.problem is None and run.num_iterations == 20 and run.source.startswith("import torch\n")
+    assert [(p.step, p.loss) for p in run.val] == [(0, 10.0), (10, 6.635), (20, 3.27)]
+    assert len(run.train) == 20 and all(math.isnan(p.loss) for p in run.train)
+    assert run.final.time_ms == 180000 and run.peak_memory == "allocated: 30712 MiB reserved: 31010 MiB"
+    assert run.device == "1x NVIDIA H100 80GB HBM3" and run.torch == "2.7.0.dev20250110+cu126"
+    path.write_text(reference_log_text(finished=False))
+    assert "no 'peak memory' line" in logs.read_log(path).problem
+
+
+def test_summary_and_compare_of_reference_logs_use_the_record_target(tmp_path, capsys):
+    reference = write_reference_logs(tmp_path / "ref", [3.270, 3.272, 3.268], [180000, 181000, 179000])
+    code, out, _ = run_cli(capsys, "summary", *reference)
+    assert code == 0 and "val loss:   3.2700 ± 0.0020 (n=3)" in out and "train time: 180.000 s ± 1.000 s" in out
+    assert "target 3.28 (the record target: the logs name none)" in out
+    assert "step_avg" in out.splitlines()[0] and "9000.00 ms" in out  # 180 s / 20 steps
+    ours = write_logs(tmp_path / "ours", [3.275, 3.276, 3.274], [170000, 171000, 169000], target=3.28)
+    code, out, _ = run_cli(capsys, "compare", *reference, "--", *ours)
+    assert code == 0 and out.rstrip().splitlines()[-1] == "verdict: record"
+    code, out, _ = run_cli(capsys, "compare", *reference, "--", *ours, "--target", "3.2")
+    assert out.rstrip().splitlines()[-1] == "verdict: loss not significant"
+
+
+def test_diff_and_plot_of_reference_logs(tmp_path, capsys, figures):
+    a, b = write_reference_logs(tmp_path, [3.27, 3.26], [180000, 175000])
+    code, out, _ = run_cli(capsys, "diff", a, b)
+    assert code == 0 and "identical" in out and "3.2700" in out and "3.2600" in out
+    code, out, _ = run_cli(capsys, "plot", a, b, "-o", tmp_path / "ref.png")
+    assert code == 0 and out.strip() == f"wrote {tmp_path / 'ref.png'}: 2 line(s) and the target 3.28"
+
+
+def test_a_stopped_or_diverged_log_is_reported_in_its_own_words(tmp_path):
+    stopped, diverged = tmp_path / "stopped.txt", tmp_path / "diverged.txt"
+    lines = log_text(finished=False).splitlines()
+    stopped.write_text("\n".join(lines[:-2] + ["checkpoint: logs/x/step000003.pt",
+                                                 "stopped: step:3/4 reason:SIGTERM"]) + "\n")
+    diverged.write_text("\n".join(lines[:-2] + ["diverged: training diverged at step 3: train loss nan, gradient "
+                                                  "norm nan; there is no checkpoint to go back to"]) + "\n")
+    assert logs.read_log(stopped).problem == ("stopped on request at step 3/4 (stopped: step:3/4 reason:SIGTERM); a "
+                                              "checkpoint was saved, so it can be resumed")
+    assert logs.read_log(diverged).problem == ("diverged at step 3/4 (training diverged at step 3: train loss nan, "
+                                               "gradient norm nan; there is no checkpoint to go back to)")

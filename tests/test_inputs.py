@@ -1,0 +1,262 @@
+"""Nothing a user types loses work: bad run ids, data that runs short, token ids outside the vocabulary, values that
+cannot train, file-system faults and incomplete checkpoints are refused before any training step, with the file,
+flag or value named and every earlier log and checkpoint left byte for byte as it was."""
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import train_gpt
+from conftest import REPO_ROOT
+from synthetic import tiny_flags
+
+
+def flags(files, tmp_path, run_id="run", **overrides):
+    return tiny_flags(files, **dict(dict(log_dir=tmp_path / "logs", run_id=run_id, num_iterations=8,
+                                         val_loss_every=4), **overrides))
+
+
+def snapshot(folder):
+    """Every file under folder and its bytes."""
+    return {path: path.read_bytes() for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+def refused(argv, *words):
+    """main(argv) refuses with a UserError naming every one of words, before any training step."""
+    with pytest.raises(train_gpt.UserError) as error:
+        train_gpt.main([str(a) for a in argv])
+    for word in words:
+        assert str(word) in str(error.value), (word, str(error.value))
+    return str(error.value)
+
+
+def trainer(*argv, **kwargs):
+    """train_gpt.py as a user runs it, in its own process."""
+    return subprocess.Popen([sys.executable, str(REPO_ROOT / "train_gpt.py"), *map(str, argv)],
+                            env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+# 1. a refused resume leaves the log alone
+
+def test_a_resume_refused_for_its_data_leaves_the_log_and_checkpoints_byte_for_byte(tmp_path, files):
+    train_gpt.main(flags(files, tmp_path, "C", save_every=4))
+    before = snapshot(tmp_path / "logs")
+    small = tmp_path / "small"
+    small.mkdir()
+    train_gpt.write_data_shard(small / "synth_train_000001.bin", np.full(3000, 7))  # the same name, 3000 tokens
+    refused(flags(files, tmp_path, "C", save_every=4, resume=tmp_path / "logs" / "C" / "step000004.pt",
+                  train_files=small / "*.bin"), "--train_files", "synth_train_000001.bin", "steps 5..5",
+            "up to step 8")
+    assert snapshot(tmp_path / "logs") == before
+
+
+# 2. run ids
+
+def test_a_fresh_run_refuses_an_id_that_has_a_log_or_checkpoints(tmp_path, files):
+    train_gpt.main(flags(files, tmp_path, "C", save_every=4))
+    before = snapshot(tmp_path / "logs")
+    refused(flags(files, tmp_path, "C"), "run id C is taken", str(tmp_path / "logs" / "C.txt"),
+            "2 checkpoint(s)", "--run_id C --resume latest", "pick another --run_id")
+    (tmp_path / "logs" / "C" / "step000004.pt").unlink()
+    (tmp_path / "logs" / "C" / "step000008.pt").unlink()
+    del before[tmp_path / "logs" / "C" / "step000004.pt"], before[tmp_path / "logs" / "C" / "step000008.pt"]
+    words = refused(flags(files, tmp_path, "C"), "run id C is taken", "pick another --run_id")  # a log alone
+    assert "--resume latest" not in words
+    assert snapshot(tmp_path / "logs") == before
+
+
+def test_a_checkpoint_of_another_run_may_not_start_over_an_existing_log(tmp_path, files):
+    train_gpt.main(flags(files, tmp_path, "A", save_every=4))
+    train_gpt.main(flags(files, tmp_path, "B"))
+    before = snapshot(tmp_path / "logs")
+    refused(flags(files, tmp_path, "B", resume=tmp_path / "logs" / "A" / "step000004.pt"), "run id B is taken")
+    assert snapshot(tmp_path / "logs") == before
+
+
+def test_two_runs_started_with_one_id_the_second_is_refused_at_once_the_first_finishes(tmp_path, files):
+    argv = flags(files, tmp_path, "twin", num_iterations=30, val_loss_every=0)
+    first = trainer(*argv, cwd=tmp_path)
+    log = tmp_path / "logs" / "twin.txt"
+    deadline = time.time() + 120
+    while not (log.exists() and "\nstep:1/30 " in log.read_text()) and first.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    started = time.time()
+    second = trainer(*argv, cwd=tmp_path)
+    out, err = second.communicate(timeout=120)
+    assert second.returncode == 2 and time.time() - started < 60
+    assert "run id twin is in use: another run holds" in err and "Traceback" not in err
+    out, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err[-2000:]
+    text = log.read_text()
+    assert text.count("\nrun: id=twin") == 1 and text.endswith(" MiB\n") and "\nstep:30/30 val_loss:" in text
+
+
+# 3. data that runs short, found from the shard headers
+
+def test_a_validation_shard_smaller_than_val_tokens_is_refused_with_what_fits(tmp_path, files):
+    words = refused(flags(files, tmp_path, val_tokens=8192, val_seq_len=128, val_loss_every=0), "--val_tokens 8192",
+                    "needs 8193 tokens in one shard", "whose largest holds 6000", "use --val_tokens 5888 or less")
+    assert not (tmp_path / "logs" / "run.txt").exists(), words
+    train_gpt.main(flags(files, tmp_path, val_tokens=5888, val_seq_len=128, num_iterations=1))  # and that fits
+
+
+def test_training_shards_too_short_for_the_run_are_refused_with_the_steps_that_fit(tmp_path, files):
+    # 60,000 training tokens in batches of 4 x 128 = 512: 117 batches (each needs 513 tokens in its shard)
+    refused(flags(files, tmp_path, num_iterations=500, val_loss_every=0), "--train_files", "steps 1..117",
+            "up to step 500", "--num_iterations 117")
+    loader = train_gpt.DistributedDataLoader(files["train_files"], 128, 4, 0, 1, train_gpt.torch.device("cpu"))
+    for _ in range(117 * 4):  # the loader itself: 117 steps, and no more
+        next(loader)
+    with pytest.raises(train_gpt.UserError, match="out of data"):
+        next(loader)
+
+
+# 4. token ids outside the vocabulary
+
+def test_a_token_id_outside_the_vocabulary_is_refused_before_training_naming_the_file(tmp_path):
+    tokens = np.concatenate([[train_gpt.EOT_TOKEN], np.arange(1, 20_000) % 1000])
+    tokens[3000] = 50257
+    (tmp_path / "data").mkdir()
+    train_gpt.write_data_shard(tmp_path / "data" / "bad_train_000001.bin", tokens)
+    train_gpt.write_data_shard(tmp_path / "data" / "bad_val_000000.bin", tokens[:5000] % 50257)
+    files = dict(train_files=tmp_path / "data" / "bad_train_*.bin", val_files=tmp_path / "data" / "bad_val_*.bin")
+    refused(flags(files, tmp_path), "bad_train_000001.bin", "token id 50257", "the first at token 3000",
+            "--vocab_size 50257")
+    assert not (tmp_path / "logs" / "run.txt").exists()
+
+
+def test_a_vocabulary_without_the_end_of_text_token_is_refused_at_parse_time():
+    with pytest.raises(train_gpt.UserError, match="--vocab_size 50256 must be above 50256, the end-of-text token"):
+        train_gpt.parse_args(["--preset", "tiny", "--vocab_size", "50256"], cuda=False)
+
+
+# 5. values that pass the type check but cannot train
+
+@pytest.mark.parametrize("argv, words", [
+    (["--attention_free_layers", "0,3"], "value embedding 0 nothing to feed: it is added to the values of layers 0 "
+                                         "and 3"),
+    (["--lr_muon", "nan"], "--lr_muon must be a finite number >= 0, got nan"),
+    (["--lr_embed", "-0.1"], "--lr_embed must be a finite number >= 0, got -0.1"),
+    (["--lr_head", "inf"], "--lr_head must be a finite number >= 0, got inf"),
+    (["--seed", "-1"], "--seed must be in [0, 2**63), got -1"),
+    (["--seed", str(2**63)], "--seed must be in [0, 2**63)"),
+    (["--run_id", ".."], "--run_id '..' would put the run's log and checkpoints outside --log_dir"),
+    (["--run_id", "a/b"], "--run_id 'a/b' would put"),
+])
+def test_values_that_cannot_train_are_refused_at_parse_time(argv, words):
+    with pytest.raises(train_gpt.UserError) as error:
+        train_gpt.parse_args(["--preset", "tiny", *argv], cuda=False)
+    assert words in str(error.value)
+
+
+def test_a_kill_switch_that_is_a_directory_is_refused(tmp_path):
+    with pytest.raises(train_gpt.UserError, match=f"--kill_switch {tmp_path} is a directory: name a file"):
+        train_gpt.parse_args(["--preset", "tiny", "--kill_switch", str(tmp_path)], cuda=False)
+
+
+# 6. file-system faults
+
+def test_a_shard_path_that_is_a_directory_is_refused_by_the_trainer_and_check_py_checks_the_rest(tmp_path, files):
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "synth_train_000000.bin").mkdir()  # a directory the pattern matches
+    train_gpt.write_data_shard(tmp_path / "shards" / "synth_train_000001.bin", np.arange(4000) % 1000)
+    pattern = str(tmp_path / "shards" / "synth_train_*.bin")
+    refused(flags(files, tmp_path, train_files=pattern), "data shard", "synth_train_000000.bin is not a file")
+    check = subprocess.run([sys.executable, str(REPO_ROOT / "data" / "check.py"), pattern], capture_output=True,
+                           text=True)
+    assert check.returncode == 1 and "Traceback" not in check.stderr
+    assert "synth_train_000000.bin is not a file" in check.stdout
+    assert f"ok  {tmp_path / 'shards' / 'synth_train_000001.bin'}" in check.stdout  # it went on to the next file
+
+
+def test_an_unreadable_shard_is_named_with_the_reason(tmp_path, files, monkeypatch):
+    def unreadable(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(train_gpt.np, "fromfile", unreadable)  # (root reads any file: fake the refusal)
+    with pytest.raises(train_gpt.UserError, match=r"cannot read data shard .*synth_val_000000\.bin: Permission "
+                                                  "denied"):
+        train_gpt.read_shard_header(files["val_files"].replace("*", "000000"))
+
+
+def test_a_log_dir_that_cannot_hold_the_run_is_refused_before_the_model_is_built(tmp_path, files, monkeypatch):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    refused(flags(files, tmp_path, log_dir=a_file), f"--log_dir {a_file} is a file")
+    refused(flags(files, tmp_path, log_dir=a_file / "logs"), f"cannot write in --log_dir {a_file / 'logs'}")
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "run").write_text("")  # where the checkpoints of run id "run" go
+    refused(flags(files, tmp_path), f"{tmp_path / 'logs' / 'run'} is a file", "pick another --run_id")
+    built = []
+    monkeypatch.setattr(train_gpt, "build_run", lambda *a, **k: built.append(1))
+    monkeypatch.setattr(train_gpt.shutil, "disk_usage", lambda path: type("Usage", (), dict(free=100_000))())
+    refused(flags(files, tmp_path, run_id="full", save_every=4), "has 0.1 MiB free", "its log and a",
+            "MiB checkpoint")
+    assert not built
+
+
+def test_a_full_disk_during_a_checkpoint_write_names_the_path_and_leaves_no_temporary_file(tmp_path, files,
+                                                                                      monkeypatch):
+    train_gpt.main(flags(files, tmp_path, "C", save_every=4, num_iterations=4))
+    real_usage = train_gpt.shutil.disk_usage
+
+    def full(obj, f):
+        f.write(b"x" * 1000)
+        monkeypatch.setattr(train_gpt.shutil, "disk_usage", lambda path: real_usage(path)._replace(free=1000))
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0")
+    monkeypatch.setattr(train_gpt.torch, "save", full)
+    refused(flags(files, tmp_path, "C", save_every=4, resume="latest"), "cannot write checkpoint",
+            "step000008.pt", "no space left on the device", "the earlier checkpoints are intact")
+    assert sorted(p.name for p in (tmp_path / "logs" / "C").iterdir()) == ["step000004.pt"]
+
+
+# 7. checkpoints
+
+def test_an_incomplete_checkpoint_is_refused_naming_what_it_lacks_and_the_log_is_untouched(tmp_path, files):
+    train_gpt.main(flags(files, tmp_path, "C", save_every=4))
+    path = tmp_path / "logs" / "C" / "step000004.pt"
+    state = train_gpt.torch.load(path, weights_only=True)
+    before = snapshot(tmp_path / "logs")
+    for broken, words in (({k: v for k, v in state.items() if k != "data"}, "lacks data"),
+                          (dict(state, adam={k: v for k, v in state["adam"].items() if k != "embed.weight"}),
+                           "no Adam state for embed.weight"),
+                          (dict(state, adam=dict(state["adam"], **{"lm_head.weight": {"step": 1}})),
+                           "no Adam state for lm_head.weight.exp_avg")):
+        bad = tmp_path / "bad.pt"
+        train_gpt.torch.save(broken, bad)
+        refused(flags(files, tmp_path, "C", resume=bad), f"checkpoint {bad}", words, "resume from another one")
+    assert snapshot(tmp_path / "logs") == before
+
+
+def test_resuming_past_num_iterations_is_refused(tmp_path, files):
+    train_gpt.main(flags(files, tmp_path, "C", save_every=8))
+    before = snapshot(tmp_path / "logs")
+    refused(flags(files, tmp_path, "C", resume="latest", num_iterations=4), "is at step 8, past --num_iterations 4",
+            "resume with --num_iterations 8")
+    assert snapshot(tmp_path / "logs") == before
+
+
+# 9. flags
+
+def test_a_bare_boolean_flag_means_true_and_false_still_works():
+    assert train_gpt.parse_args(["--preset", "tiny", "--fp8_head"], cuda=False).fp8_head is True
+    assert train_gpt.parse_args(["--preset", "tiny", "--fp8_head", "false"], cuda=False).fp8_head is False
+    assert train_gpt.parse_args(["--preset", "tiny", "--plan"], cuda=False).plan is True
+
+
+def test_a_plan_without_a_preset_plans_the_record_and_says_so(capsys):
+    train_gpt.main(["--plan", "--nproc", "8"])
+    out = capsys.readouterr().out
+    assert "preset record" in out and "8 processes = pipeline 1 x data parallel 8" in out
+    assert "275,598,388 parameters" in out  # the record model, not the cpu preset's
+
+
+# exit status 2 and one line, not a traceback, as a user sees it
+
+def test_refusals_exit_2_with_one_error_line(tmp_path, files):
+    out = trainer(*flags(files, tmp_path, num_iterations=500), cwd=tmp_path)
+    _, err = out.communicate(timeout=120)
+    assert out.returncode == 2 and err.startswith("error: --train_files") and "Traceback" not in err
