@@ -512,3 +512,14 @@ def test_a_stopped_or_diverged_log_is_reported_in_its_own_words(tmp_path):
                                               "checkpoint was saved, so it can be resumed")
     assert logs.read_log(diverged).problem == ("diverged at step 3/4 (training diverged at step 3: train loss nan, "
                                                "gradient norm nan; there is no checkpoint to go back to)")
+
+
+def test_a_baseline_that_misses_the_target_is_beaten_by_a_candidate_that_reaches_it(tmp_path, capsys):
+    # the baseline is faster, but its runs end above the candidate's target: its time to that target is unbounded
+    baseline = write_logs(tmp_path / "base", [5.75, 5.76, 5.74], [240000, 241000, 239000], target=5.8)
+    candidate = write_logs(tmp_path / "cand", [5.20, 5.22, 5.21], [296000, 297000, 295000], target=5.4)
+    code, out, _ = run_cli(capsys, "compare", *baseline, "--", *candidate)
+    assert code == 0 and "the baseline does not reach the target 5.4 (mean val loss 5.7500)" in out
+    assert out.rstrip().splitlines()[-1] == "verdict: record"
+    code, out, _ = run_cli(capsys, "compare", *baseline, "--", *candidate, "--target", "5.8")
+    assert out.rstrip().splitlines()[-1] == "verdict: not faster"  # against a target both reach, time decides
