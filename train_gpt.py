@@ -487,7 +487,7 @@ class GPT(nn.Module):
     use the long ('L') or short ('S') sliding window.
 
     The forward is four steps: masks, embedding, each block on the stream, head. Pipeline stages run the same
-    steps split by layer (PipelineStage.forward), so new computation belongs inside one of them.
+    steps split by layer (run_layers), so new computation belongs inside one of them.
     """
 
     NUM_VALUE_EMBEDS = 3
@@ -1088,8 +1088,8 @@ def build_run(args: Hyperparameters, ctx: "ParallelContext", cuda_dtypes: bool |
         gradients = GradientBuckets(model.parameters(), sum_dtype=torch.float64 if args.fp64_grad_sum else None,
                                     dp=ctx.dp, owner_of=zero.gradient_owners())
     # the float64 sums take an embedding's few rows from a sparse gradient, for less work (the plan's meta tensors
-    # have no values to find those rows in)
-    if args.fp64_grad_sum and ctx.device.type != "meta":
+    # have no values to find those rows in; torch.compile does not lower sparse embeddings)
+    if args.fp64_grad_sum and ctx.device.type != "meta" and not args.compile:
         for module in model.modules():
             if isinstance(module, nn.Embedding):
                 module.sparse = True
@@ -1101,6 +1101,12 @@ def build_run(args: Hyperparameters, ctx: "ParallelContext", cuda_dtypes: bool |
                accumulate=accumulate_gradients if stage is None else stage.accumulate,
                evaluation_loss=compiled if stage is None else stage.forward_only, gradients=gradients, zero=zero,
                norm_params=norm_params)
+
+
+def compiles_by_default(args: Hyperparameters, device: torch.device) -> bool:
+    """Whether --compile unset means compiled: on CUDA, in the layouts proven under torch.compile (the collectives
+    that tensor and pipeline parallelism run inside autograd functions, and ZeRO 3's hooks, run eager)."""
+    return device.type == "cuda" and args.zero < 3 and args.tp == 1 and args.pp == 1
 
 
 def warmup_and_restore(model: nn.Module, optimizers: list[torch.optim.Optimizer], train_step, steps: int) -> None:
@@ -1136,9 +1142,8 @@ def train(args: Hyperparameters, ctx: "ParallelContext") -> float:
     on_master(check_log_dir, args)
     with RunIdLock(args, ctx):  # another run with this id is refused at once; held until this one ends
         resume_path, checkpoint = check_run_inputs(args, ctx)  # refused now rather than mid-run
-        if args.compile is None:  # (the layouts' collectives inside autograd functions and hooks are not yet
-            # proven under compile on GPUs)
-            args.compile = ctx.device.type == "cuda" and args.zero < 3 and args.tp == 1 and args.pp == 1
+        if args.compile is None:
+            args.compile = compiles_by_default(args, ctx.device)
         run = build_run(args, ctx)
         if args.compile and args.warmup_steps > 0:
             warmup = random_batches(args, ctx.device)
@@ -1958,6 +1963,55 @@ def broadcast_parameters(model: nn.Module, dp: Axis) -> None:
             dist.broadcast(param.detach(), dp.global_rank(0), group=dp.group)
 
 
+class _ParameterUses(torch.overrides.TorchFunctionMode):
+    """Records the names of parameters that torch functions read, inside a region (depth > 0) or outside."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.names = {id(p): name for name, p in model.named_parameters()}
+        self.depth = 0
+        self.inside, self.outside = set(), set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for leaf in pytree.tree_leaves((args, kwargs)):
+            name = self.names.get(id(leaf))
+            if name is not None:
+                (self.inside if self.depth else self.outside).add(name)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def recording_parameter_uses(model: GPT, regions: list[nn.Module] = ()):
+    """Within it, the names of the parameters the model's code reads, inside the regions (uses.inside) or outside
+    them (uses.outside): how a layout finds where each parameter works, whatever the model holds. Without gradients,
+    through the dense attention twin."""
+    uses = _ParameterUses(model)
+
+    def enter(module, args):
+        uses.depth += 1
+
+    def leave(module, args, out):
+        uses.depth -= 1
+    hooks = [hook for module in regions
+             for hook in (module.register_forward_pre_hook(enter), module.register_forward_hook(leave))]
+    use_flex, model.use_flex = model.use_flex, False
+    try:
+        with torch.no_grad(), uses:
+            yield uses
+    finally:
+        model.use_flex = use_flex
+        for hook in hooks:
+            hook.remove()
+
+
+def probe_batch(model: GPT) -> tuple[Tensor, Tensor, Tensor]:
+    """(inputs, targets, window) of one attention block of end-of-text tokens: the least every layer runs on."""
+    device = next(model.parameters()).device
+    tokens = torch.full((ATTENTION_BLOCK_SIZE,), EOT_TOKEN, device=device)
+    return tokens.to(torch.int32), tokens, window_tensor(1, device)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Data parallel: gradients averaged over the data-parallel ranks in buckets, while backward still runs
 
@@ -2186,6 +2240,7 @@ class Zero:
 
     def shard_parameters(self, model: GPT) -> None:
         self.sharded = ShardedParameters(model, self)
+        self.sent_after_step += [p for p in model.parameters() if p not in self.sharded.unit_of]
 
     @contextlib.contextmanager
     def whole_parameters(self):
@@ -2214,7 +2269,8 @@ class ShardedParameters:
     too (its backward needs only the token ids); another module (the head, whose backward follows at once)
     stays. Every unit is dropped once all its gradients are in. Autograd's saved tensors share the parameters'
     storage, so they see the values again when backward runs. Parameters of the GPT itself (none in the record's
-    model) stay whole: no module call brackets their use.
+    model) stay whole on every rank, as at stage 1: no module call brackets their use, so their owner updates them
+    and sends them after each step.
     """
 
     def __init__(self, model: GPT, zero: Zero):
@@ -2525,8 +2581,10 @@ def tensor_parallelize(model: GPT, tp: Axis, sp: bool, async_tp: bool) -> None:
     """
     styles = {name: style for name, _ in model.named_modules() for pattern, style in TENSOR_PARALLEL_PLAN.items()
               if fnmatch.fnmatchcase(name, pattern)}
-    inside, outside = parameter_uses(model, [model.get_submodule(name) for name, style in styles.items()
-                                             if style in REGION_STYLES])
+    with recording_parameter_uses(model, [model.get_submodule(name) for name, style in styles.items()
+                                          if style in REGION_STYLES]) as uses:
+        model(*probe_batch(model))
+    inside, outside = uses.inside, uses.outside
     for name, style in styles.items():
         style(model.get_submodule(name), tp, sp, async_tp)
     for name, p in model.named_parameters():
@@ -2545,49 +2603,6 @@ def tensor_parallelize(model: GPT, tp: Axis, sp: bool, async_tp: bool) -> None:
             p.register_hook(functools.partial(all_reduce_sum, tp=tp))
 
 
-class _ParameterUses(torch.overrides.TorchFunctionMode):
-    """Records the names of parameters that torch functions read, inside a region (depth > 0) or outside."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.names = {id(p): name for name, p in model.named_parameters()}
-        self.depth = 0
-        self.inside, self.outside = set(), set()
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        for leaf in pytree.tree_leaves((args, kwargs)):
-            name = self.names.get(id(leaf))
-            if name is not None:
-                (self.inside if self.depth else self.outside).add(name)
-        return func(*args, **kwargs)
-
-
-def parameter_uses(model: GPT, regions: list[nn.Module]) -> tuple[set[str], set[str]]:
-    """(names of the parameters used inside the regions, those used outside): one training-mode forward of one
-    attention block's worth of tokens, through the dense attention twin."""
-    uses = _ParameterUses(model)
-
-    def enter(module, args):
-        uses.depth += 1
-
-    def leave(module, args, out):
-        uses.depth -= 1
-    hooks = [hook for module in regions
-             for hook in (module.register_forward_pre_hook(enter), module.register_forward_hook(leave))]
-    use_flex, model.use_flex = model.use_flex, False
-    device = next(model.parameters()).device
-    tokens = torch.full((ATTENTION_BLOCK_SIZE,), EOT_TOKEN, device=device)
-    try:
-        with torch.no_grad(), uses:
-            model(tokens.to(torch.int32), tokens, window_tensor(1, device))
-    finally:
-        model.use_flex = use_flex
-        for hook in hooks:
-            hook.remove()
-    return uses.inside, uses.outside
-
-
 # ----------------------------------------------------------------------------------------------------
 # Pipeline parallelism: GPipe's all-forwards-then-all-backwards (Huang et al. 2019) and one-forward-one-backward
 # (PipeDream-Flush, Narayanan et al. 2021) over stages cut from a built one-process model
@@ -2598,6 +2613,43 @@ PIPELINE_SCHEDULES = ("afab", "1f1b")
 def stage_layers(num_layers: int, stages: int, stage: int) -> range:
     """Stage `stage`'s contiguous share of the blocks; shares differ by at most one block."""
     return range(stage * num_layers // stages, (stage + 1) * num_layers // stages)
+
+
+def run_layers(model: GPT, layers: range, inputs: Tensor, targets: Tensor, window: Tensor,
+               stream: dict | None) -> Tensor | dict:
+    """GPT.forward's steps for a run of its layers: embedding the tokens first when the run starts at the first
+    block, the head and loss last when it ends at the last block; otherwise the stream goes in or comes out."""
+    masks = model.attention_masks(inputs, window)
+    if layers.start == 0:
+        stream = model.embed_tokens(inputs)
+    for i in layers:
+        stream = model.run_block(i, stream, masks)
+    return model.head_loss(stream, targets) if layers.stop == len(model.blocks) else stream
+
+
+def stages_using_each_parameter(model: GPT, stages: int) -> dict[str, set[int]]:
+    """Parameter name -> the pipeline stages whose layers read it, from one forward of the whole model run stage
+    after stage in this process."""
+    users, stream, batch = collections.defaultdict(set), None, probe_batch(model)
+    for stage in range(stages):
+        with recording_parameter_uses(model) as uses:
+            stream = run_layers(model, stage_layers(len(model.blocks), stages, stage), *batch, stream)
+        for name in uses.outside:
+            users[name].add(stage)
+    return users
+
+
+def keep_only_parameters(module: nn.Module, keep: set[str], prefix: str = "") -> None:
+    """Drop every parameter not named in keep; a submodule left with none becomes None, so names stay the model's."""
+    for name, _ in list(module.named_parameters(recurse=False)):
+        if prefix + name not in keep:
+            module.register_parameter(name, None)
+    for name, child in list(module.named_children()):
+        names = [f"{prefix}{name}.{n}" for n, _ in child.named_parameters()]
+        if names and not keep.intersection(names):
+            setattr(module, name, None)
+        else:
+            keep_only_parameters(child, keep, f"{prefix}{name}.")
 
 
 def run_point_to_point(ops: list) -> None:
@@ -2614,9 +2666,12 @@ def run_point_to_point(ops: list) -> None:
 
 
 class PipelineStage:
-    """This rank's pipeline stage: a contiguous run of the blocks (the first stage also keeps the embeddings, the
-    last the head and loss; what a stage drops becomes None, so parameter names stay the model's), the exchange of
+    """This rank's pipeline stage: a contiguous run of the blocks and the parameters its layers read, the exchange of
     the stream with its neighbours, and the schedules that run a step's micro-batches through the pipeline.
+
+    Which parameters a stage keeps is found by running the model's own forward one stage at a time: the first stage
+    keeps the embeddings, the last the head, and a parameter a fork adds goes to the stage that reads it. What a
+    stage drops becomes None, so parameter names stay the model's.
 
     What crosses a boundary is whatever stream the forward holds there (GPT.embed_tokens: residual, x0, value
     embeddings, pending U-Net skips, and anything a fork adds): the first time a stream of a given length crosses,
@@ -2627,25 +2682,22 @@ class PipelineStage:
         self.model, self.pp, self.schedule = model, pp, schedule
         self.layers = stage_layers(len(model.blocks), pp.size, pp.rank)
         self.first, self.last = pp.rank == 0, pp.rank == pp.size - 1
-        for i in range(len(model.blocks)):
-            if i not in self.layers:
-                model.blocks[i] = None
-        if not self.first:
-            model.embed = model.value_embeds = None
-        if not self.last:
-            model.lm_head = None
+        users = stages_using_each_parameter(model, pp.size)
+        shared = {name: sorted(stages) for name, stages in users.items() if len(stages) > 1}
+        if shared:
+            name, stages = next(iter(shared.items()))
+            raise UserError(f"pipeline parallelism: parameter {name} is read by the layers of stages {stages}, but a "
+                            "parameter lives on one stage: give each layer its own (a parameter of Block, as "
+                            "Block.skip_weight is), or keep it in the module whose stage reads it")
+        keep_only_parameters(model, {name for name, _ in model.named_parameters()
+                                     if pp.rank in users.get(name, {0})})  # (one no stage reads: the first's)
         # (boundary layer, sequence length, grad enabled) -> the stream's structure there; the plan shares one
         self.carry_specs = {} if carry_specs is None else carry_specs
         dist.barrier(group=pp.group)  # NCCL wants a group's first call to involve all its ranks
 
     def forward(self, inputs: Tensor, targets: Tensor, window: Tensor, carry: dict | None) -> Tensor | dict:
-        """GPT.forward's steps for this stage's layers: the loss on the last stage, the stream elsewhere."""
-        model = self.model
-        masks = model.attention_masks(inputs, window)
-        stream = model.embed_tokens(inputs) if self.first else carry
-        for i in self.layers:
-            stream = model.run_block(i, stream, masks)
-        return model.head_loss(stream, targets) if self.last else stream
+        """This stage's layers: the loss on the last stage, the stream elsewhere."""
+        return run_layers(self.model, self.layers, inputs, targets, window, carry)
 
     def exchange(self, seq_len: int, to_next: dict | None = None, to_prev: list[Tensor] | None = None,
                  from_prev: bool = False, from_next: bool = False) -> tuple[dict | None, list[Tensor] | None]:

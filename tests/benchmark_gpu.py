@@ -57,10 +57,11 @@ def main():
     parser.add_argument("--steps", type=int, default=30, help="timed steps after the warm-up")
     parser.add_argument("--at_step", type=int, default=None, help="schedule step to time at (default: the middle)")
     ours, rest = parser.parse_known_args()
+    train_gpt.keep_freed_memory_for_reuse()  # the trainer's allocator settings, before CUDA's first allocation
     args = train_gpt.parse_args(["--preset", "record", *rest])
     ctx = train_gpt.setup_distributed(args.tp, args.pp)
     if args.compile is None:
-        args.compile = ctx.device.type == "cuda"
+        args.compile = train_gpt.compiles_by_default(args, ctx.device)
     at_step = args.num_iterations // 2 if ours.at_step is None else ours.at_step
     step_tokens = args.seqs_per_step * args.train_seq_len
     with tempfile.TemporaryDirectory() as scratch:

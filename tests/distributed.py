@@ -15,9 +15,11 @@ def free_port() -> int:
 
 
 def _detach(value):
-    """Tensors become numpy arrays: shared-memory tensors would not outlive the worker process."""
+    """Tensors become numpy arrays: shared-memory tensors would not outlive the worker process. numpy has no
+    bfloat16 (a CUDA run's embeddings): those become float32, exactly."""
     if isinstance(value, torch.Tensor):
-        return value.detach().cpu().numpy()
+        value = value.detach().cpu()
+        return (value.float() if value.dtype == torch.bfloat16 else value).numpy()
     if isinstance(value, dict):
         return {k: _detach(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

@@ -112,20 +112,34 @@ def assert_holds_and_sends_what_the_plan_predicts(ranks, files, **layout):
 # it is, the line as edited), and parameters added at the end of a class's __init__.
 MODEL_EDITS = {
     # a scalar gate on a block's attention output, a vector on the MLP's output in the residual stream, a
-    # vector inside attention on head-sharded activations, and a weight matrix on the residual stream that no
-    # layout knows (it trains replicated)
+    # vector inside attention on head-sharded activations, a weight matrix on the residual stream that no
+    # layout knows (it trains replicated), and vectors of the GPT itself on the embedding (the first pipeline
+    # stage's) and before the head (the last's)
     "gates": dict(
         sources=[("Block", "forward", "x = x + self.attn(norm(x), ve, mask)",
                   "x = x + self.attn_gate * self.attn(norm(x), ve, mask)"),
                  ("Block", "forward", "return x + self.mlp(norm(x))",
                   "return x + self.mlp(norm(x)) * self.mlp_gain + self.mix(norm(x))"),
-                 ("CausalSelfAttention", "forward", "y = attention(", "y = self.head_gain * attention(")],
-        parameters=[("Block", lambda block: dict(
+                 ("CausalSelfAttention", "forward", "y = attention(", "y = self.head_gain * attention("),
+                 ("GPT", "embed_tokens", "x = norm(self.embed(input_seq)[None])",
+                  "x = norm(self.embed(input_seq)[None]) * self.embed_gain"),
+                 ("GPT", "head_loss", 'self.lm_head(norm(stream["x"])[0], target_seq)',
+                  'self.lm_head(norm(stream["x"])[0] * self.out_gain, target_seq)')],
+        parameters=[("GPT", lambda gpt: dict(
+                        embed_gain=nn.Parameter(torch.linspace(0.5, 1.5, gpt.embed.weight.size(1))),
+                        out_gain=nn.Parameter(torch.linspace(1.5, 0.5, gpt.embed.weight.size(1))))),
+                    ("Block", lambda block: dict(
                         attn_gate=nn.Parameter(torch.tensor(1.0)) if block.attn is not None else None,
                         mlp_gain=nn.Parameter(torch.linspace(0.5, 1.5, block.mlp.c_proj.weight.size(0))),
                         mix=train_gpt.CastedLinear(block.mlp.c_fc.weight.size(1), block.mlp.c_fc.weight.size(1)))),
                     ("CausalSelfAttention", lambda attn: dict(
                         head_gain=nn.Parameter(torch.linspace(0.5, 1.5, attn.head_dim))))]),
+    # a vector of the GPT itself with one entry per layer, scaling each block's input (as the record's design once
+    # kept its U-Net skip weights): every pipeline stage would read it
+    "per_layer_vector_on_gpt": dict(
+        sources=[("GPT", "run_block", 'x = self.blocks[i](stream["x"],',
+                  'x = self.blocks[i](stream["x"] * self.layer_gains[i],')],
+        parameters=[("GPT", lambda gpt: dict(layer_gains=nn.Parameter(torch.linspace(0.5, 1.5, len(gpt.blocks)))))]),
     # a weight matrix inside attention that the tensor-parallel plan does not name
     "unnamed_matrix_in_attention": dict(
         sources=[("CausalSelfAttention", "forward", "qkv = self.qkv(x)", "qkv = self.qkv(self.pre(x))")],

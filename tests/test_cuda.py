@@ -146,7 +146,9 @@ def test_a_record_shape_step_with_gradient_accumulation_fits_one_gpu_and_has_a_f
     loss = loss_sum.item() / (2 * args.train_seq_len)
     assert abs(loss - 10.83) < 0.1  # the zero-initialised head: uniform over the padded vocabulary, log(50304)
     assert torch.isfinite(grad_squares) and grad_squares > 0
-    assert torch.cuda.max_memory_allocated() < torch.cuda.get_device_properties(CUDA).total_memory
+    # a budget, not the GPU's size (which an overrun would hit as an error first): half an 80 GB H100, where an
+    # earlier version of this file peaked at 32.9 GB on an H200 with 8 micro-batches
+    assert torch.cuda.max_memory_allocated() < 40 * 2**30
 
 
 # NCCL: the layouts the CPU tests run on gloo, one GPU per rank, against one process on GPU 0 (bf16 activations:

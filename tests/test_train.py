@@ -200,3 +200,11 @@ def test_float64_sums_of_sparse_embedding_gradients_equal_those_of_dense_ones(tm
     for name, grad in grads[1].items():
         assert not grad.is_sparse and torch.equal(grads[0][name], grad), name
     assert grads[1]["embed.weight"].abs().sum() > 0
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_float64_sums_take_sparse_embedding_gradients_only_in_an_eager_model(tmp_path, compiled):
+    # torch.compile does not lower sparse embeddings (Inductor asserts), so a compiled model keeps dense ones
+    args, run = build(write_synthetic_shards(tmp_path), compile=compiled)
+    embeddings = [m for m in run.model.modules() if isinstance(m, torch.nn.Embedding)]
+    assert args.fp64_grad_sum and embeddings and all(m.sparse is not compiled for m in embeddings)
