@@ -846,9 +846,9 @@ def check_hyperparameters(args: Hyperparameters) -> None:
              f"--{name} must be a finite number >= 0, got {getattr(args, name)}")
     need(0 <= args.seed < 2**63, f"--seed must be in [0, 2**63), got {args.seed}")
     need(args.warmup_steps >= 0, f"--warmup_steps must be >= 0, got {args.warmup_steps}")
-    need(args.run_id not in (".", "..") and "/" not in args.run_id and os.sep not in args.run_id,
+    need(set(args.run_id) != {"."} and "/" not in args.run_id and os.sep not in args.run_id,
          f"--run_id {args.run_id!r} would put the run's log and checkpoints outside --log_dir: use a plain name "
-         "(no path separators, not '.' or '..')")
+         "(no path separators, not dots only)")
     need(not args.kill_switch or not Path(args.kill_switch).is_dir(),
          f"--kill_switch {args.kill_switch} is a directory: name a file (the run stops when it appears)")
 
@@ -1380,8 +1380,8 @@ def write_atomically(path: Path, state: dict) -> str | None:
         finally:
             os.close(directory)
     except (OSError, RuntimeError) as e:  # (torch.save reports a full disk as a RuntimeError)
+        free = shutil.disk_usage(path.parent if path.parent.exists() else ".").free  # (before the partial file goes)
         tmp.unlink(missing_ok=True)
-        free = shutil.disk_usage(path.parent if path.parent.exists() else ".").free
         cause = f"no space left on the device ({free / 2**20:.1f} MiB free)" \
             if getattr(e, "errno", None) == errno.ENOSPC or free < 2**20 * 64 else " ".join(str(e).split())[:300]
         return f"cannot write checkpoint {path}: {cause}; the earlier checkpoints are intact"
@@ -1609,16 +1609,22 @@ class Bookkeeping:
 # Run inputs: the run id, the log directory, the checkpoint and the data, refused before any work rather than mid-run
 
 def on_master(check, *args) -> None:
-    """check(*args) on rank 0; its UserError raised on every rank, so that all ranks stop alike."""
-    error = None
+    """check(*args) on rank 0; its UserError raised on every rank, so that all ranks stop alike (any other failure
+    too: rank 0 raises it and the others say so, rather than wait for rank 0 forever)."""
+    error, failure = None, None
     if not dist.is_initialized() or dist.get_rank() == 0:
         try:
             check(*args)
         except UserError as e:
-            error = str(e)
+            error = (True, str(e))
+        except Exception as e:
+            failure, error = e, (False, f"{check.__name__} failed on rank 0: {type(e).__name__}: {e}")
     error = from_master(error)
+    if failure is not None:
+        raise failure
     if error is not None:
-        raise UserError(error)
+        user_error, message = error
+        raise UserError(message) if user_error else RuntimeError(message)
 
 
 def kill_switch_path(args: Hyperparameters) -> Path:
@@ -1658,12 +1664,15 @@ class RunIdLock:
     def __enter__(self):
         error = None
         if self.master:
-            self.file = open(self.path, "a")
             try:
+                self.file = open(self.path, "a")
                 fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 error = (f"run id {self.run_id} is in use: another run holds {self.path}; wait for it to end, or "
                          "pick another --run_id")
+            except OSError as e:
+                error = (f"cannot lock {self.path} ({e.strerror}): a run locks its id there while it lasts; point "
+                         "--log_dir at a folder on a file system with locks (a local disk)")
         error = from_master(error)
         if error is not None:
             self.__exit__()
@@ -1689,7 +1698,7 @@ def check_run_inputs(args: Hyperparameters, ctx: "ParallelContext") -> tuple[Pat
                         f"{args.num_iterations}: resume with --num_iterations "
                         f"{checkpoint['hyperparameters']['num_iterations']} (or at least {checkpoint['step']})")
     on_master(check_run_id_is_free, args, checkpoint)
-    on_master(check_room_for_the_run, args)
+    on_master(check_room_for_the_run, args, checkpoint["step"] if checkpoint is not None else 0)
     on_master(check_data, args, ctx.dp.size, checkpoint)
     return resume_path, checkpoint
 
@@ -1703,8 +1712,7 @@ def check_run_id_is_free(args: Hyperparameters, checkpoint: dict | None) -> None
         return
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0 and args.resume == "latest" and log.exists() \
             and not saved:
-        aside = log.with_name(f"{log.name}.attempt{os.environ['TORCHELASTIC_RESTART_COUNT']}")
-        log.rename(aside)
+        aside = move_aside(log, f"attempt{os.environ['TORCHELASTIC_RESTART_COUNT']}")
         print(f"no checkpoint of run {args.run_id} to resume: its earlier attempt's log moved to {aside}",
               flush=True)
         return
@@ -1716,18 +1724,32 @@ def check_run_id_is_free(args: Hyperparameters, checkpoint: dict | None) -> None
                         "never overwrites another's log or checkpoints)")
 
 
-def check_room_for_the_run(args: Hyperparameters) -> None:
-    """The log folder's free space holds the log and, with --save_every, a checkpoint (a full one-process copy
-    of the parameters and both optimizers' states: at most 16 bytes a parameter, counted on the meta device)."""
+def move_aside(path: Path, tag: str) -> Path:
+    """Rename path to <path>.<tag> (or <path>.<tag>.2, ... when that is taken): kept, never overwritten."""
+    aside, n = path.with_name(f"{path.name}.{tag}"), 1
+    while aside.exists():
+        n += 1
+        aside = path.with_name(f"{path.name}.{tag}.{n}")
+    path.rename(aside)
+    return aside
+
+
+def check_room_for_the_run(args: Hyperparameters, start_step: int) -> None:
+    """The log folder's free space holds the log and every checkpoint --save_every will write from start_step on
+    (none is deleted; each is a full one-process copy of the parameters and both optimizers' states: at most 16
+    bytes a parameter, counted on the meta device)."""
     free = shutil.disk_usage(args.log_dir).free
     log_bytes = len(Path(__file__).read_bytes()) + 200 * (args.num_iterations + 10)
     params = sum(math.prod(shape) for shape in build_model(args, torch.device("meta")).full_shapes.values())
-    checkpoint_bytes = 16 * params + len(Path(__file__).read_bytes()) if args.save_every > 0 else 0
-    if free < log_bytes + checkpoint_bytes:
-        what = f"its log and a {checkpoint_bytes / 2**20:.0f} MiB checkpoint" if checkpoint_bytes else "its log"
+    checkpoint_bytes = 16 * params + len(Path(__file__).read_bytes())
+    saves = len({step for step in range(start_step + 1, args.num_iterations + 1) if step % args.save_every == 0}
+                | {args.num_iterations}) if args.save_every > 0 and start_step < args.num_iterations else 0
+    if free < log_bytes + saves * checkpoint_bytes:
+        what = f"its log and {saves} checkpoint(s) of {checkpoint_bytes / 2**20:.0f} MiB (--save_every " \
+               f"{args.save_every}; none is deleted)" if saves else "its log"
         raise UserError(f"--log_dir {args.log_dir} has {free / 2**20:.1f} MiB free, and this run needs about "
-                        f"{(log_bytes + checkpoint_bytes) / 2**20:.1f} MiB for {what}: free some space, or point "
-                        "--log_dir at another disk")
+                        f"{(log_bytes + saves * checkpoint_bytes) / 2**20:.1f} MiB for {what}: free some space, "
+                        + ("raise --save_every, " if saves > 1 else "") + "or point --log_dir at another disk")
 
 
 def check_data(args: Hyperparameters, dp: int, checkpoint: dict | None) -> None:
@@ -1761,10 +1783,12 @@ def check_data(args: Hyperparameters, dp: int, checkpoint: dict | None) -> None:
     if steps < needed:
         where = f" from the checkpoint's position (token {position['offset']} of {position['shard']})" \
             if checkpoint is not None else ""
-        raise UserError(f"--train_files {args.train_files!r}: its {len(train_files)} shard(s) hold the batches of "
-                        f"{batch} tokens (--seqs_per_step x --train_seq_len, each within one shard) of steps "
-                        f"{start + 1}..{steps}{where}, and the run needs them up to step {needed}: fetch more shards, "
-                        f"or set --num_iterations {steps}")
+        held = f"the batches of steps {start + 1}..{steps}" if steps > start else "no batch"
+        raise UserError(f"--train_files {args.train_files!r}: its {len(train_files)} shard(s) hold {held}{where} of "
+                        f"{batch} tokens (--seqs_per_step x --train_seq_len, each within one shard), and the run needs "
+                        f"them up to step {needed}: fetch more shards, or "
+                        + (f"set --num_iterations {steps}" if steps > start else
+                           "lower --seqs_per_step or --train_seq_len"))
     for path in read + fits[:1]:
         check_token_ids(path, args.vocab_size)
 
@@ -1818,10 +1842,17 @@ class RunLog:
     def __call__(self, line: str, console: bool = False) -> None:
         if self.path is None:
             return
-        with open(self.path, "a") as f:
-            print(line, file=f)
+        self._write("a", line + "\n")
         if console:
             print(line, flush=True)
+
+    def _write(self, mode: str, text: str) -> None:
+        try:
+            with open(self.path, mode) as f:
+                f.write(text)
+        except OSError as e:
+            raise UserError(f"cannot write the log {self.path} ({e.strerror}): make room on its disk, then continue "
+                            "from the last checkpoint, if there is one, with --resume latest") from None
 
     def num_bytes(self) -> int:
         return self.path.stat().st_size if self.path is not None else 0
@@ -1834,10 +1865,15 @@ class RunLog:
         return True
 
     def start(self, args: Hyperparameters, ctx: "ParallelContext", grad_accum_steps: int) -> None:
+        """A new log. One already there (a resumed run's, shorter than its checkpoint says) is moved aside, not
+        replaced."""
         if self.path is None:
             return
+        if self.path.exists():
+            print(f"{self.path} does not reach the checkpoint's position in it: kept as "
+                  f"{move_aside(self.path, 'earlier')}; a new log starts", flush=True)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(Path(__file__).read_text().rstrip("\n") + "\n")  # the source, byte for byte
+        self._write("x", Path(__file__).read_text().rstrip("\n") + "\n")  # the source, byte for byte
         self("=" * 100)
         self(f"Running Python {sys.version}")
         self(f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda}")

@@ -26,10 +26,12 @@ ALPHA = 0.01  # the genre's significance level, for the loss test and for the sp
 REQUIRED_HYPERPARAMETERS = ("preset", "num_iterations", "val_loss_every", "target_val_loss")
 GROUP_FLAG = "--next-group"  # what a bare `--` between groups becomes before argparse (which would swallow it)
 
-# (the reference trainer's training lines carry no loss: "step:N/T train_time:...ms step_avg:...ms")
+# (the reference trainer's training lines carry no loss: "step:N/T train_time:...ms step_avg:...ms"; its older
+# versions write step 0's average as "nan" and the peak memory as "consumption: N MiB")
 STEP_LINE = re.compile(r"step:(\d+)/(\d+) (?:(val_loss|train_loss):(\S+) )?train_time:(\d+(?:\.\d+)?)ms "
-                       r"step_avg:(\d+(?:\.\d+)?)ms")
-PEAK_MEMORY_LINE = re.compile(r"peak memory (allocated: \d+ MiB reserved: \d+ MiB|rss: \d+ MiB)")
+                       r"step_avg:(\d+(?:\.\d+)?|nan)ms")
+PEAK_MEMORY_LINE = re.compile(r"peak memory (allocated: \d+ MiB reserved: \d+ MiB|rss: \d+ MiB"
+                              r"|consumption: \d+ MiB)")
 NVIDIA_SMI_GPU_ROW = re.compile(r"\|\s+\d+\s+(.+?)\s+(?:On|Off)\s+\|")
 
 

@@ -5,12 +5,14 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import train_gpt
 from conftest import REPO_ROOT
+from distributed import run_on_ranks
 from synthetic import tiny_flags
 
 
@@ -77,6 +79,43 @@ def test_a_checkpoint_of_another_run_may_not_start_over_an_existing_log(tmp_path
     assert snapshot(tmp_path / "logs") == before
 
 
+def test_a_resumed_run_whose_log_falls_short_of_its_checkpoint_keeps_that_log_aside(tmp_path, files, capsys):
+    train_gpt.main(flags(files, tmp_path, "C", save_every=4))
+    log = tmp_path / "logs" / "C.txt"
+    log.write_bytes(log.read_bytes()[:500])  # cut short behind the run's back
+    short = log.read_bytes()
+    train_gpt.main(flags(files, tmp_path, "C", resume=tmp_path / "logs" / "C" / "step000004.pt"))
+    assert (tmp_path / "logs" / "C.txt.earlier").read_bytes() == short and "kept as" in capsys.readouterr().out
+    assert log.read_text().startswith('"""GPT-2 speedrun trainer') and "resumed: step:4/8" in log.read_text()
+
+
+def test_after_an_elastic_restart_that_found_no_checkpoint_the_dead_attempt_s_log_is_moved_aside(tmp_path, files,
+                                                                                                monkeypatch):
+    train_gpt.main(flags(files, tmp_path, "E"))  # an attempt that saved no checkpoint
+    log = tmp_path / "logs" / "E.txt"
+    (tmp_path / "logs" / "E.txt.attempt1").write_text("an earlier restart's log")  # taken: the next free name
+    dead = log.read_bytes()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    train_gpt.main(flags(files, tmp_path, "E", resume="latest"))
+    assert (tmp_path / "logs" / "E.txt.attempt1.2").read_bytes() == dead
+    assert (tmp_path / "logs" / "E.txt.attempt1").read_text() == "an earlier restart's log"
+    assert "no checkpoint of run E yet: starting from step 0" in log.read_text()
+
+
+def test_a_failure_of_a_check_on_rank_0_stops_every_rank():
+    assert run_on_ranks(failing_check_on_rank_0, 2) == ["OSError", "RuntimeError: broken_check failed on rank 0: "
+                                                        "OSError: [Errno 5] disk gone"]
+
+
+def failing_check_on_rank_0(rank, world_size):
+    def broken_check():
+        raise OSError(5, "disk gone")
+    try:
+        train_gpt.on_master(broken_check)
+    except Exception as e:
+        return type(e).__name__ if rank == 0 else f"{type(e).__name__}: {e}"
+
+
 def test_two_runs_started_with_one_id_the_second_is_refused_at_once_the_first_finishes(tmp_path, files):
     argv = flags(files, tmp_path, "twin", num_iterations=30, val_loss_every=0)
     first = trainer(*argv, cwd=tmp_path)
@@ -108,6 +147,9 @@ def test_training_shards_too_short_for_the_run_are_refused_with_the_steps_that_f
     # 60,000 training tokens in batches of 4 x 128 = 512: 117 batches (each needs 513 tokens in its shard)
     refused(flags(files, tmp_path, num_iterations=500, val_loss_every=0), "--train_files", "steps 1..117",
             "up to step 500", "--num_iterations 117")
+    # a batch larger than any shard: no step fits, and fewer steps would not help
+    refused(flags(files, tmp_path, seqs_per_step=512, val_loss_every=0), "--train_files", "hold no batch",
+            "lower --seqs_per_step or --train_seq_len")
     loader = train_gpt.DistributedDataLoader(files["train_files"], 128, 4, 0, 1, train_gpt.torch.device("cpu"))
     for _ in range(117 * 4):  # the loader itself: 117 steps, and no more
         next(loader)
@@ -146,6 +188,7 @@ def test_a_vocabulary_without_the_end_of_text_token_is_refused_at_parse_time():
     (["--seed", str(2**63)], "--seed must be in [0, 2**63)"),
     (["--run_id", ".."], "--run_id '..' would put the run's log and checkpoints outside --log_dir"),
     (["--run_id", "a/b"], "--run_id 'a/b' would put"),
+    (["--run_id", "..."], "--run_id '...' would put"),
 ])
 def test_values_that_cannot_train_are_refused_at_parse_time(argv, words):
     with pytest.raises(train_gpt.UserError) as error:
@@ -193,9 +236,18 @@ def test_a_log_dir_that_cannot_hold_the_run_is_refused_before_the_model_is_built
     built = []
     monkeypatch.setattr(train_gpt, "build_run", lambda *a, **k: built.append(1))
     monkeypatch.setattr(train_gpt.shutil, "disk_usage", lambda path: type("Usage", (), dict(free=100_000))())
-    refused(flags(files, tmp_path, run_id="full", save_every=4), "has 0.1 MiB free", "its log and a",
-            "MiB checkpoint")
+    # every checkpoint the run will keep: steps 4 and 8
+    refused(flags(files, tmp_path, run_id="full", save_every=4), "has 0.1 MiB free", "its log and 2 checkpoint(s)",
+            "raise --save_every")
     assert not built
+
+
+def test_a_log_that_cannot_be_written_is_named(tmp_path):
+    args = train_gpt.parse_args(["--preset", "tiny", "--log_dir", str(tmp_path / "gone"), "--run_id", "L"],
+                                cuda=False)
+    log = train_gpt.RunLog(args, train_gpt.build_parallel_context(0, 1, train_gpt.torch.device("cpu")))
+    with pytest.raises(train_gpt.UserError, match=r"cannot write the log .*gone/L\.txt \(No such file or directory\)"):
+        log("step:1/20 train_loss:10.8")
 
 
 def test_a_full_disk_during_a_checkpoint_write_names_the_path_and_leaves_no_temporary_file(tmp_path, files,
@@ -203,9 +255,11 @@ def test_a_full_disk_during_a_checkpoint_write_names_the_path_and_leaves_no_temp
     train_gpt.main(flags(files, tmp_path, "C", save_every=4, num_iterations=4))
     real_usage = train_gpt.shutil.disk_usage
 
-    def full(obj, f):
+    def full(obj, f):  # the partial file fills the disk; removing it frees room again
         f.write(b"x" * 1000)
-        monkeypatch.setattr(train_gpt.shutil, "disk_usage", lambda path: real_usage(path)._replace(free=1000))
+        partial = Path(f.name)
+        monkeypatch.setattr(train_gpt.shutil, "disk_usage", lambda path: real_usage(path)._replace(
+            free=1000 if partial.exists() else 2**40))
         raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0")
     monkeypatch.setattr(train_gpt.torch, "save", full)
     refused(flags(files, tmp_path, "C", save_every=4, resume="latest"), "cannot write checkpoint",
@@ -224,7 +278,10 @@ def test_an_incomplete_checkpoint_is_refused_naming_what_it_lacks_and_the_log_is
                           (dict(state, adam={k: v for k, v in state["adam"].items() if k != "embed.weight"}),
                            "no Adam state for embed.weight"),
                           (dict(state, adam=dict(state["adam"], **{"lm_head.weight": {"step": 1}})),
-                           "no Adam state for lm_head.weight.exp_avg")):
+                           "no Adam state for lm_head.weight.exp_avg"),
+                          (dict(state, muon={k: v for k, v in state["muon"].items()
+                                             if k != "blocks.0.mlp.c_fc.weight"}),
+                           "no Muon state for blocks.0.mlp.c_fc.weight")):
         bad = tmp_path / "bad.pt"
         train_gpt.torch.save(broken, bad)
         refused(flags(files, tmp_path, "C", resume=bad), f"checkpoint {bad}", words, "resume from another one")

@@ -480,6 +480,17 @@ def test_a_reference_trainer_log_parses_to_its_results(tmp_path):
     assert "no 'peak memory' line" in logs.read_log(path).problem
 
 
+def test_an_older_reference_log_with_a_nan_first_average_and_peak_memory_consumption_parses(tmp_path):
+    path = tmp_path / "ref.txt"
+    path.write_text(reference_log_text().replace("step:0/20 val_loss:10.0000 train_time:0ms step_avg:0.00ms",
+                                                 "step:0/20 val_loss:10.0000 train_time:0ms step_avg:nanms")
+                    .replace("peak memory allocated: 30712 MiB reserved: 31010 MiB",
+                             "peak memory consumption: 30712 MiB"))
+    run = logs.read_log(path)
+    assert run.problem is None and math.isnan(run.val[0].step_avg_ms) and run.final.loss == 3.27
+    assert run.peak_memory == "consumption: 30712 MiB"
+
+
 def test_summary_and_compare_of_reference_logs_use_the_record_target(tmp_path, capsys):
     reference = write_reference_logs(tmp_path / "ref", [3.270, 3.272, 3.268], [180000, 181000, 179000])
     code, out, _ = run_cli(capsys, "summary", *reference)
