@@ -3,7 +3,8 @@
     python tests/benchmark_cpu.py [--against REV] [--steps 10] [--rounds 2] [--eval_tokens 131072]
 
 Each version runs in its own process, in turn (`--rounds` times, alternating, on an otherwise idle machine), the
-same steps of the cpu preset from the same seed; the figures are each version's best round. It prints tokens/s,
+same steps of this file's cpu preset (its values are passed to both as flags, since presets change) from the same
+seed; the figures are each version's best round. It prints tokens/s,
 where a step's time goes (data, forward, backward, float64 gradient sums, gradient norm, optimizer), the CPU time
 spent in the kernel (allocation churn shows there), the evaluation time of --eval_tokens validation tokens in
 256-token sequences, and the ratios old / new. The losses of both must be identical, bit for bit.
@@ -21,14 +22,14 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 BASELINE = "03330e0"  # the last train_gpt.py before the CPU track's same-math speed-up
 
 
-def measure(source_dir: str, steps: int, eval_tokens: int) -> dict:
+def measure(source_dir: str, steps: int, eval_tokens: int, preset_flags: list[str]) -> dict:
     """In this process: the train_gpt.py in source_dir, `steps` timed steps after two untimed, then an evaluation."""
     sys.path.insert(0, source_dir)
     import torch
     import train_gpt
     getattr(train_gpt, "keep_freed_memory_for_reuse", lambda: None)()  # what its main() sets up, where it does
-    args = train_gpt.parse_args(["--preset", "cpu", "--val_seq_len", "256", "--val_tokens", str(eval_tokens)],
-                                cuda=False)
+    args = train_gpt.parse_args(["--preset", "cpu", *preset_flags, "--val_seq_len", "256",
+                                 "--val_tokens", str(eval_tokens)], cuda=False)
     run = train_gpt.build_run(args, train_gpt.build_parallel_context(0, 1, torch.device("cpu")))
     batches = train_gpt.DistributedDataLoader(args.train_files, args.train_seq_len, args.seqs_per_step, 0, 1,
                                               torch.device("cpu"))
@@ -67,12 +68,20 @@ def measure(source_dir: str, steps: int, eval_tokens: int) -> dict:
                 phases_ms={k: 1000 * v / steps for k, v in phases.items()},
                 user_s=(after.ru_utime - before.ru_utime) / steps, sys_s=(after.ru_stime - before.ru_stime) / steps,
                 eval_s=time.perf_counter() - start, val_loss=val_loss, losses=losses,
-                threads=torch.get_num_threads())
+                threads=torch.get_num_threads(), tokens_per_step=args.seqs_per_step * args.train_seq_len)
 
 
-def run_version(source_dir: str, steps: int, eval_tokens: int) -> dict:
+def cpu_preset_flags() -> list[str]:
+    """This train_gpt.py's cpu preset as flags, for a version whose own preset may differ."""
+    sys.path.insert(0, str(REPO_ROOT))
+    import train_gpt
+    return [text for name, value in train_gpt.PRESETS["cpu"].items() for text in (f"--{name}", str(value))]
+
+
+def run_version(source_dir: str, steps: int, eval_tokens: int, preset_flags: list[str]) -> dict:
     out = subprocess.run([sys.executable, __file__, "--measure", source_dir, "--steps", str(steps),
-                          "--eval_tokens", str(eval_tokens)], capture_output=True, text=True, cwd=REPO_ROOT)
+                          "--eval_tokens", str(eval_tokens), "--preset_flags", json.dumps(preset_flags)],
+                         capture_output=True, text=True, cwd=REPO_ROOT)
     if out.returncode:
         raise SystemExit(f"measuring {source_dir} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -85,10 +94,12 @@ def main():
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--eval_tokens", type=int, default=131072)
     parser.add_argument("--measure", help=argparse.SUPPRESS)
+    parser.add_argument("--preset_flags", help=argparse.SUPPRESS)
     flags = parser.parse_args()
     if flags.measure:
-        print(json.dumps(measure(flags.measure, flags.steps, flags.eval_tokens)))
+        print(json.dumps(measure(flags.measure, flags.steps, flags.eval_tokens, json.loads(flags.preset_flags))))
         return
+    preset_flags = cpu_preset_flags()
     with tempfile.TemporaryDirectory() as old_dir:
         source = subprocess.run(["git", "show", f"{flags.against}:train_gpt.py"], capture_output=True, text=True,
                                 cwd=REPO_ROOT, check=True).stdout
@@ -96,11 +107,11 @@ def main():
         rounds = {"old": [], "new": []}
         for _ in range(flags.rounds):
             for name, directory in (("old", old_dir), ("new", str(REPO_ROOT))):
-                rounds[name].append(run_version(directory, flags.steps, flags.eval_tokens))
+                rounds[name].append(run_version(directory, flags.steps, flags.eval_tokens, preset_flags))
     old, new = (min(rounds[name], key=lambda r: r["step_ms"]) for name in ("old", "new"))
     eval_old, eval_new = (min(r["eval_s"] for r in rounds[name]) for name in ("old", "new"))
-    print(f"cpu preset, {flags.steps} steps of 4 x 256 tokens, best of {flags.rounds} rounds; old = {flags.against}, "
-          f"{new['threads']} threads")
+    print(f"cpu preset, {flags.steps} steps of {new['tokens_per_step']} tokens, best of {flags.rounds} rounds; "
+          f"old = {flags.against}, {new['threads']} threads")
     print(f"{'':24}{'old':>10}{'new':>10}{'old/new':>10}")
     print(f"{'ms per step':24}{old['step_ms']:10.0f}{new['step_ms']:10.0f}{old['step_ms'] / new['step_ms']:10.2f}")
     print(f"{'tokens/s':24}{old['tokens_per_s']:10.0f}{new['tokens_per_s']:10.0f}"
