@@ -4,13 +4,15 @@
     torchrun --standalone --nproc_per_node=1 train_gpt.py     # same run on 1 GPU (gradient accumulation)
     python train_gpt.py                                       # no GPU: the CPU preset on the embedded data
     torchrun --nnodes=2 --nproc_per_node=4 --rdzv_endpoint=HOST:29500 train_gpt.py   # across nodes
+    python train_gpt.py --check_layout                        # after a model edit: every layout trains it alike
 
 Every hyperparameter is a flag (`--num_iterations 50`); `--preset cpu|record|tiny` picks a base.
 `import train_gpt` has no side effects: `main()` trains.
 
 The first half is the record's path, written for one device: FP8 matmul, optimizers, model, data, hyperparameters,
 schedules, the training loop. Checkpoints and logging follow. The second half is the machinery for bigger jobs
-(data, tensor, sequence and pipeline parallelism, ZeRO, the plan), applied to the built model behind flags.
+(data, tensor, sequence and pipeline parallelism, ZeRO, the plan, the layout check), applied to the built model
+behind flags by rules about kinds of modules, so a model edit needs no change there.
 """
 import argparse
 import collections
@@ -20,20 +22,23 @@ import ctypes
 import dataclasses
 import errno
 import fcntl
-import fnmatch
 import functools
 import glob
 import json
 import math
+import multiprocessing
 import os
 import pickle
 import platform
+import queue
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import traceback
 import uuid
 import weakref
 from dataclasses import dataclass
@@ -173,7 +178,7 @@ class Muon(torch.optim.Optimizer):
     """MomentUm Orthogonalized by Newton-Schulz, sharded across the data-parallel ranks.
 
     Parameters are grouped by size; within a group rank r orthogonalises parameters r, r+W, r+2W, ... and the
-    flattened updates are exchanged with async all_gather_into_tensor, so every rank applies every update while
+    flattened updates are exchanged with async all_gather_single, so every rank applies every update while
     the next chunk is being orthogonalised. Gradients must already be averaged across ranks. A parameter of which
     this rank holds a slice is orthogonalised whole (its owner keeps the whole momentum) and the slice applied.
     exchange_updates=False (ZeRO 3, where a parameter lives on its owner alone): the owner applies its own update
@@ -228,8 +233,8 @@ class Muon(torch.optim.Optimizer):
                 if pending is not None:
                     self._apply(*pending, views, group)
                 if self.world_size > 1:
-                    count_comm("all_gather_into_tensor", update_buffer)
-                    handle = dist.all_gather_into_tensor(update_buffer, update, group=self.group, async_op=True)
+                    count_comm("all_gather_single", update_buffer)
+                    handle = dist.all_gather_single(update_buffer, update, group=self.group, async_op=True)
                 else:
                     views[0].copy_(update)
                     handle = None
@@ -481,13 +486,21 @@ class LMHead(CastedLinear):
         return F.cross_entropy(logits, targets, reduction="sum")
 
 
-class GPT(nn.Module):
-    """U-Net GPT: encoder-half outputs feed the mirrored decoder half through learnable skip weights; three
-    value embeddings feed the first three and last three layers' values; window_pattern says which layers
-    use the long ('L') or short ('S') sliding window.
+def value_embedding_of_layers(num_layers: int, num_value_embeds: int) -> list[int | None]:
+    """Per layer, the value embedding added to its values: embedding k feeds layer k and layer num_layers - n + k
+    (the first of the two where they meet); the middle layers get none."""
+    n = num_value_embeds
+    return [i if i < n else i - (num_layers - n) if i >= num_layers - n else None for i in range(num_layers)]
 
-    The forward is four steps: masks, embedding, each block on the stream, head. Pipeline stages run the same
-    steps split by layer (run_layers), so new computation belongs inside one of them.
+
+class GPT(nn.Module):
+    """U-Net GPT: encoder-half outputs feed the mirrored decoder half through learnable skip weights; the value
+    embeddings feed the first and last layers' values (value_embedding_of_layers); window_pattern says which
+    layers use the long ('L') or short ('S') sliding window.
+
+    The forward is four steps: masks, embedding, each block on the stream, head. The layouts work on these steps
+    (pipeline stages run them split by layer, sequence parallelism shards the stream between embedding and head),
+    so new computation belongs inside one of them.
     """
 
     NUM_VALUE_EMBEDS = 3
@@ -497,6 +510,7 @@ class GPT(nn.Module):
         super().__init__()
         self.window_pattern = window_pattern
         self.num_encoder_layers = num_layers // 2
+        self.value_embed_of_layer = value_embedding_of_layers(num_layers, self.NUM_VALUE_EMBEDS)
         self.use_flex = False  # set by the trainer: FlexAttention on CUDA, the dense twin elsewhere
         self.embed = nn.Embedding(vocab_size, model_dim)
         self.value_embeds = nn.ModuleList([nn.Embedding(vocab_size, model_dim)
@@ -532,7 +546,8 @@ class GPT(nn.Module):
     def run_block(self, i: int, stream: dict, masks: dict) -> dict:
         skips = list(stream["skips"])
         skip = skips.pop() if i >= self.num_encoder_layers else None  # the mirror encoder block's output
-        x = self.blocks[i](stream["x"], skip, self.value_embed_of_layer(stream["ve"], i), stream["x0"],
+        k = self.value_embed_of_layer[i]
+        x = self.blocks[i](stream["x"], skip, stream["ve"][k] if k is not None else None, stream["x0"],
                            masks[self.window_pattern[i]])
         if i < self.num_encoder_layers:
             skips.append(x)
@@ -541,11 +556,6 @@ class GPT(nn.Module):
     def head_loss(self, stream: dict, target_seq: Tensor) -> Tensor:
         loss = self.lm_head(norm(stream["x"])[0], target_seq)
         return loss if self.training else loss / len(target_seq)
-
-    def value_embed_of_layer(self, ve: list[Tensor], i: int) -> Tensor | None:
-        """Value embedding k feeds layer k and layer num_layers - 3 + k; the middle layers get none."""
-        n_ve, n_layers = self.NUM_VALUE_EMBEDS, len(self.blocks)
-        return ve[i] if i < n_ve else ve[i - (n_layers - n_ve)] if i >= n_layers - n_ve else None
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -620,6 +630,15 @@ def list_shards(pattern: str, flag: str) -> list[Path]:
     return files
 
 
+def shard_index(files: list[Path], position: dict, pattern: str) -> int:
+    """The index in files of the shard a checkpoint's data position names."""
+    names = [f.name for f in files]
+    if position["shard"] not in names:
+        raise UserError(f"the checkpoint's data position is in shard {position['shard']}, which --train_files "
+                        f"{pattern!r} does not match: resume with the data the run was started on")
+    return names.index(position["shard"])
+
+
 class DistributedDataLoader:
     """This rank's (inputs, targets) micro-batches, one sequence of seq_len tokens each, resumable from a position.
 
@@ -640,11 +659,7 @@ class DistributedDataLoader:
         self.micro_steps = seqs_per_batch // world_size
         self.shard_index, self.offset, self.micro_step, self.tokens = 0, 0, 0, None
         if position is not None:
-            names = [f.name for f in self.files]
-            if position["shard"] not in names:
-                raise UserError(f"the checkpoint's data position is in shard {position['shard']}, which --{flag} "
-                                f"{pattern!r} does not match: resume with the data the run was started on")
-            self.shard_index, self.offset = names.index(position["shard"]), position["offset"]
+            self.shard_index, self.offset = shard_index(self.files, position, pattern), position["offset"]
 
     def position(self) -> dict:
         return dict(shard=self.files[self.shard_index].name, offset=self.offset)
@@ -681,57 +696,63 @@ class DistributedDataLoader:
 # ----------------------------------------------------------------------------------------------------
 # Hyperparameters: the record's values are the defaults; presets and flags override them
 
+def flag(default, help: str, group: str = ""):
+    """A hyperparameter: its record default and its --help line; `group` titles the flags from this one on."""
+    return dataclasses.field(default=default, metadata=dict(help=help, group=group))
+
+
 @dataclass
 class Hyperparameters:
-    preset: str = "record"
-    # data
-    train_files: str = "data/fineweb10B/fineweb_train_*.bin"
-    val_files: str = "data/fineweb10B/fineweb_val_*.bin"
-    val_tokens: int = 10485760  # validation tokens per evaluation, split across ranks
-    train_seq_len: int = 48 * 1024  # tokens per micro-batch (one sequence: FlexAttention masks are per sequence)
-    val_seq_len: int = 4 * 64 * 1024
-    seqs_per_step: int = 8  # global batch in sequences; ranks short of it are made up by gradient accumulation
-    # model
-    vocab_size: int = 50257
-    num_layers: int = 12
-    num_heads: int = 6
-    head_dim: int = 128
-    model_dim: int = 768
-    window_pattern: str = "LSSSLSSLSSSL"  # long or short sliding window, per layer
-    attention_free_layers: str = "7"  # comma-separated layer indices without attention
-    window_max_tokens: int = 1728  # the sliding window grows linearly to this over the run
-    fp8_head: bool = True  # FP8 matmul for the lm_head in training
-    # optimisation
-    num_iterations: int = 1770
-    cooldown_frac: float = 0.4  # final fraction of steps with the lr decaying linearly to 0.1x
-    lr_head: float = 0.22
-    lr_embed: float = 0.6
-    lr_scalar: float = 0.04
-    lr_muon: float = 0.05
-    muon_momentum_warmup_steps: int = 300  # Muon momentum 0.85 -> 0.95 over these steps
-    # evaluation and logging
-    val_loss_every: int = 125  # 0: only at the end
-    target_val_loss: float = 3.28
-    log_dir: str = "logs"
-    run_id: str = ""  # empty: torchrun's rendezvous id (so elastic restarts share it), else a fresh uuid
-    # checkpoints and stopping
-    save_every: int = 0  # checkpoint every N steps and at the end; 0: only when stopped by kill switch or signal
-    resume: str = ""  # a checkpoint file, or "latest": this run id's newest (none yet: start fresh)
-    kill_switch: str = ""  # stop (with a checkpoint) when this file appears; empty: <log_dir>/<run_id>.stop
-    # runtime
-    compile: bool | None = None  # None: compile on CUDA, eager elsewhere
-    warmup_steps: int = 10  # compile warm-up steps on random tokens, undone afterwards
-    fp64_grad_sum: bool = False  # sum gradients in float64: every world size trains bit-identical models
-    tp: int = 1  # tensor-parallel size: consecutive ranks split heads, MLP width and vocabulary
-    sp: bool = False  # sequence parallel (with --tp): outside attention and MLP each tp rank holds 1/tp of the sequence
-    async_tp: bool = False  # with --sp: a column-parallel matmul starts on its own shard while the others arrive
-    pp: int = 1  # pipeline-parallel size: the blocks split into this many contiguous stages
-    pp_schedule: str = "1f1b"  # afab (all forwards, then all backwards) or 1f1b (one forward, one backward)
-    zero: int = 0  # ZeRO stage over the data-parallel ranks: 1 shards optimizer states, 2 also gradients, 3 also params
-    plan: bool = False  # print each rank's memory and each collective's bytes per step for this layout; no training
-    nproc: int = 0  # with --plan: the number of processes to plan for (0: WORLD_SIZE, else 1)
-    plan_device: str = "cuda"  # with --plan: the dtypes of a run on cuda (bf16 embeddings) or cpu
-    seed: int = 0
+    num_layers: int = flag(12, "transformer blocks (even: the U-Net's halves)", "model")
+    num_heads: int = flag(6, "attention heads per layer")
+    head_dim: int = flag(128, "dimensions per head (a multiple of 4)")
+    model_dim: int = flag(768, "residual stream width (= num_heads x head_dim)")
+    vocab_size: int = flag(50257, "tokens in the vocabulary (the head is padded to a multiple of 128)")
+    window_pattern: str = flag("LSSSLSSLSSSL", "per layer, a long (L) or short (S, half) sliding window")
+    attention_free_layers: str = flag("7", "comma-separated layer indices without attention")
+    window_max_tokens: int = flag(1728, "tokens: the sliding window grows linearly to this over the run")
+    fp8_head: bool = flag(True, "FP8 matmul for the head in training")
+    num_iterations: int = flag(1770, "optimizer steps", "optimizer and schedule")
+    cooldown_frac: float = flag(0.4, "final fraction of the steps with the lr falling linearly to 0.1x")
+    lr_head: float = flag(0.22, "Adam lr of the head")
+    lr_embed: float = flag(0.6, "Adam lr of the embeddings")
+    lr_scalar: float = flag(0.04, "Adam lr of the vectors and scalars")
+    lr_muon: float = flag(0.05, "Muon lr of the hidden matrices")
+    muon_momentum_warmup_steps: int = flag(300, "steps over which Muon's momentum rises from 0.85 to 0.95")
+    seed: int = flag(0, "seed of the model's initialisation")
+    train_files: str = flag("data/fineweb10B/fineweb_train_*.bin", "glob pattern of the training shards", "data")
+    train_seq_len: int = flag(48 * 1024, "tokens per micro-batch: one sequence, a multiple of 128")
+    seqs_per_step: int = flag(8, "sequences per step; ranks short of it accumulate gradients")
+    val_files: str = flag("data/fineweb10B/fineweb_val_*.bin", "glob pattern of the validation shards",
+                          "evaluation")
+    val_tokens: int = flag(10485760, "tokens per evaluation, split over the ranks")
+    val_seq_len: int = flag(4 * 64 * 1024, "tokens per validation sequence")
+    val_loss_every: int = flag(125, "steps between evaluations (0: at the end only)")
+    target_val_loss: float = flag(3.28, "the track's target loss, read by records/logs.py")
+    preset: str = flag("record", "base values that the other flags override: record, cpu or tiny "
+                                 "(unset: record with CUDA or --plan, else cpu)", "run and checkpoints")
+    log_dir: str = flag("logs", "folder of the logs and checkpoints")
+    run_id: str = flag("", "names the log and the checkpoint folder (unset: torchrun's rendezvous id, or a uuid)")
+    save_every: int = flag(0, "steps between checkpoints, and one at the end (0: only when stopped)")
+    resume: str = flag("", "checkpoint to resume from, or 'latest': this run id's newest (none yet: start fresh)")
+    kill_switch: str = flag("", "the run stops with a checkpoint when this file appears (unset: "
+                                "<log_dir>/<run_id>.stop)")
+    compile: bool | None = flag(None, "torch.compile the model (unset: on CUDA without --tp, --pp or --zero 3)")
+    warmup_steps: int = flag(10, "compile warm-up steps on random tokens, undone before step 1")
+    fp64_grad_sum: bool = flag(False, "sum gradients in float64: every world size trains bit-identical models")
+    tp: int = flag(1, "tensor-parallel size: consecutive ranks split heads, MLP width and vocabulary", "layouts")
+    sp: bool = flag(False, "with --tp: sequence parallelism, the blocks' stream sharded along the sequence")
+    async_tp: bool = flag(False, "with --sp: a column-parallel matmul starts on its own shard while the rest "
+                                 "arrives")
+    pp: int = flag(1, "pipeline stages, each a contiguous run of blocks")
+    pp_schedule: str = flag("1f1b", "pipeline schedule: afab (all forwards, then all backwards) or 1f1b")
+    zero: int = flag(0, "ZeRO stage over the data-parallel ranks: 1 shards optimizer states, 2 also gradients, "
+                        "3 also parameters")
+    check_layout: str = flag("", "train the tiny model for 3 steps under one process and under each layout (a "
+                                 "comma-separated list, or all) and compare; no training")
+    plan: bool = flag(False, "print each rank's memory and each collective's bytes per step; no training", "plan")
+    nproc: int = flag(0, "with --plan: the processes to plan for (0: WORLD_SIZE, else 1)")
+    plan_device: str = flag("cuda", "with --plan: the dtypes of a run on cuda (bf16 embeddings) or cpu")
 
 
 PRESETS = {
@@ -770,15 +791,22 @@ def parse_args(argv=None, cuda: bool | None = None) -> Hyperparameters:
     record with CUDA or when planning (--plan: a plan is for GPUs), else cpu."""
     if cuda is None:
         cuda = torch.cuda.is_available()
-    parser = argparse.ArgumentParser(description="GPT-2 speedrun trainer", allow_abbrev=False)
+    parser = argparse.ArgumentParser(description="GPT-2 speedrun trainer: every flag's default is the record's, "
+                                     "then the preset's", allow_abbrev=False)
     for field in dataclasses.fields(Hyperparameters):
+        if field.metadata["group"]:
+            group = parser.add_argument_group(field.metadata["group"])
+        presets = ", ".join(f"{name} {values[field.name]}" for name, values in PRESETS.items() if field.name in values)
+        kwargs = dict(default=None, help=field.metadata["help"] + f" [{field.default}{'; ' + presets if presets else ''}]")
         if field.name == "preset":
-            parser.add_argument("--preset", choices=sorted(PRESETS), default=None)
+            kwargs.update(choices=sorted(PRESETS), help=field.metadata["help"])
         elif field.type in (bool, bool | None):
-            parser.add_argument(f"--{field.name}", type=_parse_bool, nargs="?", const=True, default=None,
-                                metavar="BOOL")
+            kwargs.update(type=_parse_bool, nargs="?", const=True, metavar="BOOL")
+        elif field.name == "check_layout":
+            kwargs.update(nargs="?", const="all", metavar="LAYOUTS", help=field.metadata["help"])
         else:
-            parser.add_argument(f"--{field.name}", type=field.type, default=None)
+            kwargs.update(type=field.type)
+        group.add_argument(f"--{field.name}", **kwargs)
     flags = parser.parse_args(argv)
     preset = flags.preset or ("record" if cuda or flags.plan else "cpu")
     values = dict(PRESETS[preset], preset=preset)
@@ -828,20 +856,19 @@ def check_hyperparameters(args: Hyperparameters) -> None:
              f"--{name} {getattr(args, name)} must be a multiple of {ATTENTION_BLOCK_SIZE} (the attention block)")
     need(args.val_tokens % args.val_seq_len == 0,
          f"--val_tokens {args.val_tokens} must be a multiple of --val_seq_len {args.val_seq_len}")
-    need(args.num_layers % 2 == 0 and args.num_layers >= 2 * GPT.NUM_VALUE_EMBEDS,
-         f"--num_layers {args.num_layers} must be even and at least {2 * GPT.NUM_VALUE_EMBEDS} "
-         "(U-Net halves, value embeddings on the first and last three layers)")
+    need(args.num_layers % 2 == 0, f"--num_layers {args.num_layers} must be even (the U-Net's two halves)")
     need(len(args.window_pattern) == args.num_layers and set(args.window_pattern) <= {"L", "S"},
          f"--window_pattern {args.window_pattern!r} must have one letter L or S per layer ({args.num_layers})")
     need(args.head_dim % 4 == 0, f"--head_dim {args.head_dim} must be a multiple of 4 (half-truncated rotary)")
     bad = [i for i in attention_free_layer_indices(args) if not 0 <= i < args.num_layers]
     need(not bad, f"--attention_free_layers names layers {bad} outside 0..{args.num_layers - 1}")
-    for k in range(GPT.NUM_VALUE_EMBEDS):  # value embedding k is added to the values of layers k and n - 3 + k
-        layers = (k, args.num_layers - GPT.NUM_VALUE_EMBEDS + k)
+    fed = value_embedding_of_layers(args.num_layers, GPT.NUM_VALUE_EMBEDS)
+    for k in range(GPT.NUM_VALUE_EMBEDS):
+        layers = [i for i, j in enumerate(fed) if j == k]
         need(not set(layers) <= set(attention_free_layer_indices(args)),
-             f"--attention_free_layers {args.attention_free_layers!r} leaves value embedding {k} nothing to feed: "
-             f"it is added to the values of layers {layers[0]} and {layers[1]}, and neither has attention; keep "
-             "attention in one of them")
+             f"--num_layers {args.num_layers} with --attention_free_layers {args.attention_free_layers!r} leaves value "
+             f"embedding {k} nothing to feed: it is added to the values of layers {layers}, which have no "
+             "attention; keep attention in one of them")
     need(args.vocab_size > EOT_TOKEN, f"--vocab_size {args.vocab_size} must be above {EOT_TOKEN}, the end-of-text "
          "token that starts every document")
     for name in ("lr_head", "lr_embed", "lr_scalar", "lr_muon", "target_val_loss"):
@@ -952,20 +979,38 @@ def compute_dtype(cuda: bool) -> torch.dtype:
     return torch.bfloat16 if cuda else torch.float32
 
 
-def optimizer_param_groups(model: GPT) -> dict[str, list[Tensor]]:
-    """Adam takes the head, the embeddings and every vector or scalar, each kind with its own lr; Muon every
-    other matrix (a model part a pipeline stage does not hold is None)."""
-    embeddings = [m for m in (model.embed, *(model.value_embeds or ())) if m is not None]
-    head = list(model.lm_head.parameters()) if model.lm_head is not None else []
-    embed = [p for m in embeddings for p in m.parameters()]
-    adam_matrices = set(head + embed)
-    return dict(muon=[p for p in model.parameters() if p.ndim >= 2 and p not in adam_matrices], head=head,
-                embed=embed, scalar=[p for p in model.parameters() if p.ndim < 2])
+def is_head(module: nn.Module, vocab_size: int) -> bool:
+    """A head is a linear layer with an output per vocabulary entry, whatever its name."""
+    return isinstance(module, (CastedLinear, nn.Linear)) and full_shape(module.weight)[-2] >= vocab_size
 
 
-def build_optimizers(model: GPT, args: Hyperparameters, ctx: "ParallelContext", cuda_dtypes: bool,
-                     exchange_updates: bool = True) -> list[torch.optim.Optimizer]:
-    groups = optimizer_param_groups(model)
+# Each parameter goes to one group, by the kind of module that holds it; where two modules hold it (tied
+# weights), the first kind in this order wins
+OPTIMIZER_GROUPS = ("scalar", "head", "embed", "muon")
+
+
+def optimizer_param_groups(model: nn.Module, vocab_size: int) -> dict[str, list[Tensor]]:
+    """Adam takes vectors and scalars (lr_scalar), the heads' matrices (lr_head) and the embeddings' (lr_embed);
+    Muon the matrices of every other linear layer. A matrix no rule places is refused by name."""
+    kinds = collections.defaultdict(set)
+    for module in model.modules():
+        linear = isinstance(module, (CastedLinear, nn.Linear))
+        for p in module.parameters(recurse=False):
+            kinds[p].add("scalar" if p.ndim < 2 else "head" if is_head(module, vocab_size) else "muon" if linear
+                         else "embed" if isinstance(module, nn.Embedding) else None)
+    groups = {kind: [] for kind in OPTIMIZER_GROUPS}
+    for name, p in model.named_parameters():
+        kind = next((kind for kind in OPTIMIZER_GROUPS if kind in kinds[p]), None)
+        if kind is None:
+            raise UserError(f"{name} is a {p.ndim}-D parameter of no linear layer, embedding or head, so no optimizer "
+                            "rule places it: hold it in a CastedLinear (Muon) or an nn.Embedding (Adam), or make it "
+                            "a vector (Adam)")
+        groups[kind].append(p)
+    return groups
+
+
+def build_optimizers(groups: dict[str, list[Tensor]], args: Hyperparameters, ctx: "ParallelContext",
+                     cuda_dtypes: bool, exchange_updates: bool = True) -> list[torch.optim.Optimizer]:
     adam_groups = [dict(params=groups["head"], lr=args.lr_head), dict(params=groups["embed"], lr=args.lr_embed),
                    dict(params=groups["scalar"], lr=args.lr_scalar)]
     adam = torch.optim.Adam([group for group in adam_groups if group["params"]],  # (pipeline stages lack some)
@@ -988,56 +1033,22 @@ def window_tensor(blocks: int, device: torch.device) -> Tensor:
     return torch.tensor(blocks, dtype=torch.int32, device=device)
 
 
-def accumulate_gradients(model: nn.Module, batches, window: Tensor, micro_batches: int, gradients) -> Tensor:
-    """Forward and backward over this rank's micro-batches; returns their summed loss. Afterwards each parameter's
-    gradient is that of the mean over the global batch's sequences of each sequence's summed token loss
-    (`gradients` averages over the data-parallel ranks)."""
-    loss_sum = torch.zeros((), device=window.device)
-    for i in range(micro_batches):
-        inputs, targets = next(batches)
-        loss = model(inputs, targets, window)
-        with gradients.micro_batch(last=i == micro_batches - 1):
-            (loss / micro_batches).backward()
-        loss_sum += loss.detach()
-    gradients.wait()
-    return loss_sum
-
-
 @dataclass
-class Run:
-    """One rank's training under its layout: the part of the model it holds, its optimizers, and the layout's
-    parts, each of which does nothing in a one-process run (see build_run)."""
+class Trainer:
+    """What this rank trains under its layout: its part of the model, its optimizers, and the layout's parts, each
+    of which does nothing in a one-process run (see build_trainer)."""
     args: Hyperparameters
     ctx: "ParallelContext"
-    model: GPT  # this rank's part: tensor-parallel slices, a pipeline stage
-    compiled: nn.Module  # the model, or torch.compile of it
+    model: GPT  # this rank's part (tensor-parallel slices, a pipeline stage); compiled in place with --compile
     optimizers: list[torch.optim.Optimizer]
     micro_batches: int
-    accumulate: Callable  # accumulate_gradients, or the pipeline's schedule
-    evaluation_loss: Callable  # (inputs, targets, window) -> loss: the compiled model, or the pipeline's
     gradients: "GradientBuckets | LocalGradients"  # the data-parallel average
     zero: "Zero"  # who owns (updates) each parameter
+    pipeline: "PipelineStage | None"
     norm_params: list[Tensor]  # the gradients this rank counts in the global norm (each counted once)
 
-    def backward(self, batches, step: int) -> Tensor:
-        """Forward and backward of one step's micro-batches; returns this rank's summed loss."""
-        window = window_tensor(window_size_blocks(step, self.args), self.ctx.device)
-        return self.accumulate(self.compiled, batches, window, self.micro_batches, self.gradients)
-
-    def optimizer_step(self, step: int) -> None:
-        set_schedules(self.optimizers, step, self.args)
-        self.zero.step(self.optimizers)
-        self.model.zero_grad(set_to_none=True)
-
-    def train_step(self, batches, step: int) -> tuple[Tensor, Tensor]:
-        """One training step; returns this rank's summed loss and its share of the squared gradient norm."""
-        loss_sum = self.backward(batches, step)
-        grad_squares = self.gradient_squares()
-        self.optimizer_step(step)
-        return loss_sum, grad_squares
-
     def gradient_squares(self) -> Tensor:
-        """This rank's share of the squared global gradient norm (each gradient is counted on one rank)."""
+        """This rank's share of the squared global gradient norm."""
         grads = [p.grad for p in self.norm_params if p.grad is not None]
         return torch.nn.utils.get_total_norm(grads).square() if grads else torch.zeros((), device=self.ctx.device)
 
@@ -1054,42 +1065,37 @@ class Run:
         counts = self.ctx.pp.rank == self.ctx.pp.size - 1 and self.ctx.tp.rank == 0
         return loss.float() / self.ctx.dp.size if counts else torch.zeros((), device=self.ctx.device)
 
-    def evaluate(self, step: int) -> float:
-        """Mean val loss over val_tokens, the same for every world size (each rank averages equal shares)."""
-        args, ctx = self.args, self.ctx
-        val_seqs = args.val_tokens // args.val_seq_len
-        loader = DistributedDataLoader(args.val_files, args.val_seq_len, val_seqs, ctx.dp.rank, ctx.dp.size,
-                                       ctx.device, flag="val_files")
-        window = window_tensor(window_size_blocks(step, args), ctx.device)
-        self.model.eval()
-        total = torch.zeros((), device=ctx.device, dtype=torch.float32)
-        with torch.no_grad():
-            for _ in range(val_seqs // ctx.dp.size):
-                total += self.evaluation_loss(*next(loader), window).float()
-        self.model.train()
-        return sum_over_ranks(self.loss_share(total / (val_seqs // ctx.dp.size))).item()
 
-
-def build_run(args: Hyperparameters, ctx: "ParallelContext", cuda_dtypes: bool | None = None,
-              carry_specs: dict | None = None) -> Run:
+def build_trainer(args: Hyperparameters, ctx: "ParallelContext", cuda_dtypes: bool | None = None,
+                  stream_specs: dict | None = None, nonzero_init: bool = False) -> Trainer:
     """This rank's model, optimizers and layout parts. The one-process model is built first on every rank, then
-    cut to this rank's part: tensor-parallel slices, then a pipeline stage. cuda_dtypes and carry_specs: for the
-    plan, which runs this on the meta device."""
-    micro_batches = check_world_size(args, ctx.world_size)
+    cut to this rank's part: tensor-parallel slices, then a pipeline stage. cuda_dtypes and stream_specs: for the
+    plan, which runs this on the meta device. nonzero_init (the layout check): the zero-initialised layers get
+    small random values, so that no gradient is zero, or mere rounding, from the first step on."""
     cuda_dtypes = ctx.device.type == "cuda" if cuda_dtypes is None else cuda_dtypes
     torch.manual_seed(args.seed)
     model = build_model(args, ctx.device, cuda_dtypes)
+    for p in model.parameters() if nonzero_init else ():
+        if not p.any():
+            nn.init.normal_(p.detach(), std=0.02)
+    optimizer_param_groups(model, args.vocab_size)  # a parameter no rule places is refused before any layout work
+    # the layouts read where each parameter and tensor is used off one forward (of a sequence sequence parallelism
+    # can cut: a multiple of the attention block and of --tp)
+    probe = math.lcm(ATTENTION_BLOCK_SIZE, ctx.tp.size) if args.sp else ATTENTION_BLOCK_SIZE
+    trace = ModelTrace(model, probe).run() if ctx.tp.size > 1 or ctx.pp.size > 1 or args.zero >= 3 else None
     if ctx.tp.size > 1:
-        tensor_parallelize(model, ctx.tp, args.sp, args.async_tp)
-    stage = PipelineStage(model, ctx.pp, args.pp_schedule, carry_specs) if ctx.pp.size > 1 else None
+        tensor_parallelize(model, ctx.tp, args, trace)
+    pipeline = PipelineStage(model, ctx, args.pp_schedule, trace, stream_specs) if ctx.pp.size > 1 else None
     broadcast_parameters(model, ctx.dp)
-    groups = optimizer_param_groups(model)
+    groups = optimizer_param_groups(model, args.vocab_size)
     zero = Zero.build(args.zero, groups, ctx.dp)
-    optimizers = build_optimizers(model, args, ctx, cuda_dtypes, exchange_updates=zero.stage < 3)
+    optimizers = build_optimizers(groups, args, ctx, cuda_dtypes, exchange_updates=zero.stage < 3)
+    summed_over_stages = pipeline.shared if pipeline is not None else {}
     gradients = LocalGradients()
-    if ctx.dp.size > 1 or args.fp64_grad_sum:
+    if ctx.dp.size > 1 or args.fp64_grad_sum or summed_over_stages:
         gradients = GradientBuckets(model.parameters(), sum_dtype=torch.float64 if args.fp64_grad_sum else None,
-                                    dp=ctx.dp, owner_of=zero.gradient_owners())
+                                    dp=ctx.dp, owner_of=zero.gradient_owners(), reduce_to_owner=zero.stage >= 2,
+                                    summed_first=summed_over_stages)
     # the float64 sums take an embedding's few rows from a sparse gradient, for less work (the plan's meta tensors
     # have no values to find those rows in; torch.compile does not lower sparse embeddings)
     if args.fp64_grad_sum and ctx.device.type != "meta" and not args.compile:
@@ -1097,31 +1103,20 @@ def build_run(args: Hyperparameters, ctx: "ParallelContext", cuda_dtypes: bool |
             if isinstance(module, nn.Embedding):
                 module.sparse = True
     if zero.stage >= 3 and ctx.dp.size > 1:
-        zero.shard_parameters(model)
-    compiled = torch.compile(model, dynamic=False) if args.compile else model
-    norm_params = [p for p in model.parameters() if zero.owns(p) and (hasattr(p, "slice_of") or ctx.tp.rank == 0)]
-    return Run(args, ctx, model, compiled, optimizers, micro_batches,
-               accumulate=accumulate_gradients if stage is None else stage.accumulate,
-               evaluation_loss=compiled if stage is None else stage.forward_only, gradients=gradients, zero=zero,
-               norm_params=norm_params)
+        zero.shard_parameters(model, trace)
+    if args.compile:
+        model.compile(dynamic=False)
+    counted_on_this_stage = {p for p, (_, stages) in summed_over_stages.items() if stages[0] != ctx.pp.rank}
+    norm_params = [p for p in model.parameters() if zero.owns(p) and p not in counted_on_this_stage
+                   and (hasattr(p, "slice_of") or ctx.tp.rank == 0)]
+    return Trainer(args, ctx, model, optimizers, args.seqs_per_step // ctx.dp.size, gradients, zero, pipeline,
+                   norm_params)
 
 
 def compiles_by_default(args: Hyperparameters, device: torch.device) -> bool:
     """Whether --compile unset means compiled: on CUDA, in the layouts proven under torch.compile (the collectives
     that tensor and pipeline parallelism run inside autograd functions, and ZeRO 3's hooks, run eager)."""
     return device.type == "cuda" and args.zero < 3 and args.tp == 1 and args.pp == 1
-
-
-def warmup_and_restore(model: nn.Module, optimizers: list[torch.optim.Optimizer], train_step, steps: int) -> None:
-    """Run `steps` training steps (to trigger compilation), then put model and optimizers back as they were."""
-    initial = dict(model=copy.deepcopy(model.state_dict()),
-                   optimizers=[copy.deepcopy(opt.state_dict()) for opt in optimizers])
-    for _ in range(steps):
-        train_step()
-    model.load_state_dict(initial["model"])
-    for opt, state in zip(optimizers, initial["optimizers"]):
-        opt.load_state_dict(state)
-    model.zero_grad(set_to_none=True)
 
 
 def sum_over_ranks(value: Tensor) -> Tensor:
@@ -1138,42 +1133,99 @@ def random_batches(args: Hyperparameters, device: torch.device):
         yield tokens[:-1].to(torch.int32), tokens[1:]
 
 
+def warmup_and_restore(trainer: Trainer, steps: int) -> None:
+    """Run `steps` training steps on random tokens (to trigger compilation), then put the model and the optimizers
+    back as they were."""
+    initial = copy.deepcopy(dict(model=trainer.model.state_dict(),
+                                 optimizers=[opt.state_dict() for opt in trainer.optimizers]))
+    batches = random_batches(trainer.args, trainer.ctx.device)
+    for _ in range(steps):
+        forward_backward(trainer, batches, 0)
+        optimizer_step(trainer, 0)
+    trainer.model.load_state_dict(initial["model"])
+    for opt, state in zip(trainer.optimizers, initial["optimizers"]):
+        opt.load_state_dict(state)
+    trainer.model.zero_grad(set_to_none=True)
+
+
+def evaluate(trainer: Trainer, step: int) -> float:
+    """Mean val loss over val_tokens, the same for every world size (each rank averages equal shares)."""
+    args, ctx = trainer.args, trainer.ctx
+    val_seqs = args.val_tokens // args.val_seq_len
+    loader = DistributedDataLoader(args.val_files, args.val_seq_len, val_seqs, ctx.dp.rank, ctx.dp.size,
+                                   ctx.device, flag="val_files")
+    window = window_tensor(window_size_blocks(step, args), ctx.device)
+    forward = trainer.model if trainer.pipeline is None else trainer.pipeline.forward_only
+    trainer.model.eval()
+    total = torch.zeros((), device=ctx.device, dtype=torch.float32)
+    with torch.no_grad():
+        for _ in range(val_seqs // ctx.dp.size):
+            total += forward(*next(loader), window).float()
+    trainer.model.train()
+    return sum_over_ranks(trainer.loss_share(total / (val_seqs // ctx.dp.size))).item()
+
+
+def forward_backward(trainer: Trainer, batches, step: int) -> Tensor:
+    """Forward and backward over this rank's micro-batches of one step; returns their summed loss. Afterwards each
+    gradient is that of the global batch's mean over sequences of each sequence's summed token loss."""
+    t = trainer
+    window = window_tensor(window_size_blocks(step, t.args), t.ctx.device)
+    if t.pipeline is not None:  # pipeline parallel: the stages pass the micro-batches on in their schedule
+        loss_sum = t.pipeline.run_schedule(batches, window, t.micro_batches, t.gradients)
+    else:
+        loss_sum = torch.zeros((), device=window.device)
+        for i in range(t.micro_batches):
+            inputs, targets = next(batches)
+            loss = t.model(inputs, targets, window)
+            with t.gradients.micro_batch(last=i == t.micro_batches - 1):  # data parallel: the last one reduces
+                (loss / t.micro_batches).backward()
+            loss_sum += loss.detach()
+    t.gradients.wait()  # every gradient averaged over the data-parallel ranks
+    return loss_sum
+
+
+def optimizer_step(trainer: Trainer, step: int) -> None:
+    set_schedules(trainer.optimizers, step, trainer.args)
+    for opt in trainer.optimizers:
+        opt.step()  # (a parameter without a gradient here is another rank's to update)
+    trainer.zero.send_updated_parameters()  # ZeRO: each owner's updated parameters to the other ranks
+    trainer.model.zero_grad(set_to_none=True)
+
+
 def train(args: Hyperparameters, ctx: "ParallelContext") -> float:
     """Train this rank's part to --num_iterations; returns the final validation loss."""
-    check_world_size(args, ctx.world_size)
     agree_on_run_id(args, ctx)
     on_master(check_log_dir, args)
     with RunIdLock(args, ctx):  # another run with this id is refused at once; held until this one ends
         resume_path, checkpoint = check_run_inputs(args, ctx)  # refused now rather than mid-run
         if args.compile is None:
             args.compile = compiles_by_default(args, ctx.device)
-        run = build_run(args, ctx)
+        trainer = build_trainer(args, ctx)
         if args.compile and args.warmup_steps > 0:
-            warmup = random_batches(args, ctx.device)
-            warmup_and_restore(run.model, run.optimizers, lambda: run.train_step(warmup, 0), args.warmup_steps)
-        book = Bookkeeping(args, run, checkpoint, resume_path)  # restores the checkpoint, then opens the log
+            warmup_and_restore(trainer, args.warmup_steps)
+        progress = Progress(args, trainer, checkpoint, resume_path)  # restores the checkpoint, then opens the log
         del checkpoint  # unmaps the file
         train_loader = DistributedDataLoader(args.train_files, args.train_seq_len, args.seqs_per_step, ctx.dp.rank,
-                                             ctx.dp.size, ctx.device, position=book.data_position)
-        stop_requests = StopRequests(kill_switch_path(args))
+                                             ctx.dp.size, ctx.device, position=progress.data_position)
         val_loss = float("nan")
-        with stop_requests:
-            book.start(train_loader, stop_requests)
-            for step in range(book.start_step, args.num_iterations + 1):
+        with StopRequests(kill_switch_path(args)) as stop_requests:
+            progress.start(train_loader, stop_requests)
+            for step in range(progress.start_step, args.num_iterations + 1):
                 last_step = step == args.num_iterations
                 if last_step or (args.val_loss_every > 0 and step % args.val_loss_every == 0):
-                    book.flush()  # the step before is logged and checked first
-                    with book.clock.paused():  # validation is not timed
-                        val_loss = run.evaluate(step)
-                        book.log(f"step:{step}/{args.num_iterations} val_loss:{val_loss:.4f} train_time:"
-                                 f"{book.clock.ms():.0f}ms step_avg:{book.clock.ms() / max(step, 1):.2f}ms",
-                                 console=True)
+                    progress.finish_pending_step()  # the step before is logged and checked first
+                    with progress.clock.paused():  # validation is not timed
+                        val_loss = evaluate(trainer, step)
+                        progress.log_validation(step, val_loss)
                 if last_step:
                     break
                 comm_bytes.clear()
-                stats = run.step_stats(*run.train_step(train_loader, step), stop_requests.check() is not None)
-                book.after_step(step + 1, stats)  # logs, guards, saves, stops (on CUDA, for the step before)
-        book.log(peak_memory_line(ctx.device), console=True)
+                loss_sum = forward_backward(trainer, train_loader, step)
+                grad_squares = trainer.gradient_squares()
+                optimizer_step(trainer, step)
+                stats = trainer.step_stats(loss_sum, grad_squares, stop_requests.check() is not None)
+                progress.after_step(step + 1, stats)  # logs, guards, saves, stops (on CUDA, for the step before)
+        progress.log(peak_memory_line(ctx.device), console=True)
     return val_loss
 
 
@@ -1193,13 +1245,16 @@ def keep_freed_memory_for_reuse() -> None:
 
 
 def main(argv=None) -> float | None:
-    """Train and return the final validation loss; with --plan, print the plan instead."""
+    """Train and return the final validation loss; with --plan, print the plan instead; with --check_layout, check
+    the layouts."""
     keep_freed_memory_for_reuse()
     args = parse_args(argv)
-    check_world_size(args, args.nproc if args.plan and args.nproc else int(os.environ.get("WORLD_SIZE", 1)))
+    if args.check_layout:
+        return check_layouts(args)
+    world_size = args.nproc if args.plan and args.nproc else int(os.environ.get("WORLD_SIZE", 1))
+    check_world_size(args, world_size)
     if args.plan:
-        print(format_plan(plan_layout(args, args.nproc or int(os.environ.get("WORLD_SIZE", 1)),
-                                      cuda=args.plan_device == "cuda")))
+        print(format_plan(plan_layout(args, world_size, cuda=args.plan_device == "cuda")))
         return None
     ctx = setup_distributed(args.tp, args.pp)
     try:
@@ -1253,10 +1308,7 @@ def checkpoint_path(args: Hyperparameters, step: int) -> Path:
 
 def find_checkpoint(args: Hyperparameters, ctx: "ParallelContext") -> Path | None:
     """The file --resume names; with "latest", this run id's newest checkpoint, or None when there is none yet.
-
-    Rank 0 looks and tells the others, so all ranks resume from the same file (or none). Ranks on other nodes
-    need to see the same file system to read it.
-    """
+    Rank 0 looks and tells the others (ranks on other nodes need to see the same file system)."""
     found = None
     if ctx.is_master and args.resume == "latest":
         saved = sorted(checkpoint_dir(args).glob("step*.pt"))
@@ -1270,11 +1322,11 @@ def find_checkpoint(args: Hyperparameters, ctx: "ParallelContext") -> Path | Non
     return Path(found) if found else None
 
 
-def optimizer_state_owners(optimizers: list[torch.optim.Optimizer], zero: "Zero") -> list[dict]:
+def optimizer_state_owners(trainer: "Trainer") -> list[dict]:
     """Per optimizer, the data-parallel rank holding each parameter's state (None: every rank): Muon's owner; Adam's
     under ZeRO."""
-    adam, muon = optimizers
-    adam_owners = {p: zero.owner_of[p] if zero.stage >= 1 else None
+    adam, muon = trainer.optimizers
+    adam_owners = {p: trainer.zero.owner_of[p] if trainer.zero.stage >= 1 else None
                    for group in adam.param_groups for p in group["params"]}
     return [adam_owners, dict(muon.param_owners())]
 
@@ -1288,11 +1340,6 @@ def full_state_tensor(key: str, value: Tensor, p: Tensor) -> Tensor:
     """The one-process tensor of an optimizer state: Adam's moments are shaped like their parameter; Muon keeps
     whole matrices and the step count is a scalar."""
     return whole(p, value) if key.startswith("exp_avg") else value
-
-
-def local_state_tensor(key: str, value: Tensor, p: Tensor) -> Tensor:
-    """This rank's part of a one-process optimizer state tensor (the inverse of full_state_tensor)."""
-    return own_slice(p, value) if key.startswith("exp_avg") else value
 
 
 def optimizer_state_on_stage_master(opt: torch.optim.Optimizer, owners: dict, names: dict,
@@ -1320,17 +1367,8 @@ def optimizer_state_on_stage_master(opt: torch.optim.Optimizer, owners: dict, na
     return gathered
 
 
-def stage_model_state(model: nn.Module, ctx: "ParallelContext") -> dict[str, Tensor] | None:
-    """This stage's parameters as in a one-process model, on the stage master (None elsewhere)."""
-    if ctx.dp.rank != 0:
-        return None
-    state = {name: whole(p, p.detach()) for name, p in model.named_parameters()}
-    return state if ctx.tp.rank == 0 else None
-
-
-def collect_stages(part: dict | None, ctx: "ParallelContext") -> dict | None:
+def collect_stages(part: dict, ctx: "ParallelContext") -> dict | None:
     """Rank 0's merge of every stage master's `part` (a dict of dicts of tensors); None on other ranks.
-
     The stage masters are rank 0's pipeline group; each sends its part at once, as CPU tensors."""
     if ctx.pp.size == 1 or ctx.dp.rank != 0 or ctx.tp.rank != 0:
         return part if ctx.is_master else None
@@ -1343,24 +1381,32 @@ def collect_stages(part: dict | None, ctx: "ParallelContext") -> dict | None:
     return {kind: {name: value for stage_part in parts for name, value in stage_part[kind].items()} for kind in part}
 
 
-def save_checkpoint(path: Path, run: Run, **run_state) -> None:
-    """Rank 0 writes full tensors keyed by name; ranks owning optimizer state (Muon's, Adam's under ZeRO) send it
-    to their stage's master, and the other stage masters send their stage to rank 0. Tensors rank 0 holds are
-    saved from where they live, so it holds at most one extra copy of the others' state."""
-    ctx, failure = run.ctx, None
-    with run.zero.whole_parameters():  # (until written: rank 0 saves its parameters from where they live)
-        names = {p: name for name, p in run.model.named_parameters()}
-        adam_state, muon_state = (optimizer_state_on_stage_master(opt, owners, names, ctx) for opt, owners
-                                  in zip(run.optimizers, optimizer_state_owners(run.optimizers, run.zero)))
-        state = collect_stages(dict(model=stage_model_state(run.model, ctx), adam=adam_state,
-                                    muon={name: s["momentum_buffer"] for name, s in muon_state.items()}), ctx)
+def gather_training_state(trainer: "Trainer") -> dict | None:
+    """What training changes, as one-process tensors keyed by parameter name, on rank 0 (None elsewhere): the
+    weights, Adam's state and Muon's momentum. Tensors rank 0 holds stay where they live; ranks owning optimizer
+    state send it to their stage's master, the other stage masters send their stage to rank 0. Under ZeRO 3 call
+    it within zero.whole_parameters()."""
+    ctx, model = trainer.ctx, trainer.model
+    names = {p: name for name, p in model.named_parameters()}
+    adam_state, muon_state = (optimizer_state_on_stage_master(opt, owners, names, ctx) for opt, owners
+                              in zip(trainer.optimizers, optimizer_state_owners(trainer)))
+    weights = {name: whole(p, p.detach()) for name, p in model.named_parameters()} if ctx.dp.rank == 0 else None
+    return collect_stages(dict(model=weights if ctx.tp.rank == 0 else None, adam=adam_state,
+                               muon={name: s["momentum_buffer"] for name, s in muon_state.items()}), ctx)
+
+
+def save_checkpoint(path: Path, trainer: "Trainer", **run_state) -> None:
+    """Rank 0 writes the training state and run_state; every rank waits until the file is complete, and all stop
+    if it could not be written."""
+    ctx, failure = trainer.ctx, None
+    with trainer.zero.whole_parameters():  # (until written: rank 0 saves its parameters from where they live)
+        state = gather_training_state(trainer)
         if ctx.is_master:
             state.update(format=CHECKPOINT_FORMAT,
                          rng=dict(cpu=torch.get_rng_state(),
                                   cuda=torch.cuda.get_rng_state(ctx.device) if ctx.device.type == "cuda" else None),
                          code=Path(__file__).read_text(), **run_state)
             failure = write_atomically(path, state)
-    # no rank goes on, or exits, before the file is complete; if it could not be written, all stop
     failure = from_master(failure if ctx.is_master else None)
     if failure is not None:
         raise UserError(failure)
@@ -1405,11 +1451,11 @@ def load_checkpoint(path: Path) -> dict:
     return state
 
 
-def restore_checkpoint(state: dict, path: Path, run: Run) -> None:
+def restore_checkpoint(state: dict, path: Path, trainer: "Trainer") -> None:
     """Load weights, the optimizer state this rank holds, and the RNG; refuse another model's shapes."""
     def shape(t):
         return "absent" if t is None else f"of shape {tuple(t if isinstance(t, tuple) else t.shape)}"
-    model, ctx = run.model, run.ctx
+    model, ctx = trainer.model, trainer.ctx
     current = model.full_shapes  # every pipeline stage's, so a checkpoint of another model is caught on each
     for name in [*current, *(n for n in state["model"] if n not in current)]:
         here, there = current.get(name), state["model"].get(name)
@@ -1417,8 +1463,8 @@ def restore_checkpoint(state: dict, path: Path, run: Run) -> None:
             raise UserError(f"checkpoint {path} does not fit this model: tensor {name} is {shape(there)} there and "
                             f"{shape(here)} here; resume with the model flags it was saved with (its "
                             "'hyperparameters' entry lists them)")
-    adam, muon = run.optimizers
-    adam_owners, muon_owners = optimizer_state_owners(run.optimizers, run.zero)
+    adam, muon = trainer.optimizers
+    adam_owners, muon_owners = optimizer_state_owners(trainer)
     names = {p: name for name, p in model.named_parameters()}
     for opt, owners, saved in ((adam, adam_owners, state["adam"]), (muon, muon_owners, state["muon"])):
         keys = OPTIMIZER_STATE_KEYS[type(opt)] if opt is adam else ()
@@ -1427,15 +1473,13 @@ def restore_checkpoint(state: dict, path: Path, run: Run) -> None:
         if gaps:
             raise UserError(f"checkpoint {path} has no {type(opt).__name__} state for {', '.join(gaps[:5])}"
                             f"{' and more' if len(gaps) > 5 else ''}: it is incomplete; resume from another one")
-    with run.zero.whole_parameters():
+    with trainer.zero.whole_parameters():
         model.load_state_dict({name: own_slice(p, state["model"][name]) for name, p in model.named_parameters()})
     for p, owner in adam_owners.items():  # moments in the parameter's dtype (bf16 embeddings on CUDA, fp32 on CPU)
         if owner in (None, ctx.dp.rank):
-            adam.state[p] = {}
-            for key, value in state["adam"][names[p]].items():
-                value = local_state_tensor(key, value, p)
-                adam.state[p][key] = value.to(p.device, copy=True) if key == "step" else \
-                    value.to(p.device, p.dtype, copy=True)
+            adam.state[p] = {key: value.to(p.device, copy=True) if key == "step" else
+                             own_slice(p, value).to(p.device, p.dtype, copy=True)
+                             for key, value in state["adam"][names[p]].items()}
     for p, owner in muon_owners.items():
         if owner == ctx.dp.rank:
             muon.state[p]["momentum_buffer"] = state["muon"][names[p]].to(p.device, p.dtype, copy=True)
@@ -1492,13 +1536,13 @@ class TrainingClock:
         self.t0 = time.perf_counter()
 
 
-def reads_stats_late(device: torch.device) -> bool:
+def stats_read_a_step_late(device: torch.device) -> bool:
     """Whether a step's loss, gradient norm and stop votes are read a step late: on CUDA, so that reading them does
     not stop the host from queueing the next step; elsewhere (the host does the work itself) at once."""
     return device.type == "cuda"
 
 
-def read_later(stats: Tensor) -> Callable[[], list[float]]:
+def start_copy_to_host(stats: Tensor) -> Callable[[], list[float]]:
     """A way to read stats later: on CUDA from a copy queued behind the step and waited for only when read."""
     if stats.device.type != "cuda":
         values = stats.tolist()
@@ -1521,20 +1565,21 @@ class PendingStep:
     comm: collections.Counter  # the bytes it handed to collectives
 
 
-class Bookkeeping:
-    """Where the run starts (a restored checkpoint, or step 0), its log and clock, and what follows each step: the
-    log line, the divergence guard, checkpoints and stopping. On CUDA a step is decided when the next one has
-    been queued (reads_stats_late), unless a checkpoint is due or a stop was asked for."""
+class Progress:
+    """Where the run is: the step it starts from (a restored checkpoint, or 0), its log and clock, its last
+    checkpoint; and what follows each step: the log line, the divergence guard, checkpoints and stopping. On CUDA
+    a step is finished when the next one has been queued (stats_read_a_step_late), unless a checkpoint is due or
+    a stop was asked for."""
 
-    def __init__(self, args: Hyperparameters, run: Run, checkpoint: dict | None, resume_path: Path | None):
-        self.args, self.run = args, run
+    def __init__(self, args: Hyperparameters, trainer: "Trainer", checkpoint: dict | None, resume_path: Path | None):
+        self.args, self.trainer = args, trainer
         self.start_step, self.training_time_ms, self.data_position = 0, 0.0, None
         if checkpoint is not None:
-            restore_checkpoint(checkpoint, resume_path, run)
-        self.log = RunLog(args, run.ctx)  # opened only now, so a refused checkpoint leaves the previous log as it was
+            restore_checkpoint(checkpoint, resume_path, trainer)
+        self.log = RunLog(args, trainer.ctx)  # opened only now: a refused checkpoint leaves the previous log alone
         if checkpoint is None or checkpoint["run_id"] != args.run_id or \
                 not self.log.continue_from(checkpoint["log_bytes"]):
-            self.log.start(args, run.ctx, run.micro_batches)
+            self.log.start(args, trainer.ctx, trainer.micro_batches)
         if self.log.path is not None:
             print(f"logging to {self.log.path}", flush=True)
         if checkpoint is not None:
@@ -1550,30 +1595,38 @@ class Bookkeeping:
             self.log(f"no checkpoint of run {args.run_id} yet: starting from step 0", console=True)
         self.last_checkpoint, self.last_checkpoint_step = resume_path, self.start_step
         self.last_comm_bytes = collections.Counter()
-        self.read_late = reads_stats_late(run.ctx.device)
+        self.read_late = stats_read_a_step_late(trainer.ctx.device)
         self.pending: PendingStep | None = None
         self.stop_seen = False  # a stop vote read a step late: stop after the step in flight
 
     def start(self, train_loader: DistributedDataLoader, stop_requests: StopRequests) -> None:
         self.train_loader, self.stop_requests = train_loader, stop_requests
-        self.clock = TrainingClock(self.run.ctx.device, self.training_time_ms)
+        self.clock = TrainingClock(self.trainer.ctx.device, self.training_time_ms)
+
+    def log_validation(self, step: int, val_loss: float) -> None:
+        ms = self.clock.ms()
+        self.log(f"step:{step}/{self.args.num_iterations} val_loss:{val_loss:.4f} train_time:{ms:.0f}ms "
+                 f"step_avg:{ms / max(step, 1):.2f}ms", console=True)
+
+    def checkpoint_due(self, done: int) -> bool:
+        return self.args.save_every > 0 and (done % self.args.save_every == 0 or done == self.args.num_iterations)
 
     def after_step(self, done: int, stats: Tensor) -> None:
-        previous, self.pending = self.pending, PendingStep(done, read_later(stats), collections.Counter(comm_bytes))
+        previous, self.pending = self.pending, PendingStep(done, start_copy_to_host(stats),
+                                                           collections.Counter(comm_bytes))
         if previous is not None:
-            self._decide(previous)
-        args = self.args
-        if not self.read_late or self.stop_seen or (args.save_every > 0 and (done % args.save_every == 0 or
-                                                                             done == args.num_iterations)):
-            self.flush()
+            self._finish(previous)
+        if not self.read_late or self.stop_seen or self.checkpoint_due(done):
+            self.finish_pending_step()
 
-    def flush(self) -> None:
-        """Decide the step in flight now (before a validation, a checkpoint or the end)."""
+    def finish_pending_step(self) -> None:
+        """Finish the step in flight now (before a validation, a checkpoint or the end)."""
         if self.pending is not None:
             pending, self.pending = self.pending, None
-            self._decide(pending)
+            self._finish(pending)
 
-    def _decide(self, step: PendingStep) -> None:
+    def _finish(self, step: PendingStep) -> None:
+        """Log the step, stop if it diverged, save a checkpoint when one is due, stop when asked."""
         args, done, clock = self.args, step.done, self.clock
         train_loss, grad_squares, stop_votes = step.read()
         if step.comm != self.last_comm_bytes:  # the same every step: logged when it first appears or changes
@@ -1594,18 +1647,18 @@ class Bookkeeping:
         if stop and self.pending is not None:  # read late: the next step is already under way, so stop after it
             self.stop_seen = True
             return
-        if stop or (args.save_every > 0 and (done % args.save_every == 0 or done == args.num_iterations)):
+        if stop or self.checkpoint_due(done):
             with clock.paused():  # checkpoints are not timed
                 self.last_checkpoint, self.last_checkpoint_step = checkpoint_path(args, done), done
-                save_checkpoint(self.last_checkpoint, self.run, step=done, run_id=args.run_id,
+                save_checkpoint(self.last_checkpoint, self.trainer, step=done, run_id=args.run_id,
                                 data=self.train_loader.position(), training_time_ms=clock.ms(),
                                 log_bytes=self.log.num_bytes(), hyperparameters=dataclasses.asdict(args))
                 self.log(f"checkpoint: {self.last_checkpoint}", console=True)
-            if stop:
-                reason = self.stop_requests.reason or "another rank was asked to stop"
-                self.log(f"stopped: step:{done}/{args.num_iterations} reason:{reason}", console=True)
-                raise RunEnded(f"stopped after step {done} ({reason}); to continue, remove the kill switch if it is "
-                               f"there and run again with --run_id {args.run_id} --resume latest", EXIT_STOPPED)
+        if stop:
+            reason = self.stop_requests.reason or "another rank was asked to stop"
+            self.log(f"stopped: step:{done}/{args.num_iterations} reason:{reason}", console=True)
+            raise RunEnded(f"stopped after step {done} ({reason}); to continue, remove the kill switch if it is "
+                           f"there and run again with --run_id {args.run_id} --resume latest", EXIT_STOPPED)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1771,14 +1824,10 @@ def check_data(args: Hyperparameters, dp: int, checkpoint: dict | None) -> None:
     train_files = list_shards(args.train_files, "train_files")
     sizes = [read_shard_header(f) for f in train_files]
     position = checkpoint["data"] if checkpoint is not None else dict(shard=train_files[0].name, offset=0)
-    names = [f.name for f in train_files]
-    if position["shard"] not in names:
-        raise UserError(f"the checkpoint's data position is in shard {position['shard']}, which --train_files "
-                        f"{args.train_files!r} does not match: resume with the data the run was started on")
     start, needed = (checkpoint["step"] if checkpoint is not None else 0), args.num_iterations
     batch = args.seqs_per_step * args.train_seq_len
     steps, read, offset = start, [], position["offset"]
-    for i in range(names.index(position["shard"]), len(train_files)):
+    for i in range(shard_index(train_files, position, args.train_files), len(train_files)):
         batches = max(0, (sizes[i] - 1 - offset) // batch)
         if batches and steps < needed:
             read.append(train_files[i])
@@ -1840,7 +1889,7 @@ class RunLog:
     """Writes the log file on the master rank; other ranks' calls do nothing."""
 
     def __init__(self, args: Hyperparameters, ctx: "ParallelContext"):
-        self.path = Path(args.log_dir) / f"{args.run_id}.txt" if ctx.is_master else None
+        self.path = run_log_path(args) if ctx.is_master else None
 
     def __call__(self, line: str, console: bool = False) -> None:
         if self.path is None:
@@ -2002,53 +2051,100 @@ def broadcast_parameters(model: nn.Module, dp: Axis) -> None:
             dist.broadcast(param.detach(), dp.global_rank(0), group=dp.group)
 
 
-class _ParameterUses(torch.overrides.TorchFunctionMode):
-    """Records the names of parameters that torch functions read, inside a region (depth > 0) or outside."""
+@dataclass
+class TracedOp:
+    """One torch function the traced forward ran: its name, the step of GPT.forward and the layer it ran in, the
+    names of the modules whose forward was running (outermost first), and the tensors it read."""
+    name: str
+    step: str
+    layer: int | None
+    modules: tuple
+    inputs: list
+    index: object = None  # what a __getitem__ took
 
-    def __init__(self, model: nn.Module):
+
+@dataclass
+class ModuleCall:
+    """One module call the traced forward made: the module, its name and those of the calls around it (outermost
+    first, itself last), its positional arguments and output, and the layer it ran in."""
+    modules: tuple
+    module: nn.Module
+    args: tuple
+    output: object
+    layer: int | None
+
+    @property
+    def name(self) -> str:
+        return self.modules[-1]
+
+
+class ModelTrace(torch.overrides.TorchFunctionMode):
+    """One forward of the one-process model on a probe sequence, run through GPT.forward's steps, recording every
+    torch function it ran and every module call: how the layouts find where each parameter and each tensor is
+    used, whatever the model holds. Only the forward's own work counts: not what runs outside its steps, nor
+    reading a tensor's attributes (.device, .shape). The recorded tensors are kept, so no two share an id."""
+
+    def __init__(self, model: GPT, seq_len: int):
         super().__init__()
-        self.names = {id(p): name for name, p in model.named_parameters()}
-        self.depth = 0
-        self.inside, self.outside = set(), set()
+        self.model, self.seq_len = model, seq_len
+        self.param_ids = {name: id(p) for name, p in model.named_parameters()}
+        self.module_names = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
+        self.readers = collections.defaultdict(list)  # id of a tensor -> the ops that read it
+        self.calls: list[ModuleCall] = []
+        self.streams: list[dict] = []  # the stream after the embedding and after each layer
+        self.stack, self.step, self.layer = [], None, None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        for leaf in pytree.tree_leaves((args, kwargs)):
-            name = self.names.get(id(leaf))
-            if name is not None:
-                (self.inside if self.depth else self.outside).add(name)
+        if self.step is not None and getattr(func, "__name__", "") != "__get__":
+            inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+            index = args[1] if getattr(func, "__name__", "") == "__getitem__" and len(args) > 1 else None
+            op = TracedOp(getattr(func, "__name__", str(func)), self.step, self.layer, tuple(self.stack), inputs,
+                          index)
+            for t in inputs:
+                self.readers[id(t)].append(op)
         return func(*args, **kwargs)
 
+    def _enter(self, module, args):
+        self.stack.append(self.module_names.get(id(module), "?"))
 
-@contextlib.contextmanager
-def recording_parameter_uses(model: GPT, regions: list[nn.Module] = ()):
-    """Within it, the names of the parameters the model's code reads, inside the regions (uses.inside) or outside
-    them (uses.outside): how a layout finds where each parameter works, whatever the model holds. Without gradients,
-    through the dense attention twin."""
-    uses = _ParameterUses(model)
+    def _leave(self, module, args, output):
+        self.calls.append(ModuleCall(tuple(self.stack), module, args, output, self.layer))
+        self.stack.pop()
 
-    def enter(module, args):
-        uses.depth += 1
+    def run(self) -> "ModelTrace":
+        model = self.model
+        tokens = torch.arange(self.seq_len + 1, device=next(model.parameters()).device) % EOT_TOKEN
+        tokens[0] = EOT_TOKEN
+        inputs, targets, window = tokens[:-1].to(torch.int32), tokens[1:], window_tensor(1, tokens.device)
+        hooks = [nn.modules.module.register_module_forward_pre_hook(self._enter),
+                 nn.modules.module.register_module_forward_hook(self._leave)]
+        use_flex, model.use_flex = model.use_flex, False  # (the dense twin: FlexAttention has no CPU backward)
+        try:
+            with torch.no_grad(), self:
+                self.step = "masks"
+                masks = model.attention_masks(inputs, window)
+                self.step = "embed"
+                self.streams.append(model.embed_tokens(inputs))
+                self.step = "blocks"
+                for self.layer in range(len(model.blocks)):
+                    self.streams.append(model.run_block(self.layer, self.streams[-1], masks))
+                self.step, self.layer = "head", None
+                model.head_loss(self.streams[-1], targets)
+                self.step, self.masks = None, masks
+        finally:
+            model.use_flex = use_flex
+            for hook in hooks:
+                hook.remove()
+        return self
 
-    def leave(module, args, out):
-        uses.depth -= 1
-    hooks = [hook for module in regions
-             for hook in (module.register_forward_pre_hook(enter), module.register_forward_hook(leave))]
-    use_flex, model.use_flex = model.use_flex, False
-    try:
-        with torch.no_grad(), uses:
-            yield uses
-    finally:
-        model.use_flex = use_flex
-        for hook in hooks:
-            hook.remove()
+    def reads(self, t: Tensor) -> list[TracedOp]:
+        """The ops that read t, a tensor the trace recorded."""
+        return self.readers[id(t)]
 
-
-def probe_batch(model: GPT) -> tuple[Tensor, Tensor, Tensor]:
-    """(inputs, targets, window) of one attention block of end-of-text tokens: the least every layer runs on."""
-    device = next(model.parameters()).device
-    tokens = torch.full((ATTENTION_BLOCK_SIZE,), EOT_TOKEN, device=device)
-    return tokens.to(torch.int32), tokens, window_tensor(1, device)
+    def parameter_reads(self, name: str) -> list[TracedOp]:
+        """The ops that read the parameter of this name (by name: a layout may replace the parameter itself)."""
+        return self.readers[self.param_ids[name]]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -2073,8 +2169,12 @@ class GradientBuckets:
     Gradients are all-reduced where they are; a bucket is copied into one flat tensor only for a reduce to one
     owner (which takes one tensor) or into the float64 sums.
 
-    owner_of (ZeRO 1 and up): a bucket then holds one owner's parameters and is reduced to that rank alone; the
-    other ranks drop those gradients, so each rank keeps only the gradients of the parameters it updates.
+    owner_of (ZeRO 1 and up) names the rank that updates each parameter; the other ranks drop its gradient once
+    reduced. With reduce_to_owner (ZeRO 2 and 3) a bucket holds one owner's parameters and is reduced to that rank
+    alone, so each rank keeps only the gradients it updates, also while backward runs.
+
+    summed_first (pipeline stages sharing a parameter): its gradient is first summed over the stages that hold it,
+    once backward is done everywhere, then averaged like the others.
 
     With sum_dtype=torch.float64 the micro-batches' gradients are summed and reduced in float64 and rounded to the
     parameters' dtype once. Each micro-batch's gradient is exact in float64 and so are the few sums, so the result
@@ -2084,15 +2184,18 @@ class GradientBuckets:
     """
 
     def __init__(self, params, bucket_mb: float = 25, sum_dtype: torch.dtype | None = None,
-                 owner_of: dict | None = None, dp: Axis = Axis()):
+                 owner_of: dict | None = None, reduce_to_owner: bool = False, dp: Axis = Axis(),
+                 summed_first: dict | None = None):
         self.dp, self.owner_of, self.sum_dtype = dp, owner_of, sum_dtype
+        self.reduce_to_owner, self.summed_first = reduce_to_owner and owner_of is not None, summed_first or {}
         self.buckets: list[list[Tensor]] = []
         sizes: list[float] = []
         for param in reversed([p for p in params if p.requires_grad]):
             mb = param.numel() * param.element_size() / 2**20
             last = self.buckets[-1] if self.buckets else None
             if (last is None or sizes[-1] + mb > bucket_mb or last[0].dtype != param.dtype
-                    or self.owner(last[0]) != self.owner(param)):
+                    or self.owner(last[0]) != self.owner(param) or param in self.summed_first
+                    or last[0] in self.summed_first):
                 self.buckets.append([])
                 sizes.append(0.0)
             self.buckets[-1].append(param)
@@ -2111,11 +2214,12 @@ class GradientBuckets:
         self.handles: list[list] = [[] for _ in self.buckets]
         self.sync = True
         for param in self.bucket_of:
-            param.register_post_accumulate_grad_hook(self._hook)
+            if param not in self.summed_first:  # (those are reduced in wait(), once every stage is done)
+                param.register_post_accumulate_grad_hook(self._hook)
 
     def owner(self, param: Tensor) -> int | None:
-        """The rank that keeps this parameter's reduced gradient; None: every rank (plain all-reduce)."""
-        return None if self.owner_of is None else self.owner_of[param]
+        """The rank a bucket with this parameter is reduced to; None: all-reduced."""
+        return self.owner_of[param] if self.reduce_to_owner else None
 
     @contextlib.contextmanager
     def micro_batch(self, last: bool):
@@ -2146,6 +2250,10 @@ class GradientBuckets:
             for p in bucket:
                 p.grad = None
         self.reduced[i] = tensors
+        if bucket[0] in self.summed_first:
+            count_comm("all_reduce", *tensors)
+            for t in tensors:
+                dist.all_reduce(t, group=self.summed_first[bucket[0]][0].group)
         if self.dp.size == 1:
             return
         if owner is None:
@@ -2178,7 +2286,7 @@ class GradientBuckets:
         """p's float64 sum rounded once to p's dtype, and cleared for the next step. On one rank, where only some
         rows were added to, only those are rounded and cleared: the rest is zero."""
         total, rows = self.sum_of[p], self.rows_summed.pop(p, None)
-        if rows is None or self.dp.size > 1:  # (a reduction may have filled any row)
+        if rows is None or self.dp.size > 1 or p in self.summed_first:  # (a reduction may have filled any row)
             grad = total.to(p.dtype)
             total.zero_()
             return grad
@@ -2195,6 +2303,9 @@ class GradientBuckets:
     def wait(self) -> None:
         """Wait for every bucket's reduction and hand each parameter its averaged gradient (under ZeRO, the
         parameters this rank owns)."""
+        for i, bucket in enumerate(self.buckets):
+            if bucket[0] in self.summed_first and self.reduced[i] is None:
+                self._launch(i)
         missing = [i for i, reduced in enumerate(self.reduced) if reduced is None]
         if missing:
             shapes = [tuple(p.shape) for p in self.buckets[missing[0]] if p.grad is None]
@@ -2204,20 +2315,19 @@ class GradientBuckets:
             for handle in handles:
                 handle.wait()
             owner = self.owner(bucket[0])
-            mine = owner is None or owner == self.dp.rank  # (another rank's shard: its gradients are dropped)
-            if owner is not None and mine and self.dp.size > 1:
+            if owner is not None and owner == self.dp.rank and self.dp.size > 1:
                 reduced[0].div_(self.dp.size)
-            if self.sums is not None:
-                for p in bucket:
-                    p.grad = self._take_sum(p) if mine else self._clear_sum(p)
-            elif not mine:
-                for p in bucket:
+            flat = self.sums is None and reduced[0] is not bucket[0].grad  # a copy: each gradient a view of it
+            offset = 0
+            for p in bucket:  # each parameter's average, where this rank keeps it (another's: dropped)
+                keep = self.owner_of is None or self.owner_of[p] == self.dp.rank
+                if self.sums is not None:
+                    p.grad = self._take_sum(p) if keep else self._clear_sum(p)
+                elif not keep:
                     p.grad = None
-            elif reduced[0] is not bucket[0].grad:  # a flat copy: views of it
-                offset = 0
-                for p in bucket:
+                elif flat:
                     p.grad = reduced[0][offset:offset + p.numel()].view_as(p)
-                    offset += p.numel()
+                offset += p.numel()
         self.ready = [0] * len(self.buckets)
         self.reduced = [None] * len(self.buckets)
         self.handles = [[] for _ in self.buckets]
@@ -2231,13 +2341,14 @@ class Zero:
     """Which data-parallel rank owns (updates) each parameter, and what the stage shards.
 
     Every stage keeps Muon's momentum on the one rank that orthogonalises each matrix. Stage 0 shards nothing
-    else. Stage 1 keeps Adam's moments on the owner alone, which updates the parameter and sends it to the
-    others; the gradients are reduced to their owners, not all-reduced, so a step moves the paper's volume (a
-    reduce-scatter's worth of gradients and an all-gather's worth of parameters), and a rank keeps only the
-    gradients it uses. Stage 2, which the paper adds for that last point, therefore behaves as stage 1 here.
-    Stage 3 also keeps each parameter's values on its owner alone between uses (ShardedParameters).
-    Ownership is by whole parameters (Muon needs whole matrices): Muon's by its r, r+W, ... rule, Adam's
-    spread largest first to the least loaded rank. Stage 0's ownership only splits the gradient norm's work.
+    else. Stage 1 keeps Adam's moments on the owner alone, which updates the parameter and sends it to the others;
+    gradients are all-reduced as in plain data parallelism and each rank then keeps those it updates. Stage 2
+    reduces each gradient bucket to its owner instead, as backward produces it, so a rank never keeps another's
+    gradients and a step moves the paper's volume (a reduce-scatter's worth of gradients and an all-gather's worth
+    of parameters, where stage 1 sends an all-reduce's and a broadcast's). Stage 3 also keeps each parameter's
+    values on its owner alone between uses (ShardedParameters). Ownership is by whole parameters (Muon needs whole
+    matrices): Muon's by its r, r+W, ... rule, Adam's spread largest first to the least loaded rank. Stage 0's
+    ownership only splits the gradient norm's work.
     """
     stage: int
     dp: Axis
@@ -2260,14 +2371,11 @@ class Zero:
         return self.owner_of[param] == self.dp.rank
 
     def gradient_owners(self) -> dict | None:
-        """For GradientBuckets: reduce each gradient to its owner (stage 1 and up), or all-reduce it (None)."""
+        """For GradientBuckets: the rank that keeps each gradient (stage 1 and up), or None: every rank."""
         return self.owner_of if self.stage >= 1 else None
 
-    def step(self, optimizers: list[torch.optim.Optimizer]) -> None:
-        """The optimizers' steps (a parameter without a gradient here is another rank's to update), then the
-        owners' updated parameters sent to the others."""
-        for opt in optimizers:
-            opt.step()
+    def send_updated_parameters(self) -> None:
+        """After the optimizers' steps: the parameters an owner updated alone, sent to the other ranks."""
         for handle in [self.broadcast_from_owner(p) for p in self.sent_after_step]:
             handle.wait()
 
@@ -2277,8 +2385,8 @@ class Zero:
         return dist.broadcast(param.data, self.dp.global_rank(self.owner_of[param]), group=self.dp.group,
                               async_op=True)
 
-    def shard_parameters(self, model: GPT) -> None:
-        self.sharded = ShardedParameters(model, self)
+    def shard_parameters(self, model: GPT, trace: ModelTrace) -> None:
+        self.sharded = ShardedParameters(model, self, trace)
         self.sent_after_step += [p for p in model.parameters() if p not in self.sharded.unit_of]
 
     @contextlib.contextmanager
@@ -2302,38 +2410,38 @@ class ShardedParameters:
     """ZeRO 3: a parameter's values live on its owner alone except while a forward or backward needs them.
 
     Units are the blocks and the other modules holding parameters (embeddings, head). A unit is gathered
-    (broadcast from the owners into storage re-allocated for the purpose) just before its forward. A block, with
-    the next block's gather already under way, is dropped after its forward; a hook on its output gathers it
-    again, starting on the block before it, when backward reaches it. An embedding is dropped after its forward
-    too (its backward needs only the token ids); another module (the head, whose backward follows at once)
-    stays. Every unit is dropped once all its gradients are in. Autograd's saved tensors share the parameters'
-    storage, so they see the values again when backward runs. Parameters of the GPT itself (none in the record's
-    model) stay whole on every rank, as at stage 1: no module call brackets their use, so their owner updates them
-    and sends them after each step.
+    (broadcast from the owners into storage re-allocated for the purpose) just before its forward, a block with
+    the next block's gather already under way. A unit is dropped after its forward, and a hook on its output
+    gathers it again (a block starting on the block before it) when backward reaches it; an embedding's backward
+    needs only the token ids, and a head, whose output is the loss, stays for its backward, which follows at
+    once. Every unit is dropped once all its gradients are in. Autograd's saved tensors share the parameters'
+    storage, so they see the values again when backward runs. A parameter read outside its unit's forward (one of
+    the GPT itself, a block's read by GPT.run_block, one two units share) stays whole on every rank, as at stage 1:
+    no module call brackets its use, so its owner updates it and sends it after each step.
     """
 
-    def __init__(self, model: GPT, zero: Zero):
+    def __init__(self, model: GPT, zero: Zero, trace: ModelTrace):
         self.zero = zero
-        blocks = [block for block in model.blocks if block is not None]
-        others = [module for name, module in model.named_modules() if name and not name.startswith("blocks")
+        blocks = [(f"blocks.{i}", block) for i, block in enumerate(model.blocks) if block is not None]
+        others = [(name, module) for name, module in model.named_modules() if name and not name.startswith("blocks")
                   and next(module.parameters(recurse=False), None) is not None]
-        self.units = [list(module.parameters()) for module in blocks + others]
+        held_by = collections.Counter(p for _, module in blocks + others for p in module.parameters())
+        names = {p: name for name, p in model.named_parameters()}
+        self.units = [[p for p in module.parameters() if held_by[p] == 1 and
+                       all(unit in op.modules for op in trace.parameter_reads(names[p]))]
+                      for unit, module in blocks + others]
         self.unit_of = {p: u for u, unit in enumerate(self.units) for p in unit}
         self.handles: dict[int, list] = {}  # unit -> broadcasts in flight
         self.resident: set[int] = set(range(len(self.units)))
         self.grads_in = [0] * len(self.units)
         self.bytes = sum(p.untyped_storage().nbytes() for p in model.parameters())  # held now
         self.peak_bytes = 0
-        for u, module in enumerate(blocks + others):
+        for u, (_, module) in enumerate(blocks + others):
             # a block prefetches its neighbour: the next one going forward, the one before going backward
             neighbours = (u + 1 if u + 1 < len(blocks) else None, u - 1 if 0 < u < len(blocks) else None)
             module.register_forward_pre_hook(lambda module, args, u=u, after=neighbours[0]: self._enter(u, after))
-            if u < len(blocks):
-                module.register_forward_hook(lambda module, args, out, u=u, before=neighbours[1]:
-                                             self._after_forward(u, out, before))
-            else:  # an embedding's backward needs the token ids, not the table; the head's comes right after it
-                module.register_forward_hook(lambda module, args, out, u=u, embedding=isinstance(module, nn.Embedding):
-                                             self.drop(u) if embedding or not out.requires_grad else None)
+            module.register_forward_hook(lambda module, args, out, u=u, before=neighbours[1]:
+                                         self._after_forward(u, module, out, before))
         for p in self.unit_of:
             p.register_post_accumulate_grad_hook(self._gradient_in)
         self.drop_all()
@@ -2381,9 +2489,13 @@ class ShardedParameters:
         self.gather(u)
         self._start(prefetch)
 
-    def _after_forward(self, u: int, out: Tensor, prefetch: int | None) -> None:
+    def _after_forward(self, u: int, module: nn.Module, out, prefetch: int | None) -> None:
+        """Drop the unit, to be gathered again when backward reaches its output; but an embedding's backward needs
+        only the token ids, and a head's (whose output is the loss) follows at once: it stays."""
+        if isinstance(out, Tensor) and out.ndim == 0 and out.requires_grad:
+            return
         self.drop(u)
-        if out.requires_grad:
+        if isinstance(out, Tensor) and out.requires_grad and not isinstance(module, nn.Embedding):
             out.register_hook(lambda grad: self._enter(u, prefetch))
 
     def _gradient_in(self, p: Tensor) -> None:
@@ -2426,8 +2538,8 @@ def all_reduce_sum(x: Tensor, tp: Axis) -> Tensor:
 def gather_sequence_shards(x: Tensor, tp: Axis, async_op: bool = False):
     """(..., T / tp, d) shards -> (..., T, d) in rank order along the sequence (dims before it have size 1)."""
     full = x.new_empty(*x.shape[:-2], tp.size * x.size(-2), x.size(-1))
-    count_comm("all_gather_into_tensor", full)
-    handle = dist.all_gather_into_tensor(full.view(-1), x.contiguous().view(-1), group=tp.group, async_op=async_op)
+    count_comm("all_gather_single", full)
+    handle = dist.all_gather_single(full.view(-1), x.contiguous().view(-1), group=tp.group, async_op=async_op)
     return (full, handle) if async_op else full
 
 
@@ -2435,9 +2547,15 @@ def reduce_scatter_sequence_shards(x: Tensor, tp: Axis) -> Tensor:
     """(..., T, d) partial sums -> this rank's (..., T / tp, d) shard of their sum."""
     x = x.contiguous()
     shard = x.new_empty(*x.shape[:-2], x.size(-2) // tp.size, x.size(-1))
-    count_comm("reduce_scatter_tensor", x)
-    dist.reduce_scatter_tensor(shard.view(-1), x.view(-1), group=tp.group)
+    count_comm("reduce_scatter_single", x)
+    dist.reduce_scatter_single(shard.view(-1), x.view(-1), group=tp.group)
     return shard
+
+
+def own_sequence_shard(x: Tensor, tp: Axis) -> Tensor:
+    """(..., T, d), the same on every rank -> this rank's (..., T / tp, d) part of it."""
+    n = x.size(-2) // tp.size
+    return x.narrow(-2, tp.rank * n, n).clone()
 
 
 def enter_region(x: Tensor, tp: Axis, sp: bool) -> Tensor:
@@ -2511,84 +2629,41 @@ class TensorParallelSlice:
         return tuple(shape)
 
 
-def split_parameter(module: nn.Module, name: str, dim: int, tp: Axis) -> None:
-    """Replace module.<name> by this rank's slice of it along dim."""
-    whole_param = getattr(module, name)
-    how = TensorParallelSlice(dim, whole_param.size(dim), tp)
+def split_parameter(model: nn.Module, p: nn.Parameter, dim: int, tp: Axis) -> None:
+    """Replace p, in every module that holds it, by this rank's slice of it along dim."""
+    how = TensorParallelSlice(dim, p.size(dim), tp)
     # a storage of its own: a slice that viewed the whole one would keep all of it alive
-    part = nn.Parameter(how.cut(whole_param.detach()).clone(), requires_grad=whole_param.requires_grad)
+    part = nn.Parameter(how.cut(p.detach()).clone(), requires_grad=p.requires_grad)
     part.slice_of = how
-    setattr(module, name, part)
+    for module in model.modules():
+        for name, held in module.named_parameters(recurse=False):
+            if held is p:
+                setattr(module, name, part)
 
 
-# How each module the plan names is split: module, tp axis, sequence parallel, asynchronous tensor parallel.
-
-def column_parallel(linear: CastedLinear, tp: Axis, sp: bool, async_tp: bool) -> None:
-    """Output features split (heads of q, k and v; the MLP's width). Under async TP this layer, not its region,
-    gathers its sequence-sharded input, overlapped with the matmul of its own shard."""
-    split_parameter(linear, "weight", -2, tp)
-    if async_tp:
-        linear.forward = lambda x: _GatherThenLinear.apply(x, linear.weight.flatten(end_dim=-2).type_as(x), tp)
+def gather_then_linear(linear: CastedLinear, tp: Axis) -> None:
+    """Async TP: this column-parallel layer, not its region, gathers its sequence-sharded input, overlapped with
+    the matmul of its own shard."""
+    linear.forward = lambda x: _GatherThenLinear.apply(x, linear.weight.flatten(end_dim=-2).type_as(x), tp)
 
 
-def row_parallel(linear: CastedLinear, tp: Axis, sp: bool, async_tp: bool) -> None:
-    """Input features split: each rank's output is a partial sum, completed where its region is left."""
-    split_parameter(linear, "weight", -1, tp)
-
-
-def region(module: nn.Module, tp: Axis, sp: bool, async_tp: bool) -> None:
-    """Attention or MLP: its first argument enters the region (unless async TP leaves that to the column-parallel
-    layers) and its output leaves it."""
-    if not async_tp:
-        module.register_forward_pre_hook(lambda m, args: (enter_region(args[0], tp, sp), *args[1:]))
-    module.register_forward_hook(lambda m, args, out: leave_region(out, tp, sp))
-
-
-def vocab_parallel_embedding(embedding: nn.Embedding, tp: Axis, sp: bool, async_tp: bool) -> None:
+def vocab_parallel_embedding(embedding: nn.Embedding, tp: Axis) -> None:
     """Rows split by vocabulary: each rank looks up the tokens in its rows (zero for the others) and the partial
-    lookups are summed as the region is left."""
-    split_parameter(embedding, "weight", 0, tp)
-
+    lookups are summed."""
     def lookup(input_seq: Tensor) -> Tensor:
         rows = embedding.weight.size(0)
         local = input_seq - tp.rank * rows
         inside = (local >= 0) & (local < rows)
         found = F.embedding(local.clamp(0, rows - 1), embedding.weight) * inside[:, None].to(embedding.weight.dtype)
-        return leave_region(found, tp, sp)
+        return leave_region(found, tp, sp=False)
     embedding.forward = lookup
 
 
-def split_by_head(embedding: nn.Embedding, tp: Axis, sp: bool, async_tp: bool) -> None:
-    """Value embeddings: their dims split as the heads they are added to, with no communication."""
-    split_parameter(embedding, "weight", -1, tp)
-
-
-def vocab_parallel_head(head: LMHead, tp: Axis, sp: bool, async_tp: bool) -> None:
-    """Output rows split by vocabulary: the region is entered before the head, the logits stay split, and the
+def vocab_parallel_head(head: LMHead, tp: Axis) -> None:
+    """Output rows split by vocabulary: the whole input enters the head through f, the logits stay split, and the
     soft cap (element-wise) and a vocabulary-parallel cross-entropy work on the shards."""
-    split_parameter(head, "weight", -2, tp)
-    head.register_forward_pre_hook(lambda m, args: (enter_region(args[0], tp, sp), *args[1:]))
+    head.register_forward_pre_hook(lambda m, args: (enter_region(args[0], tp, sp=False), *args[1:]))
     head.cross_entropy = functools.partial(vocab_parallel_cross_entropy, tp=tp)
-
-
-def replicated(module: nn.Module, tp: Axis, sp: bool, async_tp: bool) -> None:
-    """Whole on every rank, on purpose: a weight matrix inside a region that acts on its whole input."""
-
-
-# module name pattern -> how it splits. A fork that adds a weight matrix inside attention or the MLP names it
-# here; scalars and vectors need nothing (tensor_parallelize sums their gradients where they need it).
-TENSOR_PARALLEL_PLAN = {
-    "embed": vocab_parallel_embedding,
-    "value_embeds.*": split_by_head,
-    "blocks.*.attn": region,
-    "blocks.*.attn.qkv": column_parallel,
-    "blocks.*.attn.c_proj": row_parallel,
-    "blocks.*.mlp": region,
-    "blocks.*.mlp.c_fc": column_parallel,
-    "blocks.*.mlp.c_proj": row_parallel,
-    "lm_head": vocab_parallel_head,
-}
-REGION_STYLES = (region, vocab_parallel_head)
 
 
 def vocab_parallel_cross_entropy(logits: Tensor, targets: Tensor, tp: Axis) -> Tensor:
@@ -2608,38 +2683,193 @@ def vocab_parallel_cross_entropy(logits: Tensor, targets: Tensor, tp: Axis) -> T
     return losses.sum()
 
 
-def tensor_parallelize(model: GPT, tp: Axis, sp: bool, async_tp: bool) -> None:
-    """Split the one-process model over the tensor-parallel ranks as TENSOR_PARALLEL_PLAN says.
+# The kinds of module tensor parallelism splits, each a region: attention by head, the MLP by its width. A linear
+# layer reading a region's input is column-parallel (output features split), the one writing its output
+# row-parallel (input features split); f or an all-gather enters a region, g or a reduce-scatter leaves it.
+TENSOR_PARALLEL_REGIONS = {CausalSelfAttention: "heads", MLP: "width"}
+# A fork's linear layer inside a region that these rules do not place: (region class, its attribute name in the
+# region) -> "column", "row" or "whole" (replicated: it acts on the region's whole input)
+TENSOR_PARALLEL_PLAN: dict[tuple[type, str], str] = {}
 
-    Every parameter the plan does not split stays whole on every rank, and its gradient follows one rule: where
-    the parameter is used on a rank's part of the data (inside a region, which holds some heads or some of the
-    MLP's width; anywhere under sequence parallelism, where the stream outside the regions holds 1/tp of the
-    sequence) each rank's gradient is a part, and a hook sums the parts over the group; where it is used on
-    whole data, every rank's gradient is already whole. Where each parameter is used is read off one forward of
-    the one-process model.
+
+def tensor_parallelize(model: GPT, tp: Axis, args: Hyperparameters, trace: ModelTrace) -> None:
+    """Split the one-process model over the tensor-parallel ranks by the rules above, found on one traced forward.
+
+    Every parameter no rule splits stays whole on every rank, and its gradient follows one rule: where it is used
+    on a rank's part of the data (inside a region or a head, which hold some heads, width or vocabulary; between
+    the embedding and the head under sequence parallelism, where the stream holds 1/tp of the sequence) each
+    rank's gradient is a part, and a hook sums the parts over the group; where it is used on whole data, every
+    rank's gradient is already whole.
     """
-    styles = {name: style for name, _ in model.named_modules() for pattern, style in TENSOR_PARALLEL_PLAN.items()
-              if fnmatch.fnmatchcase(name, pattern)}
-    with recording_parameter_uses(model, [model.get_submodule(name) for name, style in styles.items()
-                                          if style in REGION_STYLES]) as uses:
-        model(*probe_batch(model))
-    inside, outside = uses.inside, uses.outside
-    for name, style in styles.items():
-        style(model.get_submodule(name), tp, sp, async_tp)
-    for name, p in model.named_parameters():
-        if hasattr(p, "slice_of"):
-            continue
-        module_name = name.rpartition(".")[0]
-        if p.ndim >= 2 and name in inside and styles.get(module_name) is not replicated:
-            raise UserError(f"tensor parallelism: {name} is a weight matrix used inside a tensor-parallel region "
-                            "that TENSOR_PARALLEL_PLAN does not name; add its module ('blocks.*.' pattern) there "
-                            "as column_parallel, row_parallel, or replicated if it acts on the region's whole input")
-        if name in inside and name in outside and not sp:
-            raise UserError(f"tensor parallelism: {name} is used both inside a tensor-parallel region (on part of "
-                            "the heads or MLP width) and outside it (on whole data), so its gradient is neither a "
+    regions = {call.name: call for call in trace.calls if split_by(call.module)}
+    splits, roles = tensor_parallel_splits(model, trace, regions, args.num_heads)
+    if args.sp:
+        cut = sequence_parallel_cut(model, trace, regions)
+        if next(model.parameters()).device.type != "meta":  # (the plan has no values to check)
+            refuse_sequence_mixing(model, trace, regions, cut, tp.size)
+    names = {p: name for name, p in model.named_parameters()}
+    heads = {name for name, module in model.named_modules() if isinstance(module, LMHead)}
+    for p in [p for p in model.parameters() if p not in splits]:
+        partial = {bool(region_of(op.modules, regions) or heads.intersection(op.modules))
+                   or (args.sp and op.step == "blocks") for op in trace.parameter_reads(names[p])}
+        if partial == {True, False}:
+            raise UserError(f"tensor parallelism: {names[p]} is used both on part of the data (in a region or a head, "
+                            "or between embedding and head under --sp) and on whole data, so its gradient is neither a "
                             "part nor the whole: use separate parameters")
-        if name in inside or (sp and name in outside):
+        if True in partial:
             p.register_hook(functools.partial(all_reduce_sum, tp=tp))
+    for p, dim in splits.items():
+        split_parameter(model, p, dim, tp)
+    for name, call in regions.items():
+        # async TP when only column-parallel layers read the region's input: each gathers it itself
+        overlapped = args.async_tp and all(roles.get(op.modules[-1]) == "column" for op in trace.reads(call.args[0]))
+        if overlapped:
+            for linear, role in roles.items():
+                if role == "column" and linear.startswith(name + "."):
+                    gather_then_linear(model.get_submodule(linear), tp)
+        else:
+            call.module.register_forward_pre_hook(lambda m, a: (enter_region(a[0], tp, args.sp), *a[1:]))
+        call.module.register_forward_hook(lambda m, a, out: leave_region(out, tp, args.sp))
+    for module in model.modules():
+        if isinstance(module, nn.Embedding) and module.weight.slice_of.dim == 0:
+            vocab_parallel_embedding(module, tp)
+        if isinstance(module, LMHead):
+            vocab_parallel_head(module, tp)
+    if args.sp:
+        cut_stream_between_embedding_and_head(model, trace, cut, tp)
+
+
+def split_by(module: nn.Module) -> str | None:
+    """How tensor parallelism splits a module of this kind: "heads", "width", or None (not a region)."""
+    return next((how for kind, how in TENSOR_PARALLEL_REGIONS.items() if isinstance(module, kind)), None)
+
+
+def region_of(modules: tuple, regions: dict) -> str | None:
+    """The innermost tensor-parallel region among these module calls."""
+    return next((name for name in reversed(modules) if name in regions), None)
+
+
+def tensor_parallel_splits(model: GPT, trace: ModelTrace, regions: dict, num_heads: int) -> tuple[dict, dict]:
+    """The dimension tensor parallelism splits each parameter along (param -> dim), and the role of each linear
+    layer in a region (name -> column, row, whole or None); refuses by name what no rule places."""
+    roles, splits = {}, {}
+    for call in trace.calls:
+        region = region_of(call.modules[:-1], regions)
+        if region and isinstance(call.module, (CastedLinear, nn.Linear)):
+            outer = regions[region]
+            roles[call.name] = "column" if call.args[0] is outer.args[0] else "row" if call.output is outer.output \
+                else TENSOR_PARALLEL_PLAN.get((type(outer.module), call.name[len(region) + 1:]))
+
+    def claim(name: str, p: Tensor, dim: int, rule: str) -> None:
+        dim %= p.ndim
+        if splits.setdefault(p, dim) != dim:
+            raise UserError(f"tensor parallelism: {name} is split along dim {splits[p]} in one of its modules and along "
+                            f"dim {dim} as a {rule} in another: a tied parameter is one slice on each rank, so tie "
+                            "only parameters split alike")
+    for module_name, module in model.named_modules():
+        region = next((n for n in regions if module_name == n or module_name.startswith(n + ".")), None)
+        by_head = region is not None and split_by(regions[region].module) == "heads"
+        role = roles.get(module_name)
+        for attr, p in module.named_parameters(recurse=False):
+            name = f"{module_name}.{attr}".lstrip(".")
+            if role in ("column", "row"):
+                claim(name, p, -2 if role == "column" else -1, f"{role}-parallel layer")
+            elif isinstance(module, LMHead) and p is module.weight:
+                claim(name, p, -2, "vocabulary-parallel head")
+            elif isinstance(module, nn.Embedding):
+                # an embedding read only inside regions split by head (a value embedding) is split with the heads;
+                # any other by vocabulary
+                readers = [op for call in trace.calls if call.module is module for op in trace.reads(call.output)]
+                into_heads = bool(readers) and all(
+                    (r := region_of(op.modules, regions)) and split_by(regions[r].module) == "heads" for op in readers)
+                claim(name, p, -1 if into_heads else 0, "value embedding" if into_heads else "vocabulary-parallel "
+                      "embedding")
+            elif by_head and role != "whole" and num_heads in p.shape and not all(
+                    op.name == "__getitem__" and isinstance(op.index, int) for op in trace.parameter_reads(name)):
+                # in a module split by head, a parameter with a dimension of the head count is per head (unless
+                # its elements are read one by one: a few scalars)
+                claim(name, p, p.shape.index(num_heads), "per-head parameter")
+            elif region and p.ndim >= 2 and role != "whole":
+                raise UserError(f"tensor parallelism: {name} is a weight matrix in the tensor-parallel region {region} "
+                                "that no rule places (it neither reads the region's input nor writes its output, and "
+                                "has no dimension of the head count): declare it in TENSOR_PARALLEL_PLAN, as "
+                                f"TENSOR_PARALLEL_PLAN[({type(regions[region].module).__name__}, "
+                                f"'{module_name[len(region) + 1:]}')] = 'column', 'row' or 'whole'")
+    return splits, roles
+
+
+# Sequence parallelism cuts the stream along the sequence after the embedding and makes it whole again before the
+# head, so GPT's own code around the blocks (the embedding, token shifts, extra heads and losses) sees whole
+# sequences; the code between, outside attention and the MLP, must work position by position (checked).
+
+def sequence_parallel_cut(model: GPT, trace: ModelTrace, regions: dict) -> list[int]:
+    """The stream tensors, by their place in the embedding's output, that the blocks read outside the regions:
+    these are cut; those read only inside the regions (the value embeddings) stay whole."""
+    paths_and_leaves = pytree.tree_flatten_with_path(trace.streams[0])[0]
+    cut = [i for i, (_, t) in enumerate(paths_and_leaves) if isinstance(t, Tensor) and any(
+        op.step == "blocks" and not region_of(op.modules, regions) for op in trace.reads(t))]
+    for i in cut:
+        path, t = paths_and_leaves[i]
+        if any(a is t for call in regions.values() for a in call.args[1:]):
+            raise UserError(f"sequence parallelism: the stream's {pytree.keystr(path)} is read both position by "
+                            "position in the blocks and whole inside attention or the MLP: give the region a tensor "
+                            "of its own")
+    return cut
+
+
+def cut_stream_between_embedding_and_head(model: GPT, trace: ModelTrace, cut: list[int], tp: Axis) -> None:
+    embed_tokens, head_loss = model.embed_tokens, model.head_loss
+
+    def embed_and_cut(input_seq: Tensor) -> dict:
+        leaves, spec = pytree.tree_flatten(embed_tokens(input_seq))
+        shards = {id(leaves[i]): _Conjugate.apply(leaves[i], tp, own_sequence_shard, gather_sequence_shards)
+                  for i in cut}
+        return pytree.tree_unflatten([shards.get(id(t), t) for t in leaves], spec)
+
+    def join_then_head(stream: dict, target_seq: Tensor) -> Tensor:
+        shard = len(target_seq) // tp.size
+        return head_loss(pytree.tree_map(lambda t: _Conjugate.apply(t, tp, gather_sequence_shards, own_sequence_shard)
+                                         if isinstance(t, Tensor) and t.ndim >= 2 and t.size(-2) == shard else t,
+                                         stream), target_seq)
+    model.embed_tokens, model.head_loss = embed_and_cut, join_then_head
+
+
+def refuse_sequence_mixing(model: GPT, trace: ModelTrace, regions: dict, cut: list[int], tp: int) -> None:
+    """Each layer (GPT.run_block) run on every shard of its stream, its regions given their one-process inputs
+    and outputs, must give that shard of its one-process output; else it mixes positions outside the regions."""
+    whole = {id(t) for i, t in enumerate(pytree.tree_leaves(trace.streams[0])) if i not in cut}
+    length = trace.seq_len
+
+    def shard(t, r):
+        is_shard = isinstance(t, Tensor) and id(t) not in whole and t.ndim >= 2 and t.size(-2) == length
+        return t.chunk(tp, -2)[r] if is_shard else t
+    for layer in range(len(model.blocks)):
+        for r in range(tp):
+            calls = [call for call in trace.calls if call.layer == layer and call.name in regions]
+            fed, hooks = [], []
+
+            def enter(module, args):
+                fed.append(torch.allclose(args[0], shard(calls[0].args[0], r), rtol=1e-4, atol=1e-5))
+                return (calls[0].args[0], *args[1:])
+
+            def leave(module, args, output):
+                return shard(calls.pop(0).output, r)
+            for call in {id(c.module): c for c in calls}.values():
+                hooks += [call.module.register_forward_pre_hook(enter), call.module.register_forward_hook(leave)]
+            try:
+                with torch.no_grad():
+                    out = model.run_block(layer, pytree.tree_map(lambda t: shard(t, r), trace.streams[layer]),
+                                          trace.masks)
+            finally:
+                for hook in hooks:
+                    hook.remove()
+            expected = pytree.tree_leaves(pytree.tree_map(lambda t: shard(t, r), trace.streams[layer + 1]))
+            if not all(fed) or not all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in
+                                       zip(pytree.tree_leaves(out), expected) if isinstance(a, Tensor)):
+                raise UserError(f"sequence parallelism: layer {layer} mixes positions outside attention and the MLP "
+                                f"(run on a part of the sequence, blocks.{layer} or GPT.run_block gives another result "
+                                "than on the whole): --sp cuts the stream there; move the mixing into "
+                                "GPT.embed_tokens or GPT.head_loss, or into attention or the MLP, or train without --sp")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -2666,29 +2896,23 @@ def run_layers(model: GPT, layers: range, inputs: Tensor, targets: Tensor, windo
     return model.head_loss(stream, targets) if layers.stop == len(model.blocks) else stream
 
 
-def stages_using_each_parameter(model: GPT, stages: int) -> dict[str, set[int]]:
-    """Parameter name -> the pipeline stages whose layers read it, from one forward of the whole model run stage
-    after stage in this process."""
-    users, stream, batch = collections.defaultdict(set), None, probe_batch(model)
-    for stage in range(stages):
-        with recording_parameter_uses(model) as uses:
-            stream = run_layers(model, stage_layers(len(model.blocks), stages, stage), *batch, stream)
-        for name in uses.outside:
-            users[name].add(stage)
-    return users
+def stages_reading_each_parameter(model: GPT, trace: ModelTrace, stages: int) -> dict[Tensor, set[int]]:
+    """Parameter -> the pipeline stages whose steps read it in the traced forward (one no step reads: the first)."""
+    stage_of_layer = {i: s for s in range(stages) for i in stage_layers(len(model.blocks), stages, s)}
+    return {p: {0 if op.step in ("masks", "embed") else stages - 1 if op.step == "head" else stage_of_layer[op.layer]
+                for op in trace.parameter_reads(name)} or {0} for name, p in model.named_parameters()}
 
 
-def keep_only_parameters(module: nn.Module, keep: set[str], prefix: str = "") -> None:
-    """Drop every parameter not named in keep; a submodule left with none becomes None, so names stay the model's."""
-    for name, _ in list(module.named_parameters(recurse=False)):
-        if prefix + name not in keep:
+def keep_only_parameters(module: nn.Module, keep: set[Tensor]) -> None:
+    """Drop every parameter not in keep; a submodule left with none becomes None, so names stay the model's."""
+    for name, p in list(module.named_parameters(recurse=False)):
+        if p not in keep:
             module.register_parameter(name, None)
     for name, child in list(module.named_children()):
-        names = [f"{prefix}{name}.{n}" for n, _ in child.named_parameters()]
-        if names and not keep.intersection(names):
+        if any(True for _ in child.parameters()) and not keep.intersection(child.parameters()):
             setattr(module, name, None)
         else:
-            keep_only_parameters(child, keep, f"{prefix}{name}.")
+            keep_only_parameters(child, keep)
 
 
 def run_point_to_point(ops: list) -> None:
@@ -2705,38 +2929,44 @@ def run_point_to_point(ops: list) -> None:
 
 
 class PipelineStage:
-    """This rank's pipeline stage: a contiguous run of the blocks and the parameters its layers read, the exchange of
+    """This rank's pipeline stage: a contiguous run of the blocks and the parameters its steps read, the exchange of
     the stream with its neighbours, and the schedules that run a step's micro-batches through the pipeline.
 
-    Which parameters a stage keeps is found by running the model's own forward one stage at a time: the first stage
-    keeps the embeddings, the last the head, and a parameter a fork adds goes to the stage that reads it. What a
-    stage drops becomes None, so parameter names stay the model's.
+    Which parameters a stage keeps is read off a traced forward: the first stage keeps the embeddings, the last the
+    head, a parameter a fork adds goes to the stage that reads it, and one that several stages read (tied
+    embeddings, a vector with an entry per layer) is kept by each of them, its gradient summed over them before
+    the data-parallel average, as Megatron-LM and nanotron tie an embedding to the head. What a stage drops becomes
+    None, so parameter names stay the model's.
 
     What crosses a boundary is whatever stream the forward holds there (GPT.embed_tokens: residual, x0, value
     embeddings, pending U-Net skips, and anything a fork adds): the first time a stream of a given length crosses,
     its structure, shapes and dtypes go ahead of it, so the receiver can allocate. Its gradient comes back.
     """
 
-    def __init__(self, model: GPT, pp: Axis, schedule: str, carry_specs: dict | None = None):
+    def __init__(self, model: GPT, ctx: "ParallelContext", schedule: str, trace: ModelTrace,
+                 stream_specs: dict | None = None):
+        pp = ctx.pp
         self.model, self.pp, self.schedule = model, pp, schedule
         self.layers = stage_layers(len(model.blocks), pp.size, pp.rank)
         self.first, self.last = pp.rank == 0, pp.rank == pp.size - 1
-        users = stages_using_each_parameter(model, pp.size)
-        shared = {name: sorted(stages) for name, stages in users.items() if len(stages) > 1}
-        if shared:
-            name, stages = next(iter(shared.items()))
-            raise UserError(f"pipeline parallelism: parameter {name} is read by the layers of stages {stages}, but a "
-                            "parameter lives on one stage: give each layer its own (a parameter of Block, as "
-                            "Block.skip_weight is), or keep it in the module whose stage reads it")
-        keep_only_parameters(model, {name for name, _ in model.named_parameters()
-                                     if pp.rank in users.get(name, {0})})  # (one no stage reads: the first's)
+        readers = stages_reading_each_parameter(model, trace, pp.size)
+        self.shared = {}  # parameter -> (the group of its copies on the stages that read it, those stages)
+        for stages in sorted({tuple(sorted(s)) for s in readers.values() if len(s) > 1}):
+            for dp_rank in range(ctx.dp.size):  # every rank creates every group, in the same order
+                for tp_rank in range(ctx.tp.size):
+                    ranks = [ctx.grid_rank(dp_rank, tp_rank, stage) for stage in stages]
+                    group = dist.new_group(ranks)
+                    if ctx.rank in ranks:
+                        self.shared.update({p: (Axis(ranks.index(ctx.rank), len(ranks), group, tuple(ranks)), stages)
+                                            for p, s in readers.items() if tuple(sorted(s)) == stages})
+        keep_only_parameters(model, {p for p, s in readers.items() if pp.rank in s})
         # (boundary layer, sequence length, grad enabled) -> the stream's structure there; the plan shares one
-        self.carry_specs = {} if carry_specs is None else carry_specs
+        self.stream_specs = {} if stream_specs is None else stream_specs
         dist.barrier(group=pp.group)  # NCCL wants a group's first call to involve all its ranks
 
-    def forward(self, inputs: Tensor, targets: Tensor, window: Tensor, carry: dict | None) -> Tensor | dict:
+    def forward(self, inputs: Tensor, targets: Tensor, window: Tensor, stream: dict | None) -> Tensor | dict:
         """This stage's layers: the loss on the last stage, the stream elsewhere."""
-        return run_layers(self.model, self.layers, inputs, targets, window, carry)
+        return run_layers(self.model, self.layers, inputs, targets, window, stream)
 
     def exchange(self, seq_len: int, to_next: dict | None = None, to_prev: list[Tensor] | None = None,
                  from_prev: bool = False, from_next: bool = False) -> tuple[dict | None, list[Tensor] | None]:
@@ -2757,7 +2987,7 @@ class PipelineStage:
             ops += self._receives(tensors, prev)
             stream = pytree.tree_unflatten(tensors, spec)
         if from_next and not self.last:
-            _, shapes = self.carry_specs[(self.layers.stop, seq_len, mode)]
+            _, shapes = self.stream_specs[(self.layers.stop, seq_len, mode)]
             grads = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in shapes
                      if dtype.is_floating_point]
             ops += self._receives(grads, nxt)
@@ -2779,21 +3009,21 @@ class PipelineStage:
             raise TypeError(f"the stream crossing pipeline stages holds only tensors (in lists and dicts), got "
                             f"{[type(t).__name__ for t in tensors if not isinstance(t, Tensor)]}")
         structure = (pytree.treespec_dumps(spec), [(tuple(t.shape), t.dtype) for t in tensors])
-        known = self.carry_specs.get(key)
+        known = self.stream_specs.get(key)
         if known is None:
             dist.send_object_list([structure], self.pp.global_rank(peer), group=self.pp.group)
-            self.carry_specs[key] = structure
+            self.stream_specs[key] = structure
         elif known != structure:
             raise RuntimeError(f"the stream crossing pipeline boundary {key} changed structure between "
                                "micro-batches of the same length")
         return tensors
 
     def _structure(self, key: tuple, peer: int) -> tuple:
-        if key not in self.carry_specs:
+        if key not in self.stream_specs:
             box = [None]
             dist.recv_object_list(box, self.pp.global_rank(peer), group=self.pp.group)
-            self.carry_specs[key] = box[0]
-        spec, shapes = self.carry_specs[key]
+            self.stream_specs[key] = box[0]
+        spec, shapes = self.stream_specs[key]
         return pytree.treespec_loads(spec), shapes
 
     def _sends(self, tensors: list[Tensor], peer: int) -> list:
@@ -2803,19 +3033,19 @@ class PipelineStage:
     def _receives(self, tensors: list[Tensor], peer: int) -> list:
         return [dist.P2POp(dist.irecv, t, self.pp.global_rank(peer), self.pp.group) for t in tensors]
 
-    def accumulate(self, model: nn.Module, batches, window: Tensor, micro_batches: int, gradients) -> Tensor:
-        """accumulate_gradients through the pipeline (the stage runs its own steps, not `model`): the step's
-        micro-batches in the schedule; returns their summed loss on the last stage, zero elsewhere."""
+    def run_schedule(self, batches, window: Tensor, micro_batches: int, gradients) -> Tensor:
+        """Forward and backward of the step's micro-batches in the schedule; returns their summed loss on the last
+        stage, zero elsewhere."""
         batch = [next(batches) for _ in range(micro_batches)]
         seq_len = batch[0][0].numel()
         loss_sum = torch.zeros((), device=window.device)
         in_flight = collections.deque()  # (stream in, output) of micro-batches forwarded and not yet backwarded
         backwards_done = 0
 
-        def forward(carry: dict | None) -> dict | None:
+        def forward(stream_in: dict | None) -> dict | None:
             nonlocal loss_sum
-            out = self.forward(*batch[len(in_flight) + backwards_done], window, carry)
-            in_flight.append((carry, out))
+            out = self.forward(*batch[len(in_flight) + backwards_done], window, stream_in)
+            in_flight.append((stream_in, out))
             if self.last:
                 loss_sum += out.detach()
             return None if self.last else out
@@ -2823,7 +3053,7 @@ class PipelineStage:
         def backward(grads: list[Tensor] | None) -> list[Tensor] | None:
             """Backward of the oldest micro-batch in flight, given its output's gradient; returns its input's."""
             nonlocal backwards_done
-            carry, out = in_flight.popleft()
+            stream_in, out = in_flight.popleft()
             with gradients.micro_batch(last=backwards_done == micro_batches - 1):
                 if self.last:
                     (out / micro_batches).backward()
@@ -2832,9 +3062,9 @@ class PipelineStage:
                     pairs = [(t, g) for t, g in zip(outs, grads) if t.requires_grad]
                     torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
             backwards_done += 1
-            if carry is None:
+            if stream_in is None:
                 return None
-            return [t.grad if t.grad is not None else torch.zeros_like(t) for t in pytree.tree_leaves(carry)
+            return [t.grad if t.grad is not None else torch.zeros_like(t) for t in pytree.tree_leaves(stream_in)
                     if t.is_floating_point()]
 
         def exchange(**kwargs):
@@ -2846,17 +3076,16 @@ class PipelineStage:
         steady = micro_batches - warmup
         for _ in range(warmup):
             exchange(to_next=forward(exchange(from_prev=True)[0]))
-        carry = exchange(from_prev=True)[0] if steady else None
+        stream_in = exchange(from_prev=True)[0] if steady else None
         for i in range(steady):
-            grads = exchange(to_next=forward(carry), from_next=True)[1]
-            carry_grads = backward(grads)
+            grads = exchange(to_next=forward(stream_in), from_next=True)[1]
+            stream_grads = backward(grads)
             if i < steady - 1:
-                carry = exchange(to_prev=carry_grads, from_prev=True)[0]
+                stream_in = exchange(to_prev=stream_grads, from_prev=True)[0]
             else:
-                exchange(to_prev=carry_grads)
+                exchange(to_prev=stream_grads)
         for _ in range(warmup):
             exchange(to_prev=backward(exchange(from_next=True)[1]))
-        gradients.wait()
         return loss_sum
 
     def forward_only(self, inputs: Tensor, targets: Tensor, window: Tensor) -> Tensor:
@@ -2915,21 +3144,21 @@ class SavedActivations:
             self.bytes -= size
 
 
-def account_step(run: Run, batches, step: int = 0) -> dict:
-    """One training step of run with what this rank held and handed to collectives, in bytes: parameters (between
+def account_step(trainer: Trainer, batches, step: int = 0) -> dict:
+    """One training step of the trainer with what this rank held and handed to collectives, in bytes: parameters (between
     steps, and at the peak within one), gradients after backward, float64 gradient sums, optimizer states after
     the step, activations at the peak, and each collective's bytes."""
     comm_bytes.clear()
-    with SavedActivations(run.model, run.args.train_seq_len) as saved:
-        loss_sum = run.backward(batches, step)
-    held = dict(gradients=sum(nbytes(p.grad) for p in run.model.parameters() if p.grad is not None),
-                gradient_sums=sum(map(nbytes, getattr(run.gradients, "sums", None) or [])),
+    with SavedActivations(trainer.model, trainer.args.train_seq_len) as saved:
+        loss_sum = forward_backward(trainer, batches, step)
+    held = dict(gradients=sum(nbytes(p.grad) for p in trainer.model.parameters() if p.grad is not None),
+                gradient_sums=sum(map(nbytes, getattr(trainer.gradients, "sums", None) or [])),
                 activations=saved.peak)
-    run.step_stats(loss_sum, run.gradient_squares(), stop=False)
-    run.optimizer_step(step)
-    held.update(parameters=sum(p.untyped_storage().nbytes() for p in run.model.parameters()),
-                peak_parameters=run.zero.peak_parameter_bytes(run.model),
-                optimizer_states=sum(nbytes(t) for opt in run.optimizers for state in opt.state.values()
+    trainer.step_stats(loss_sum, trainer.gradient_squares(), stop=False)
+    optimizer_step(trainer, step)
+    held.update(parameters=sum(p.untyped_storage().nbytes() for p in trainer.model.parameters()),
+                peak_parameters=trainer.zero.peak_parameter_bytes(trainer.model),
+                optimizer_states=sum(nbytes(t) for opt in trainer.optimizers for state in opt.state.values()
                                      for t in state.values()),
                 comm=dict(comm_bytes), loss_sum=loss_sum)
     return held
@@ -2959,23 +3188,22 @@ def plan_layout(args: Hyperparameters, world_size: int, cuda: bool) -> dict:
     """
     if dist.is_initialized():
         raise UserError("--plan runs in one process, not under torchrun: give the process count with --nproc")
-    micro_batches = check_world_size(args, world_size)
     args = dataclasses.replace(args, compile=False)
     meta = torch.device("meta")
     tokens = torch.empty(args.train_seq_len + 1, dtype=torch.int64, device=meta)
     batches = iter(lambda: (tokens[:-1].to(torch.int32), tokens[1:]), None)
-    carry_specs, ranks = {}, []
+    stream_specs, ranks = {}, []
     with torch.random.fork_rng(devices=[]):
         for rank in range(world_size):
             with simulated_rank(rank, world_size):
                 ctx = build_parallel_context(rank, world_size, meta, args.tp, args.pp)
-                run = build_run(args, ctx, cuda_dtypes=cuda, carry_specs=carry_specs)
-                held = account_step(run, batches)
+                trainer = build_trainer(args, ctx, cuda_dtypes=cuda, stream_specs=stream_specs)
+                held = account_step(trainer, batches)
                 del held["loss_sum"]
                 ranks.append(dict(held, stage=ctx.pp.rank))
     return dict(preset=args.preset, world_size=world_size, dp=world_size // (args.tp * args.pp), tp=args.tp,
-                pp=args.pp, grad_accum_steps=micro_batches, zero=args.zero, ranks=ranks,
-                num_params=sum(math.prod(shape) for shape in run.model.full_shapes.values()))
+                pp=args.pp, grad_accum_steps=trainer.micro_batches, zero=args.zero, ranks=ranks,
+                num_params=sum(math.prod(shape) for shape in trainer.model.full_shapes.values()))
 
 
 def format_plan(plan: dict) -> str:
@@ -3000,6 +3228,205 @@ def format_plan(plan: dict) -> str:
                  f"gradients, fp32 Adam states, K=12; tensor and pipeline parallelism divide it further): "
                  f"{formula / mib:.1f} MiB per rank")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Layout check (--check_layout): the tiny model trained under each layout on gloo processes, against one process
+
+# every layout the test suite checks: name -> (processes, flags)
+LAYOUTS = {
+    "dp2": (2, dict()),
+    "dp2_zero1": (2, dict(zero=1)),
+    "dp2_zero2": (2, dict(zero=2)),
+    "dp2_zero3": (2, dict(zero=3)),
+    "tp2": (2, dict(tp=2)),
+    "tp2_sp": (2, dict(tp=2, sp=True)),
+    "tp2_sp_async": (2, dict(tp=2, sp=True, async_tp=True)),
+    "pp2_afab": (2, dict(pp=2, pp_schedule="afab")),
+    "pp2_1f1b": (2, dict(pp=2, pp_schedule="1f1b")),
+    "pp3_1f1b": (3, dict(pp=3, pp_schedule="1f1b")),
+    "dp2_tp2_sp": (4, dict(tp=2, sp=True)),
+    "dp2_tp2_zero3": (4, dict(tp=2, zero=3)),
+    "dp2_pp2": (4, dict(pp=2)),
+    "dp2_pp2_zero3": (4, dict(pp=2, zero=3)),
+    "pp2_tp2_sp": (4, dict(pp=2, tp=2, sp=True)),
+}
+# what --check_layout runs: one of each kind, on at most four processes
+CHECKED_LAYOUTS = ("dp2", "dp2_zero1", "dp2_zero2", "dp2_zero3", "tp2", "tp2_sp", "pp2_afab", "pp2_1f1b",
+                   "dp2_tp2_sp")
+# the tiny preset at the tests' size: 3 steps of 4 sequences of 128 tokens
+LAYOUT_CHECK_FLAGS = dict(preset="tiny", train_seq_len=128, seqs_per_step=4, val_seq_len=128, val_tokens=512)
+
+
+def layout_tolerance(layout: dict) -> float:
+    """How far, relative to its norm, a tensor after a few steps may be from the one-process run's. Float64
+    gradient sums make data-parallel, ZeRO and pipeline runs equal to within rounding of float64 sums (0 for the
+    unedited model; a parameter that pipeline stages share sums two float32 parts). Tensor parallelism adds
+    activations in another order, which Adam (eps 1e-10) turns into visible steps on rare embedding rows:
+    measured up to 6.5e-4 on an edited model. A layout that trains another model differs by far more (a gradient
+    summed over too few ranks: 0.5; a token shift cut at a shard's edge: 0.13)."""
+    return 3e-3 if layout.get("tp", 1) > 1 else 1e-5
+
+
+def train_steps(rank: int, world_size: int, flags: list[str], steps: int, device_type: str = "cpu") -> dict:
+    """`steps` training steps of the run flags describe (its zero-initialised layers made non-zero), as this rank of
+    world_size: the losses, what the first step held and sent (account_step), the names of the parameters it holds,
+    and on rank 0 the training state after the last step, as one-process tensors (gather_training_state)."""
+    args = parse_args(flags, cuda=False)
+    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    ctx = build_parallel_context(rank, world_size, device, args.tp, args.pp)
+    trainer = build_trainer(args, ctx, nonzero_init=True)
+    batches = DistributedDataLoader(args.train_files, args.train_seq_len, args.seqs_per_step, ctx.dp.rank,
+                                    ctx.dp.size, device)
+    losses, no_gradient = [], torch.zeros((), device=device)
+    for step in range(steps):
+        if step == 0:
+            first = account_step(trainer, batches, step)
+            loss_sum = first.pop("loss_sum")
+        else:
+            loss_sum = forward_backward(trainer, batches, step)
+            optimizer_step(trainer, step)
+        losses.append(trainer.step_stats(loss_sum, no_gradient, stop=False)[0].item())
+    with trainer.zero.whole_parameters():  # (copied: ZeRO 3 frees the gathered values afterwards)
+        state = pytree.tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, gather_training_state(trainer))
+    return dict(losses=losses, first_step=first, state=state, held=[name for name, _ in trainer.model.named_parameters()])
+
+
+def flat_state(state: dict) -> dict[str, Tensor]:
+    """A training state as {"model/embed.weight": tensor, "adam/embed.weight/exp_avg": tensor, ...}."""
+    return {f"{part}/{name}" + (f"/{key}" if key else ""): value for part in ("model", "adam", "muon")
+            for name, entry in state[part].items()
+            for key, value in (entry.items() if isinstance(entry, dict) else [("", entry)])}
+
+
+def worst_difference(state: dict, reference: dict) -> tuple[float, str]:
+    """The largest ||a - b|| / ||b|| over the tensors of two training states, and which tensor it is."""
+    ours, theirs = flat_state(state), flat_state(reference)
+    if ours.keys() != theirs.keys():
+        missing = sorted(ours.keys() ^ theirs.keys())
+        return math.inf, f"{missing[0]} (held by one run only)"
+    worst = (0.0, "")
+    for name, expected in theirs.items():
+        got, expected = torch.as_tensor(ours[name]).double(), torch.as_tensor(expected).double()
+        error = (got - expected).norm().item() if got.shape == expected.shape else math.inf
+        scale = expected.norm().item()
+        worst = max(worst, (error / scale if scale else (0.0 if error == 0 else math.inf), name))
+    return worst
+
+
+def check_layouts(args: Hyperparameters) -> None:
+    """Train the tiny configuration of this file's model for 3 steps in one process and under each layout on gloo
+    processes, compare every parameter and optimizer state with one process, and print a line per layout as it
+    finishes. A layout that trains another model, or fails, ends it with exit status 1."""
+    names = CHECKED_LAYOUTS if args.check_layout == "all" else args.check_layout.split(",")
+    flags = dict(LAYOUT_CHECK_FLAGS)
+    for key in ("train_files", "val_files"):
+        pattern = PRESETS["tiny"][key]
+        flags[key] = pattern if glob.glob(pattern) else str(Path(__file__).parent / pattern)
+    argv = [f"--{k}={v}" for k, v in flags.items()]
+    print(f"checking {len(names)} layouts: the tiny model, 3 steps, against one process", flush=True)
+    # the processes fork from this one, which has trained nothing: they run this file's model as it stands
+    reference = run_on_ranks(train_steps, 1, argv, 3, start_method="fork")[0]
+    failed = 0
+    for name in names:
+        processes, layout = LAYOUTS[name]
+        start = time.perf_counter()
+        try:
+            ranks = run_on_ranks(train_steps, processes, argv + [f"--{k}={v}" for k, v in layout.items()], 3,
+                                 start_method="fork")
+        except UserError as e:
+            print(f"{name:<12} REFUSED  {e}", flush=True)
+            continue
+        except RuntimeError as e:
+            failed += 1
+            print(f"{name:<12} FAILED   {str(e).strip().splitlines()[-1]}", flush=True)
+            continue
+        worst, tensor = worst_difference(ranks[0]["state"], reference["state"])
+        losses = max(abs(a - b) / abs(b) for rank in ranks for a, b in zip(rank["losses"], reference["losses"]))
+        ok = worst <= layout_tolerance(layout) and losses <= 1e-5
+        failed += not ok
+        difference = f"largest difference {worst:.1e} of the norm, in {tensor}" if worst else "bit-identical"
+        print(f"{name:<12} {'OK' if ok else 'DIFFERS':<8} {difference}; losses {losses:.1e} apart  "
+              f"[{processes} processes, {time.perf_counter() - start:.0f} s]", flush=True)
+    if failed:
+        raise RunEnded(f"{failed} layout(s) do not train the one-process model: see the lines above", 1)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _to_numpy(value):
+    """Tensors as numpy arrays (a shared-memory tensor would not outlive its worker); bfloat16 as float32."""
+    if isinstance(value, Tensor):
+        value = value.detach().cpu()
+        return (value.float() if value.dtype == torch.bfloat16 else value).numpy()
+    if isinstance(value, dict):
+        return {k: _to_numpy(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_numpy(v) for v in value)
+    return value
+
+
+def _rank_worker(rank, world_size, port, fn, args, results, backend):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)  # as many processes as cores
+    try:
+        if world_size > 1 and backend == "nccl":  # one GPU per rank
+            torch.cuda.set_device(rank)
+            dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=torch.device("cuda", rank))
+        elif world_size > 1:
+            dist.init_process_group(backend, rank=rank, world_size=world_size)
+        results.put((rank, "ok", _to_numpy(fn(rank, world_size, *args))))
+    except UserError as e:
+        results.put((rank, "refused", str(e)))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_on_ranks(fn, world_size: int, *args, timeout: float = 300.0, backend: str = "gloo",
+                 start_method: str = "forkserver") -> list:
+    """fn(rank, world_size, *args) on world_size processes (backend "nccl": one GPU each); the results by rank.
+
+    The processes fork from a server that has imported torch, this file and fn's module once (importing takes
+    seconds; they must be on PYTHONPATH), so they start clean and fast, fn a module-level function; or ("fork") from this process, which must not have
+    run torch's thread pools yet. A rank's UserError is raised here; any other failure, or no answer within
+    `timeout` seconds, raises RuntimeError with that rank's traceback.
+    """
+    context = multiprocessing.get_context(start_method)
+    if start_method == "forkserver":
+        context.set_forkserver_preload(["torch", "torch.distributed", "train_gpt", fn.__module__])
+    results = context.Queue()
+    port = free_port()
+    procs = [context.Process(target=_rank_worker, args=(r, world_size, port, fn, args, results, backend), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    collected = {}
+    try:
+        for _ in range(world_size):
+            try:
+                rank, status, value = results.get(timeout=timeout)
+            except queue.Empty:
+                raise RuntimeError(f"no answer from ranks {sorted(set(range(world_size)) - set(collected))} "
+                                   f"within {timeout:.0f} s") from None
+            if status == "refused":
+                raise UserError(value)
+            if status == "error":
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            collected[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [collected[r] for r in range(world_size)]
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ spent in the kernel (allocation churn shows there), the evaluation time of --eva
 256-token sequences, and the ratios old / new. The losses of both must be identical, bit for bit.
 """
 import argparse
+import functools
 import json
 import resource
 import subprocess
@@ -30,7 +31,7 @@ def measure(source_dir: str, steps: int, eval_tokens: int, preset_flags: list[st
     getattr(train_gpt, "keep_freed_memory_for_reuse", lambda: None)()  # what its main() sets up, where it does
     args = train_gpt.parse_args(["--preset", "cpu", *preset_flags, "--val_seq_len", "256",
                                  "--val_tokens", str(eval_tokens)], cuda=False)
-    run = train_gpt.build_run(args, train_gpt.build_parallel_context(0, 1, torch.device("cpu")))
+    ctx = train_gpt.build_parallel_context(0, 1, torch.device("cpu"))
     batches = train_gpt.DistributedDataLoader(args.train_files, args.train_seq_len, args.seqs_per_step, 0, 1,
                                               torch.device("cpu"))
     phases = dict.fromkeys(("data", "forward", "backward", "  of which float64 sums", "gradient norm",
@@ -44,26 +45,46 @@ def measure(source_dir: str, steps: int, eval_tokens: int, preset_flags: list[st
             finally:
                 phases[phase] += time.perf_counter() - start
         return wrapped
-    run.compiled = timed("forward", run.compiled)
-    run.accumulate = timed("backward", run.accumulate)  # (less the forward and the data, below)
+    if hasattr(train_gpt, "build_trainer"):  # this file's functions
+        trainer = train_gpt.build_trainer(args, ctx)
+        trainer.model.forward = timed("forward", trainer.model.forward)
+        forward_backward = timed("backward", train_gpt.forward_backward)  # (less the forward and the data, below)
+        optimizer_step = timed("optimizer", train_gpt.optimizer_step)
+        trainer.gradient_squares = timed("gradient norm", trainer.gradient_squares)
+        gradients = trainer.gradients
+
+        def train_step(data, step):
+            loss_sum = forward_backward(trainer, data, step)
+            trainer.gradient_squares()
+            optimizer_step(trainer, step)
+            return loss_sum
+        evaluate = functools.partial(train_gpt.evaluate, trainer)
+    else:  # the baseline's one Run object
+        run = train_gpt.build_run(args, ctx)
+        run.compiled = timed("forward", run.compiled)
+        run.accumulate = timed("backward", run.accumulate)
+        run.gradient_squares = timed("gradient norm", run.gradient_squares)
+        run.optimizer_step = timed("optimizer", run.optimizer_step)
+        gradients, evaluate = run.gradients, run.evaluate
+
+        def train_step(data, step):
+            return run.train_step(data, step)[0]
     for name in ("_add_to_sum", "_take_sum"):
-        if hasattr(run.gradients, name):
-            setattr(run.gradients, name, timed("  of which float64 sums", getattr(run.gradients, name)))
-    run.gradient_squares = timed("gradient norm", run.gradient_squares)
-    run.optimizer_step = timed("optimizer", run.optimizer_step)
+        if hasattr(gradients, name):
+            setattr(gradients, name, timed("  of which float64 sums", getattr(gradients, name)))
 
     class TimedBatches:
         __next__ = staticmethod(timed("data", lambda: next(batches)))
     data = TimedBatches()
-    losses = [run.train_step(data, step)[0].item() for step in range(2)]
+    losses = [train_step(data, step).item() for step in range(2)]
     for phase in phases:
         phases[phase] = 0.0
     before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-    losses += [run.train_step(data, step)[0].item() for step in range(2, 2 + steps)]
+    losses += [train_step(data, step).item() for step in range(2, 2 + steps)]
     wall, after = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF)
     phases["backward"] -= phases["forward"] + phases["data"]
     start = time.perf_counter()
-    val_loss = run.evaluate(0)
+    val_loss = evaluate(0)
     return dict(step_ms=1000 * wall / steps, tokens_per_s=steps * args.seqs_per_step * args.train_seq_len / wall,
                 phases_ms={k: 1000 * v / steps for k, v in phases.items()},
                 user_s=(after.ru_utime - before.ru_utime) / steps, sys_s=(after.ru_stime - before.ru_stime) / steps,

@@ -75,14 +75,12 @@ def main():
             source = "synthetic shards (no FineWeb in " + str(Path(train_gpt.Hyperparameters.train_files).parent) + ")"
         else:
             source = args.train_files
-        run = train_gpt.build_run(args, ctx)
+        trainer = train_gpt.build_trainer(args, ctx)
         batches = train_gpt.DistributedDataLoader(args.train_files, args.train_seq_len, args.seqs_per_step,
                                                   ctx.dp.rank, ctx.dp.size, ctx.device)
         if args.compile and args.warmup_steps > 0:
-            warmup = train_gpt.random_batches(args, ctx.device)
-            train_gpt.warmup_and_restore(run.model, run.optimizers, lambda: run.train_step(warmup, at_step),
-                                         args.warmup_steps)
-        phases = time_steps(run, batches, at_step, ours.steps, ctx.device)
+            train_gpt.warmup_and_restore(trainer, args.warmup_steps)
+        phases = time_steps(trainer, batches, at_step, ours.steps, ctx.device)
     report(args, ctx, source, at_step, ours.steps, phases)
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -110,17 +108,17 @@ class Marks:
         return [(name, 1000 * (end - start)) for (_, start), (name, end) in zip(self.points, self.points[1:])]
 
 
-def time_steps(run, batches, at_step: int, steps: int, device: torch.device) -> dict:
+def time_steps(trainer, batches, at_step: int, steps: int, device: torch.device) -> dict:
     """Train `steps` steps as train() does, marking where backward ends, the gradients arrive and the optimizer
     step ends; returns the wall time and each phase's total, in ms."""
     marks = Marks(device)
-    gradients_wait = run.gradients.wait
+    gradients_wait = trainer.gradients.wait
 
     def marked_wait():
         marks.mark("forward+backward")
         gradients_wait()
         marks.mark("gradient wait")
-    run.gradients.wait = marked_wait
+    trainer.gradients.wait = marked_wait
     train_gpt.device_synchronize(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -128,9 +126,11 @@ def time_steps(run, batches, at_step: int, steps: int, device: torch.device) -> 
     pending = None
     for step in range(at_step, at_step + steps):
         marks.mark("start")
-        loss_sum, grad_squares = run.train_step(batches, step)
+        loss_sum = train_gpt.forward_backward(trainer, batches, step)
+        grad_squares = trainer.gradient_squares()
+        train_gpt.optimizer_step(trainer, step)
         marks.mark("optimizer")
-        stats = train_gpt.read_later(run.step_stats(loss_sum, grad_squares, stop=False))
+        stats = train_gpt.start_copy_to_host(trainer.step_stats(loss_sum, grad_squares, stop=False))
         if pending is not None:
             pending()  # read a step late, as the trainer does
         pending = stats

@@ -1,4 +1,5 @@
 """Shared test setup: the repo root on sys.path (tests import train_gpt's parts), and shared fixtures."""
+import os
 import sys
 from pathlib import Path
 
@@ -6,6 +7,9 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
+# the worker processes' server (train_gpt.run_on_ranks) imports the trainer and these helpers by name once
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), str(REPO_ROOT / "tests"),
+                                                         os.environ.get("PYTHONPATH")]))
 
 
 @pytest.fixture(scope="session")
@@ -35,18 +39,18 @@ def layout_files(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def layout_runs(layout_files):
-    """run(name, edit=None): three steps of the tiny model under layouts.LAYOUTS[name] (or in "one process"),
-    each rank's report (layouts.train_steps); each layout runs once per session, whichever tests look at it."""
-    from distributed import run_on_ranks
-    from layouts import LAYOUTS, train_steps
+    """run(name, edit=None): three steps of the tiny model, as edited, under train_gpt.LAYOUTS[name] or in "one
+    process" (in a process of its own with one thread, as each rank has), each rank's report
+    (train_gpt.train_steps); each runs once per session, whichever tests look at it."""
+    from layouts import edited_train_steps
+    from synthetic import tiny_flags
+    from train_gpt import LAYOUTS, run_on_ranks
     cache = {}
 
     def run(name, edit=None):
         if (name, edit) not in cache:
-            if name == "one process":
-                cache[name, edit] = train_steps(0, 1, layout_files, 3, None, edit)
-            else:
-                processes, layout = LAYOUTS[name]
-                cache[name, edit] = run_on_ranks(train_steps, processes, layout_files, 3, layout, edit, timeout=600)
-        return cache[name, edit]
+            processes, layout = (1, {}) if name == "one process" else LAYOUTS[name]
+            cache[name, edit] = run_on_ranks(edited_train_steps, processes, edit, tiny_flags(layout_files, **layout),
+                                             3, timeout=600)
+        return cache[name, edit][0] if name == "one process" else cache[name, edit]
     return run

@@ -1,100 +1,199 @@
-"""A few training steps under any layout (data, tensor and pipeline parallel, ZeRO), built by the trainer's own
-build_run, reporting what tests compare with a one-process run: losses, gradients and parameters as full
-one-process tensors, and the bytes each rank held and sent in its first step."""
+"""The layout tests' harness: a few training steps under any layout (train_gpt.train_steps, the same runs and
+comparison as `train_gpt.py --check_layout`), and the model edits a forker makes, applied by subclassing the
+model's classes."""
 import contextlib
-import inspect
-import textwrap
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import train_gpt
 from synthetic import tiny_flags
+from train_gpt import CastedLinear, norm
 
-# every layout the equivalence tests cover: name -> (processes, flags)
-LAYOUTS = {
-    "dp2": (2, dict()),
-    "dp2_zero1": (2, dict(zero=1)),
-    "dp2_zero2": (2, dict(zero=2)),
-    "dp2_zero3": (2, dict(zero=3)),
-    "tp2": (2, dict(tp=2)),
-    "tp2_sp": (2, dict(tp=2, sp=True)),
-    "tp2_sp_async": (2, dict(tp=2, sp=True, async_tp=True)),
-    "pp2_afab": (2, dict(pp=2, pp_schedule="afab")),
-    "pp3_1f1b": (3, dict(pp=3, pp_schedule="1f1b")),
-    "dp2_tp2_zero3": (4, dict(tp=2, zero=3)),
-    "dp2_pp2": (4, dict(pp=2)),
-    "dp2_pp2_zero3": (4, dict(pp=2, zero=3)),
-    "pp2_tp2_sp": (4, dict(pp=2, tp=2, sp=True)),
+
+def shift(x: torch.Tensor) -> torch.Tensor:
+    """Each position gets the previous position's vector (the first gets zeros): a token shift."""
+    return torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1)
+
+
+# Issue's natural edits: a gate on the attention output, a 4th value embedding, a new linear layer in the MLP, a
+# learnable per-layer vector, and a bigram-hash embedding added to x0 (the field's record #62)
+
+class BlockWithAttentionGate(train_gpt.Block):
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.attn_gate = nn.Parameter(torch.tensor(0.7)) if self.attn is not None else None
+
+    def forward(self, x, skip, ve, x0, mask):
+        if skip is not None:
+            x = x + self.skip_weight * skip
+        x = self.lambdas[0] * x + self.lambdas[1] * x0
+        if self.attn is not None:
+            x = x + self.attn_gate * self.attn(norm(x), ve, mask)
+        return x + self.mlp(norm(x))
+
+
+class GatedMLP(train_gpt.MLP):
+    def __init__(self, dim):
+        super().__init__(dim)
+        self.c_gate = CastedLinear(dim, 4 * dim)
+
+    def forward(self, x):
+        return self.c_proj(F.relu(self.c_fc(x)).square() * torch.sigmoid(self.c_gate(x)))
+
+
+class GPTWithNaturalEdits(train_gpt.GPT):
+    NUM_VALUE_EMBEDS = 4
+
+    def __init__(self, vocab_size, num_layers, num_heads, head_dim, model_dim, *args, **kwargs):
+        super().__init__(vocab_size, num_layers, num_heads, head_dim, model_dim, *args, **kwargs)
+        self.layer_gains = nn.Parameter(torch.linspace(0.8, 1.2, num_layers))
+        self.bigram = nn.Embedding(2**16, model_dim)
+
+    def embed_tokens(self, input_seq):
+        stream = super().embed_tokens(input_seq)
+        previous = torch.cat([input_seq.new_zeros(1), input_seq[:-1]])
+        x = norm(stream["x"] + 0.1 * self.bigram((input_seq * 31 + previous) % 2**16)[None])
+        return dict(stream, x=x, x0=x)
+
+    def run_block(self, i, stream, masks):
+        return super().run_block(i, dict(stream, x=stream["x"] * self.layer_gains[i]), masks)
+
+
+# The field's record history: a token shift ("smear") of the embedding, a second head for multi-token prediction,
+# tied input and output embeddings, a learnable soft cap, a per-head temperature, a GPT parameter read only in the
+# head, and a block's scalar read by the GPT after the block ran
+
+class HeadWithLearnedCap(train_gpt.LMHead):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.cap = nn.Parameter(torch.tensor(30.0))
+
+    def summed_loss(self, x, targets):
+        logits = CastedLinear.forward(self, x).float() / (7.5 * x.size(-1) ** 0.5 * self.temperature)
+        return self.cross_entropy(self.cap * torch.sigmoid(logits), targets)
+
+
+class AttentionWithHeadTemperature(train_gpt.CausalSelfAttention):
+    def __init__(self, dim, num_heads, head_dim, max_seq_len):
+        super().__init__(dim, num_heads, head_dim, max_seq_len)
+        self.head_temperature = nn.Parameter(torch.linspace(0.8, 1.2, num_heads))
+
+    def forward(self, x, ve, mask):
+        qkv = self.qkv(x)
+        B, T = qkv.size(0), qkv.size(1)
+        q, k, v = qkv.view(B, T, 3, -1, self.head_dim).unbind(2)
+        q, k = self.rotary(norm(q)) * self.head_temperature[:, None], self.rotary(norm(k))
+        v = self.lambdas[0] * v + self.lambdas[1] * ve.view_as(v) if ve is not None else self.lambdas[0] * v
+        y = train_gpt.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, -1))
+
+
+class GPTWithRecordEdits(train_gpt.GPT):
+    def __init__(self, vocab_size, num_layers, num_heads, head_dim, model_dim, *args, **kwargs):
+        super().__init__(vocab_size, num_layers, num_heads, head_dim, model_dim, *args, **kwargs)
+        self.smear_gate = CastedLinear(12, 1)
+        padded = self.lm_head.weight.size(0)
+        self.embed = nn.Embedding(padded, model_dim)  # tied: one table of the head's (padded) size
+        self.lm_head.weight = self.embed.weight
+        self.next_head = train_gpt.LMHead(model_dim, padded)
+        self.next_head.weight.detach().zero_()  # a head starts at zero, as the GPT's own does
+        self.head_temperature = nn.Parameter(torch.tensor(1.0))
+        for head in (self.lm_head, self.next_head):
+            head.temperature = self.head_temperature
+
+    def embed_tokens(self, input_seq):
+        stream = super().embed_tokens(input_seq)
+        x = stream["x"] + torch.sigmoid(self.smear_gate(stream["x"][..., :12])) * shift(stream["x"])
+        return dict(stream, x=x, x0=x)
+
+    def run_block(self, i, stream, masks):
+        stream = super().run_block(i, stream, masks)
+        return dict(stream, x=stream["x"] + 0.1 * self.blocks[i].lambdas[1] * stream["x0"])
+
+    def head_loss(self, stream, target_seq):
+        loss = super().head_loss(stream, target_seq)
+        if self.training:  # the second head predicts the token after next
+            loss = loss + self.next_head(norm(stream["x"])[0, :-1], target_seq[1:])
+        return loss
+
+
+# A token shift inside a block: where sequence parallelism cuts the stream, so it must refuse it
+class BlockWithTokenShift(train_gpt.Block):
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.shift_gain = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x, skip, ve, x0, mask):
+        return super().forward(x + self.shift_gain * shift(x), skip, ve, x0, mask)
+
+
+class AttentionWithUnplacedMatrix(train_gpt.CausalSelfAttention):
+    """A weight matrix inside attention, on its heads' output, that neither reads the region's input nor writes its
+    output: no tensor-parallel rule places it."""
+
+    def __init__(self, dim, *args):
+        super().__init__(dim, *args)
+        self.mix = CastedLinear(dim, dim)
+
+    def forward(self, x, ve, mask):
+        qkv = self.qkv(x)
+        B, T = qkv.size(0), qkv.size(1)
+        q, k, v = qkv.view(B, T, 3, -1, self.head_dim).unbind(2)
+        q, k = self.rotary(norm(q)), self.rotary(norm(k))
+        v = self.lambdas[0] * v + self.lambdas[1] * ve.view_as(v) if ve is not None else self.lambdas[0] * v
+        y = train_gpt.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
+        return self.c_proj(self.mix(y.transpose(1, 2).contiguous().view(B, T, -1)))
+
+
+class GPTWithAllEdits(GPTWithRecordEdits, GPTWithNaturalEdits):
+    """Both sets of edits in one model (each class's embed_tokens and run_block call the next one's)."""
+
+
+# edit name -> the train_gpt classes it replaces by subclasses
+MODEL_EDITS = {
+    "forks": dict(GPT=GPTWithAllEdits, Block=BlockWithAttentionGate, MLP=GatedMLP, LMHead=HeadWithLearnedCap,
+                  CausalSelfAttention=AttentionWithHeadTemperature),
+    "token_shift_in_a_block": dict(Block=BlockWithTokenShift),
+    "unplaced_matrix_in_attention": dict(CausalSelfAttention=AttentionWithUnplacedMatrix),
 }
 
 
-def train_steps(rank, world_size, files, steps, layout=None, edit=None, device_type="cpu"):
-    """Losses of `steps` steps; every gradient this rank holds after the last step's backward and the parameters
-    after its update, as full one-process tensors (a pipeline stage has its own only); and what the first step
-    held and sent (train_gpt.account_step). edit: a MODEL_EDITS entry applied to the model first. device_type
-    "cuda": on GPU `rank`, in the CUDA run's dtypes with FlexAttention."""
-    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+@contextlib.contextmanager
+def model_edit(name):
+    """train_gpt's model classes replaced by the named edit's subclasses (the model is built from these names, as in
+    a fork that edited the file); put back afterwards."""
+    replaced = MODEL_EDITS[name] if name else {}
+    saved = {attr: getattr(train_gpt, attr) for attr in replaced}
+    for attr, cls in replaced.items():
+        setattr(train_gpt, attr, cls)
+    try:
+        yield
+    finally:
+        for attr, cls in saved.items():
+            setattr(train_gpt, attr, cls)
+
+
+def edited_train_steps(rank, world_size, edit, flags, steps):
+    """train_gpt.train_steps on the model as edited."""
     with model_edit(edit):
-        args = train_gpt.parse_args(tiny_flags(files, **(layout or {})), cuda=False)
-        ctx = train_gpt.build_parallel_context(rank, world_size, device, args.tp, args.pp)
-        run = train_gpt.build_run(args, ctx)
-        batches = train_gpt.DistributedDataLoader(args.train_files, args.train_seq_len, args.seqs_per_step,
-                                                  ctx.dp.rank, ctx.dp.size, ctx.device)
-        losses, no_gradient = [], torch.zeros((), device=device)
-        for step in range(steps):
-            if step == 0:
-                first = train_gpt.account_step(run, batches, step)
-                loss_sum = first.pop("loss_sum")
-            else:
-                loss_sum = run.backward(batches, step)
-                if step == steps - 1:  # (under ZeRO 1 and up, only the gradients this rank owns; cloned: Muon
-                    # updates its momentum in the gradient)
-                    grads = {name: train_gpt.whole(p, p.grad).clone() for name, p in run.model.named_parameters()
-                             if p.grad is not None}
-                run.optimizer_step(step)
-            losses.append(run.step_stats(loss_sum, no_gradient, stop=False)[0].item())
-        with run.zero.whole_parameters():
-            params = {name: train_gpt.whole(p, p.detach()).clone() for name, p in run.model.named_parameters()}
-        return dict(grads=grads, losses=losses, first_step=first, params=params,
-                    num_buckets=len(getattr(run.gradients, "buckets", [])))
+        return train_gpt.train_steps(rank, world_size, flags, steps)
 
 
-def assert_close_in_norm(got, expected, tolerance, what):
-    """||got - expected|| <= tolerance * ||expected||; tolerance 0: bit-identical."""
-    got, expected = torch.as_tensor(got), torch.as_tensor(expected)
-    if tolerance == 0:
-        assert torch.equal(got, expected), what
-        return
-    got, expected = got.double(), expected.double()
-    assert got.shape == expected.shape, what
-    error = (got - expected).norm().item()
-    assert error <= tolerance * expected.norm().item(), (what, error / expected.norm().item())
-
-
-def assert_trains_like_one_process(ranks, single, gradient_tolerance=0.0, parameter_tolerance=None,
-                                   loss_tolerance=1e-6):
-    """Each rank's gradients (at the last step, every one of them non-zero) and losses equal the one-process run's,
-    its parameters after the last step too, and together the ranks hold every one of them.
-
-    Gradients are compared directly: Adam would hide a constant factor. Tolerances are relative to each tensor's
-    norm (0: bit-identical). Parameters by default within 1e-4 where gradients may differ: Adam (eps 1e-10) turns
-    summation-order rounding in a rare token's tiny gradient into a visible step for that one embedding row, while
-    every tensor as a whole agrees to within 2e-5 of its norm (measured; Muon's Newton-Schulz carries the rounding
-    on)."""
-    if parameter_tolerance is None:
-        parameter_tolerance = 1e-4 if gradient_tolerance else 0.0
+def assert_trains_like_one_process(ranks, single, layout, exact=False):
+    """Every rank's losses, and every parameter and optimizer state after the last step (gathered on rank 0), equal
+    the one-process run's: the state bit-identical when exact, else as --check_layout compares it; the losses, which
+    each rank's share sums in float32 in another order, to 1e-6. Adam's moments and Muon's momentum carry every
+    step's gradients, and each compared one is asserted non-zero."""
+    reference = train_gpt.flat_state(single["state"])
+    for name, value in reference.items():
+        assert name.endswith("/step") or torch.as_tensor(value).norm() > 0, f"{name} is zero: the comparison is empty"
+    worst, tensor = train_gpt.worst_difference(ranks[0]["state"], single["state"])
+    assert worst <= (0 if exact else train_gpt.layout_tolerance(layout)), (tensor, worst)
     for rank in ranks:
-        assert rank["grads"].keys() <= single["grads"].keys()
-        for name, grad in rank["grads"].items():
-            assert single["grads"][name].norm() > 0, f"gradient of {name} is zero: the comparison would be empty"
-            assert_close_in_norm(grad, single["grads"][name], gradient_tolerance, f"gradient of {name}")
-        assert rank["losses"] == pytest.approx(single["losses"], rel=loss_tolerance)
-        for name, param in rank["params"].items():
-            assert_close_in_norm(param, single["params"][name], parameter_tolerance, f"parameter {name}")
-    assert set().union(*(rank["grads"] for rank in ranks)) == single["grads"].keys()
-    assert set().union(*(rank["params"] for rank in ranks)) == single["params"].keys()
+        assert rank["losses"] == pytest.approx(single["losses"], rel=1e-6, abs=0)
 
 
 def assert_holds_and_sends_what_the_plan_predicts(ranks, files, **layout):
@@ -108,74 +207,10 @@ def assert_holds_and_sends_what_the_plan_predicts(ranks, files, **layout):
             assert held[kind] == predicted[kind], kind
 
 
-# Edits a speedrunner makes to the model, as source edits of train_gpt's classes: (class, method, the line as
-# it is, the line as edited), and parameters added at the end of a class's __init__.
-MODEL_EDITS = {
-    # a scalar gate on a block's attention output, a vector on the MLP's output in the residual stream, a
-    # vector inside attention on head-sharded activations, a weight matrix on the residual stream that no
-    # layout knows (it trains replicated), and vectors of the GPT itself on the embedding (the first pipeline
-    # stage's) and before the head (the last's)
-    "gates": dict(
-        sources=[("Block", "forward", "x = x + self.attn(norm(x), ve, mask)",
-                  "x = x + self.attn_gate * self.attn(norm(x), ve, mask)"),
-                 ("Block", "forward", "return x + self.mlp(norm(x))",
-                  "return x + self.mlp(norm(x)) * self.mlp_gain + self.mix(norm(x))"),
-                 ("CausalSelfAttention", "forward", "y = attention(", "y = self.head_gain * attention("),
-                 ("GPT", "embed_tokens", "x = norm(self.embed(input_seq)[None])",
-                  "x = norm(self.embed(input_seq)[None]) * self.embed_gain"),
-                 ("GPT", "head_loss", 'self.lm_head(norm(stream["x"])[0], target_seq)',
-                  'self.lm_head(norm(stream["x"])[0] * self.out_gain, target_seq)')],
-        parameters=[("GPT", lambda gpt: dict(
-                        embed_gain=nn.Parameter(torch.linspace(0.5, 1.5, gpt.embed.weight.size(1))),
-                        out_gain=nn.Parameter(torch.linspace(1.5, 0.5, gpt.embed.weight.size(1))))),
-                    ("Block", lambda block: dict(
-                        attn_gate=nn.Parameter(torch.tensor(1.0)) if block.attn is not None else None,
-                        mlp_gain=nn.Parameter(torch.linspace(0.5, 1.5, block.mlp.c_proj.weight.size(0))),
-                        mix=train_gpt.CastedLinear(block.mlp.c_fc.weight.size(1), block.mlp.c_fc.weight.size(1)))),
-                    ("CausalSelfAttention", lambda attn: dict(
-                        head_gain=nn.Parameter(torch.linspace(0.5, 1.5, attn.head_dim))))]),
-    # a vector of the GPT itself with one entry per layer, scaling each block's input (as the record's design once
-    # kept its U-Net skip weights): every pipeline stage would read it
-    "per_layer_vector_on_gpt": dict(
-        sources=[("GPT", "run_block", 'x = self.blocks[i](stream["x"],',
-                  'x = self.blocks[i](stream["x"] * self.layer_gains[i],')],
-        parameters=[("GPT", lambda gpt: dict(layer_gains=nn.Parameter(torch.linspace(0.5, 1.5, len(gpt.blocks)))))]),
-    # a weight matrix inside attention that the tensor-parallel plan does not name
-    "unnamed_matrix_in_attention": dict(
-        sources=[("CausalSelfAttention", "forward", "qkv = self.qkv(x)", "qkv = self.qkv(self.pre(x))")],
-        parameters=[("CausalSelfAttention", lambda attn: dict(
-                        pre=train_gpt.CastedLinear(attn.qkv.weight.size(-1), attn.qkv.weight.size(-1))))]),
-}
 
-
-@contextlib.contextmanager
-def model_edit(name):
-    """train_gpt's model classes with the named edit applied, as if typed into the file; put back afterwards."""
-    if name is None:
-        yield
-        return
-    edit, saved, sources = MODEL_EDITS[name], [], {}
-    for class_name, method, before, after in edit["sources"]:
-        cls = getattr(train_gpt, class_name)
-        source = sources.get((cls, method)) or textwrap.dedent(inspect.getsource(getattr(cls, method)))
-        assert source.count(before) == 1, f"the edit's line is no longer in {class_name}.{method}: {before}"
-        sources[cls, method] = source.replace(before, after)
-    for (cls, method), source in sources.items():
-        namespace = {}
-        exec(source, vars(train_gpt), namespace)
-        saved.append((cls, method, cls.__dict__[method]))
-        setattr(cls, method, namespace[method])
-    for class_name, new_parameters in edit["parameters"]:
-        cls = getattr(train_gpt, class_name)
-        saved.append((cls, "__init__", cls.__dict__["__init__"]))
-
-        def __init__(self, *args, _init=cls.__init__, _new=new_parameters, **kwargs):
-            _init(self, *args, **kwargs)
-            for attribute, value in _new(self).items():
-                setattr(self, attribute, value)
-        cls.__init__ = __init__
-    try:
-        yield
-    finally:
-        for cls, method, original in reversed(saved):
-            setattr(cls, method, original)
+def train_step(trainer, batches, step):
+    """One step as train_gpt.train() takes it: its summed loss and squared gradient norm."""
+    loss_sum = train_gpt.forward_backward(trainer, batches, step)
+    grad_squares = trainer.gradient_squares()
+    train_gpt.optimizer_step(trainer, step)
+    return loss_sum, grad_squares

@@ -13,18 +13,19 @@ import torch
 
 import train_gpt
 from conftest import REPO_ROOT
-from train_gpt import accumulate_gradients
-from distributed import run_on_ranks
+from train_gpt import forward_backward
+from train_gpt import run_on_ranks
 from synthetic import tiny_flags
 
 STEPS = 8
 
 
-def run(tmp_path, files, world_size, run_id, **overrides):
-    """A tiny run of STEPS steps on world_size processes (1: in this one); returns its log text."""
+def run(tmp_path, files, world_size, run_id, in_worker=False, **overrides):
+    """A tiny run of STEPS steps on world_size processes (1: in this one, unless in_worker: in a process of its own
+    with one thread, as each of several has, since thread counts change the rounding); returns its log text."""
     flags = tiny_flags(files, **dict(dict(log_dir=tmp_path / "logs", run_id=run_id, num_iterations=STEPS,
                                           val_loss_every=2), **overrides))
-    if world_size == 1:
+    if world_size == 1 and not in_worker:
         train_gpt.main(flags)
     else:
         run_on_ranks(main_on_rank, world_size, flags)
@@ -94,9 +95,9 @@ def test_resumed_run_ends_bit_identical_to_the_uninterrupted_one(tmp_path, files
 
 @pytest.mark.parametrize("saved_on, resumed_on, fp64_grad_sum", [(2, 1, True), (1, 2, False)])
 def test_a_checkpoint_resumes_under_another_world_size(tmp_path, files, saved_on, resumed_on, fp64_grad_sum):
-    run(tmp_path, files, saved_on, "saved", save_every=4, fp64_grad_sum=fp64_grad_sum)
-    run(tmp_path, files, resumed_on, "reference", save_every=4, fp64_grad_sum=fp64_grad_sum)
-    log = run(tmp_path, files, resumed_on, "resumed", save_every=4, fp64_grad_sum=fp64_grad_sum,
+    run(tmp_path, files, saved_on, "saved", True, save_every=4, fp64_grad_sum=fp64_grad_sum)
+    run(tmp_path, files, resumed_on, "reference", True, save_every=4, fp64_grad_sum=fp64_grad_sum)
+    log = run(tmp_path, files, resumed_on, "resumed", True, save_every=4, fp64_grad_sum=fp64_grad_sum,
               resume=tmp_path / "logs" / "saved" / "step000004.pt")
     assert f"\nresumed: step:4/{STEPS} from " in log
     # float64 gradient sums (--fp64_grad_sum, on in the tiny preset) make world sizes bit-identical; without them
@@ -121,9 +122,9 @@ def test_a_checkpoint_resumes_under_another_layout(tmp_path, files, saved, resum
 def restore_on_rank(rank, world_size, path, flags):
     """This rank's model, Adam state and the Muon momentum it owns after restoring the checkpoint at path."""
     args = train_gpt.parse_args(flags, cuda=False)
-    run = train_gpt.build_run(args, train_gpt.build_parallel_context(rank, world_size, torch.device("cpu")))
-    train_gpt.restore_checkpoint(train_gpt.load_checkpoint(path), path, run)
-    model, (adam, muon) = run.model, run.optimizers
+    trainer = train_gpt.build_trainer(args, train_gpt.build_parallel_context(rank, world_size, torch.device("cpu")))
+    train_gpt.restore_checkpoint(train_gpt.load_checkpoint(path), path, trainer)
+    model, (adam, muon) = trainer.model, trainer.optimizers
     names = {p: n for n, p in model.named_parameters()}
     return dict(model={n: p.detach().clone() for n, p in model.named_parameters()},
                 adam={names[p]: dict(s) for p, s in adam.state.items()},
@@ -150,17 +151,17 @@ def test_restore_puts_back_every_saved_tensor_with_muon_momentum_on_its_owner(tm
 
 def interrupt_at_call(monkeypatch, calls: int, action, before=False):
     """Run action(model) in the calls-th training step, before or after its forward and backward."""
-    real, count = train_gpt.accumulate_gradients, [0]
+    real, count = train_gpt.forward_backward, [0]
 
-    def wrapped(model, *args, **kwargs):
+    def wrapped(trainer, *args, **kwargs):
         count[0] += 1
         if before and count[0] == calls:
-            action(model)
-        result = real(model, *args, **kwargs)
+            action(trainer.model)
+        result = real(trainer, *args, **kwargs)
         if not before and count[0] == calls:
-            action(model)
+            action(trainer.model)
         return result
-    monkeypatch.setattr(train_gpt, "accumulate_gradients", wrapped)
+    monkeypatch.setattr(train_gpt, "forward_backward", wrapped)
 
 
 @pytest.mark.parametrize("how", ["kill_switch", "sigterm"])
@@ -293,7 +294,7 @@ def test_elastic_restart_after_a_killed_worker_ends_like_an_uninterrupted_run(tm
 
 def stop_on_rank(rank, world_size, flags, signalled_rank):
     """train_gpt.main on this rank; only signalled_rank gets SIGTERM, during its third step. Returns how it ended."""
-    real, calls = train_gpt.accumulate_gradients, [0]
+    real, calls = train_gpt.forward_backward, [0]
 
     def wrapped(*args, **kwargs):
         result = real(*args, **kwargs)
@@ -301,7 +302,7 @@ def stop_on_rank(rank, world_size, flags, signalled_rank):
         if rank == signalled_rank and calls[0] == 3:
             os.kill(os.getpid(), signal.SIGTERM)
         return result
-    train_gpt.accumulate_gradients = wrapped  # a fresh process per rank: nothing to undo
+    train_gpt.forward_backward = wrapped  # a fresh process per rank: nothing to undo
     try:
         train_gpt.main(flags)
     except train_gpt.RunEnded as e:
@@ -349,13 +350,13 @@ def test_ctrl_c_stops_the_trainer_process_with_a_checkpoint_and_exit_status_3(tm
 
 @pytest.fixture
 def stats_read_late(monkeypatch):
-    """Bookkeeping as on CUDA: each step's loss, gradient norm and stop votes read when the next step is queued."""
-    monkeypatch.setattr(train_gpt, "reads_stats_late", lambda device: True)
+    """As on CUDA: each step's loss, gradient norm and stop votes read when the next step is queued."""
+    monkeypatch.setattr(train_gpt, "stats_read_a_step_late", lambda device: True)
 
 
 def test_read_a_step_late_the_log_and_the_model_are_those_of_reading_at_once(tmp_path, files, monkeypatch):
     at_once = run(tmp_path, files, 1, "at_once", save_every=STEPS)
-    monkeypatch.setattr(train_gpt, "reads_stats_late", lambda device: True)
+    monkeypatch.setattr(train_gpt, "stats_read_a_step_late", lambda device: True)
     late = run(tmp_path, files, 1, "late", save_every=STEPS)
     assert step_lines(late) == step_lines(at_once)  # every train and val line, in the same order
     assert_states_equal(checkpoint(tmp_path, "at_once", STEPS), checkpoint(tmp_path, "late", STEPS))
@@ -374,7 +375,7 @@ def test_read_a_step_late_a_kill_switch_stops_after_the_next_step_and_resumes_ex
         f"checkpoint: {tmp_path / 'logs' / 'stopme' / 'step000004.pt'}\n"
         f"stopped: step:4/{STEPS} reason:kill switch {kill_switch}\n")
     kill_switch.unlink()
-    monkeypatch.setattr(train_gpt, "accumulate_gradients", accumulate_gradients)
+    monkeypatch.setattr(train_gpt, "forward_backward", forward_backward)
     resumed = run(tmp_path, files, 1, "stopme", save_every=STEPS, resume="latest")
     assert step_lines(resumed) == step_lines(reference)
     assert_states_equal(checkpoint(tmp_path, "reference", STEPS), checkpoint(tmp_path, "stopme", STEPS))

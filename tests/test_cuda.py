@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import train_gpt
-from distributed import run_on_ranks
-from layouts import LAYOUTS, assert_trains_like_one_process, train_steps
+from layouts import train_step
+from train_gpt import LAYOUTS, run_on_ranks
 from synthetic import tiny_flags, write_synthetic_shards
 from test_attention import DOC_STARTS, sequence_with_documents
 from test_fp8 import GRAD_S, W_S, X_S, operands, quantised
@@ -129,20 +129,20 @@ def test_the_model_compiles_once_across_the_window_schedule_with_no_graph_break(
 def test_compiled_warmup_restores_model_and_optimizer_state_exactly(tmp_path):
     files = write_synthetic_shards(tmp_path)
     args = small_args(files, compile=True)
-    run = train_gpt.build_run(args, train_gpt.build_parallel_context(0, 1, CUDA))
-    initial = {k: v.clone() for k, v in run.model.state_dict().items()}
-    warmup = train_gpt.random_batches(args, CUDA)
-    train_gpt.warmup_and_restore(run.model, run.optimizers, lambda: run.train_step(warmup, 0), 3)
-    for k, v in run.model.state_dict().items():
+    trainer = train_gpt.build_trainer(args, train_gpt.build_parallel_context(0, 1, CUDA))
+    initial = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    train_gpt.warmup_and_restore(trainer, 3)
+    for k, v in trainer.model.state_dict().items():
         assert torch.equal(v, initial[k]), k
-    assert all(not opt.state for opt in run.optimizers) and all(p.grad is None for p in run.model.parameters())
+    assert all(not opt.state for opt in trainer.optimizers)
+    assert all(p.grad is None for p in trainer.model.parameters())
 
 
 def test_a_record_shape_step_with_gradient_accumulation_fits_one_gpu_and_has_a_finite_loss():
     args = train_gpt.parse_args(["--preset", "record", "--seqs_per_step", "2", "--compile", "true"], cuda=True)
-    run = train_gpt.build_run(args, train_gpt.build_parallel_context(0, 1, CUDA))
+    trainer = train_gpt.build_trainer(args, train_gpt.build_parallel_context(0, 1, CUDA))
     torch.cuda.reset_peak_memory_stats()
-    loss_sum, grad_squares = run.train_step(train_gpt.random_batches(args, CUDA), 0)
+    loss_sum, grad_squares = train_step(trainer, train_gpt.random_batches(args, CUDA), 0)
     loss = loss_sum.item() / (2 * args.train_seq_len)
     assert abs(loss - 10.83) < 0.1  # the zero-initialised head: uniform over the padded vocabulary, log(50304)
     assert torch.isfinite(grad_squares) and grad_squares > 0
@@ -159,14 +159,17 @@ NCCL_LAYOUTS = ["dp2", "dp2_zero1", "dp2_zero2", "dp2_zero3", "tp2_sp", "pp2_afa
 @pytest.fixture(scope="module")
 def nccl_single(tmp_path_factory):
     files = write_synthetic_shards(tmp_path_factory.mktemp("nccl_shards"))
-    return files, train_steps(0, 1, files, 3, None, None, "cuda")
+    return files, train_gpt.train_steps(0, 1, tiny_flags(files), 3, "cuda")
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank: two or more")
 @pytest.mark.parametrize("name", NCCL_LAYOUTS)
 def test_layouts_over_nccl_train_the_one_process_model(nccl_single, name):
+    # bf16 activations and embeddings on GPUs: rounding that Adam carries further, so a looser tolerance than the
+    # CPU check's (a layout that trains another model is off by a factor, or by 0.1 and more)
     files, single = nccl_single
     processes, layout = LAYOUTS[name]
-    ranks = run_on_ranks(train_steps, processes, files, 3, layout, None, "cuda", backend="nccl", timeout=900)
-    assert_trains_like_one_process(ranks, single, gradient_tolerance=5e-2, parameter_tolerance=2e-2,
-                                   loss_tolerance=1e-3)
+    ranks = run_on_ranks(train_gpt.train_steps, processes, tiny_flags(files, **layout), 3, "cuda", backend="nccl",
+                         timeout=900)
+    worst, tensor = train_gpt.worst_difference(ranks[0]["state"], single["state"])
+    assert worst < 2e-2, (tensor, worst)

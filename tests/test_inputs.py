@@ -12,7 +12,7 @@ import pytest
 
 import train_gpt
 from conftest import REPO_ROOT
-from distributed import run_on_ranks
+from train_gpt import run_on_ranks
 from synthetic import tiny_flags
 
 
@@ -179,8 +179,8 @@ def test_a_vocabulary_without_the_end_of_text_token_is_refused_at_parse_time():
 # 5. values that pass the type check but cannot train
 
 @pytest.mark.parametrize("argv, words", [
-    (["--attention_free_layers", "0,3"], "value embedding 0 nothing to feed: it is added to the values of layers 0 "
-                                         "and 3"),
+    (["--attention_free_layers", "0,3"], "value embedding 0 nothing to feed: it is added to the values of layers "
+                                         "[0, 3], which have no attention"),
     (["--lr_muon", "nan"], "--lr_muon must be a finite number >= 0, got nan"),
     (["--lr_embed", "-0.1"], "--lr_embed must be a finite number >= 0, got -0.1"),
     (["--lr_head", "inf"], "--lr_head must be a finite number >= 0, got inf"),
@@ -234,7 +234,7 @@ def test_a_log_dir_that_cannot_hold_the_run_is_refused_before_the_model_is_built
     (tmp_path / "logs" / "run").write_text("")  # where the checkpoints of run id "run" go
     refused(flags(files, tmp_path), f"{tmp_path / 'logs' / 'run'} is a file", "pick another --run_id")
     built = []
-    monkeypatch.setattr(train_gpt, "build_run", lambda *a, **k: built.append(1))
+    monkeypatch.setattr(train_gpt, "build_trainer", lambda *a, **k: built.append(1))
     monkeypatch.setattr(train_gpt.shutil, "disk_usage", lambda path: type("Usage", (), dict(free=100_000))())
     # every checkpoint the run will keep: steps 4 and 8
     refused(flags(files, tmp_path, run_id="full", save_every=4), "has 0.1 MiB free", "its log and 2 checkpoint(s)",

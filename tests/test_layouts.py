@@ -1,83 +1,108 @@
-"""Every parallel layout trains the one-process model, holds and sends what --plan predicts, and keeps doing so
-when the model is edited without touching any parallel code."""
+"""Every parallel layout trains the one-process model and holds and sends what --plan predicts, also for a model a
+fork has edited (tests/layouts.py) without touching any parallel code; what a layout cannot train is refused by
+name before the first step; and --check_layout says so for a fork's own file."""
+import os
+import subprocess
+import sys
+
 import pytest
 
 import train_gpt
-from layouts import (LAYOUTS, assert_holds_and_sends_what_the_plan_predicts, assert_trains_like_one_process,
-                     model_edit)
+from conftest import REPO_ROOT
+from layouts import assert_holds_and_sends_what_the_plan_predicts, assert_trains_like_one_process, model_edit
 from synthetic import tiny_flags
-
-
-def gradient_tolerance(layout: dict, edit: str | None = None) -> float:
-    """Float64 gradient sums (the tiny preset's) make data and pipeline parallel runs bit-identical to one process;
-    tensor parallelism sums activations in another order: gradients after two updates agree to 3e-5 of their norm
-    (7e-5 for the edited models; measured), and a gradient summed over too few ranks is off by a factor (0.5 on
-    2 ranks). With the "gates" edit block 3's skip weight's gradient cancels to 0.076 (the other skip weights' are
-    near 1) and is off by 1.8e-3 of its norm (measured; every other tensor below 1.5e-4)."""
-    if layout.get("tp", 1) == 1:
-        return 0.0
-    return 3e-3 if edit == "gates" else 3e-4
-
-
-def parameter_tolerance(layout: dict, edit: str | None = None) -> float:
-    """Parameters after three steps, as gradient_tolerance says; under tensor parallelism an edited model's added
-    gains make Adam carry the rounding in rare embedding rows further (measured 6.5e-4 on embed.weight, every other
-    tensor below 1e-4)."""
-    if layout.get("tp", 1) == 1:
-        return 0.0
-    return 2e-3 if edit else 1e-4
+from train_gpt import LAYOUTS
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_each_layout_trains_the_one_process_model_holding_and_sending_what_the_plan_says(layout_runs, layout_files,
                                                                                          name):
+    # float64 gradient sums make every layout but tensor parallelism bit-identical to one process
     processes, layout = LAYOUTS[name]
     ranks = layout_runs(name)
-    assert_trains_like_one_process(ranks, layout_runs("one process"), gradient_tolerance(layout),
-                                   parameter_tolerance(layout))
+    assert_trains_like_one_process(ranks, layout_runs("one process"), layout, exact=layout.get("tp", 1) == 1)
     assert_holds_and_sends_what_the_plan_predicts(ranks, layout_files, **layout)
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
-def test_a_model_edit_trains_the_one_process_model_under_each_layout_untouched(layout_runs, name):
-    # a scalar gate on attention's output, a vector on the MLP's output, a vector inside attention on
-    # head-sharded activations, an unnamed weight matrix on the residual stream, and vectors of the GPT itself on
-    # the embedding and before the head: no parallel code changed
+def test_a_forked_model_trains_the_one_process_model_under_each_layout_untouched(layout_runs, name):
+    # the edits of tests/layouts.py: an attention-output gate, a 4th value embedding, a gated MLP, a per-layer vector
+    # on the GPT, a bigram-hash embedding, a token shift of the embedding, a second head, tied embeddings, a learnable
+    # soft cap, a per-head temperature, a GPT parameter read in the heads, a block's scalar read by the GPT
     processes, layout = LAYOUTS[name]
-    single = layout_runs("one process", "gates")
-    assert {"blocks.0.attn_gate", "blocks.0.mlp_gain", "blocks.0.attn.head_gain", "blocks.0.mix.weight",
-            "embed_gain", "out_gain"} <= single["grads"].keys()
-    assert_trains_like_one_process(layout_runs(name, "gates"), single, gradient_tolerance(layout, "gates"),
-                                   parameter_tolerance(layout, "gates"))
+    single = layout_runs("one process", "forks")
+    edited = {"blocks.0.attn_gate", "value_embeds.3.weight", "blocks.0.mlp.c_gate.weight", "layer_gains",
+              "bigram.weight", "smear_gate.weight", "next_head.weight", "lm_head.cap", "head_temperature",
+              "blocks.0.attn.head_temperature"}
+    assert edited <= single["state"]["model"].keys() and "lm_head.weight" not in single["state"]["model"]  # (tied)
+    assert_trains_like_one_process(layout_runs(name, "forks"), single, layout)
 
 
-def test_a_weight_matrix_inside_attention_that_the_plan_does_not_name_is_refused_when_the_model_is_built(
-        layout_files):
-    args = train_gpt.parse_args(tiny_flags(layout_files, tp=2), cuda=False)
-    tp = train_gpt.Axis(0, 2, None, (0, 1))
-    with model_edit("unnamed_matrix_in_attention"):
+def build_edited(files, edit, **layout):
+    """Build the edited model under a layout as rank 0 of its processes, with no process group: a refusal comes
+    before any collective."""
+    args = train_gpt.parse_args(tiny_flags(files, **layout), cuda=False)
+    with model_edit(edit):
         model = train_gpt.build_model(args, train_gpt.torch.device("cpu"))
-        with pytest.raises(train_gpt.UserError, match=r"blocks\.0\.attn\.pre\.weight is a weight matrix used inside "
-                                                      r"a tensor-parallel region that TENSOR_PARALLEL_PLAN does not "
-                                                      r"name"):
-            train_gpt.tensor_parallelize(model, tp, sp=False, async_tp=False)
+        trace = train_gpt.ModelTrace(model, 128).run()
+        train_gpt.tensor_parallelize(model, train_gpt.Axis(0, args.tp, None, tuple(range(args.tp))), args, trace)
 
 
-@pytest.mark.parametrize("name", ["dp2_zero3", "tp2_sp"])
-def test_a_vector_of_the_gpt_that_every_layer_reads_trains_the_one_process_model(layout_runs, name):
-    # under ZeRO 3 no module call gathers it, so it stays whole and its owner sends it after each step
-    processes, layout = LAYOUTS[name]
-    single = layout_runs("one process", "per_layer_vector_on_gpt")
-    assert "layer_gains" in single["grads"]
-    edit = "per_layer_vector_on_gpt"
-    assert_trains_like_one_process(layout_runs(name, edit), single, gradient_tolerance(layout, edit),
-                                   parameter_tolerance(layout, edit))
+def test_a_weight_matrix_inside_attention_that_no_rule_places_is_refused_saying_what_to_declare(layout_files):
+    with pytest.raises(train_gpt.UserError, match=r"blocks\.0\.attn\.mix\.weight is a weight matrix in the tensor-"
+                                                  r"parallel region blocks\.0\.attn that no rule places .* "
+                                                  r"TENSOR_PARALLEL_PLAN\[\(AttentionWithUnplacedMatrix, 'mix'\)\]"):
+        build_edited(layout_files, "unplaced_matrix_in_attention", tp=2)
 
 
-def test_a_parameter_that_several_pipeline_stages_read_is_refused_when_the_stages_are_cut(layout_files):
-    args = train_gpt.parse_args(tiny_flags(layout_files, pp=2), cuda=False)
-    with model_edit("per_layer_vector_on_gpt"):
+def test_sequence_parallelism_refuses_a_token_shift_inside_a_block_by_name(layout_files):
+    build_edited(layout_files, "token_shift_in_a_block", tp=2)  # without --sp nothing is cut: it trains
+    with pytest.raises(train_gpt.UserError, match=r"sequence parallelism: layer 0 mixes positions outside attention "
+                                                  r"and the MLP"):
+        build_edited(layout_files, "token_shift_in_a_block", tp=2, sp=True)
+
+
+def test_a_matrix_of_no_linear_layer_or_embedding_is_refused_by_the_optimizer_rule():
+    model = train_gpt.torch.nn.Module()
+    model.mix = train_gpt.torch.nn.Parameter(train_gpt.torch.zeros(4, 4))
+    with pytest.raises(train_gpt.UserError, match=r"mix is a 2-D parameter of no linear layer, embedding or head"):
+        train_gpt.optimizer_param_groups(model, vocab_size=50257)
+
+
+def test_tied_embeddings_are_one_parameter_in_one_optimizer_group(layout_files):
+    args = train_gpt.parse_args(tiny_flags(layout_files), cuda=False)
+    with model_edit("forks"):
         model = train_gpt.build_model(args, train_gpt.torch.device("cpu"))
-        with pytest.raises(train_gpt.UserError, match=r"parameter layer_gains is read by the layers of stages "
-                                                      r"\[0, 1\]"):
-            train_gpt.PipelineStage(model, train_gpt.Axis(0, 2, None, (0, 1)), "1f1b")
+    groups = train_gpt.optimizer_param_groups(model, args.vocab_size)
+    assert model.embed.weight is model.lm_head.weight
+    assert sum(p is model.embed.weight for group in groups.values() for p in group) == 1
+    assert any(p is model.embed.weight for p in groups["head"])  # the head's rule comes first
+    assert any(p is model.bigram.weight for p in groups["embed"])  # an embedding whatever its name
+    assert any(p is model.lm_head.cap for p in groups["scalar"])  # a scalar of the head is a scalar
+
+
+FORK = """
+import sys
+sys.path[:0] = [{tests!r}, {root!r}]
+import train_gpt
+from layouts import BlockWithTokenShift
+train_gpt.Block = BlockWithTokenShift  # the fork's edit: a token shift inside each block
+train_gpt.refuse_sequence_mixing = lambda *args: None  # the rule switched off
+if __name__ == "__main__":
+    try:
+        train_gpt.main(["--check_layout", "dp2,tp2_sp"])
+    except train_gpt.RunEnded as e:
+        print(e, file=sys.stderr)
+        sys.exit(e.exit_status)
+"""
+
+
+def test_check_layout_finds_a_sequence_mixing_edit_when_the_rule_is_switched_off(tmp_path):
+    fork = tmp_path / "fork.py"
+    fork.write_text(FORK.format(tests=str(REPO_ROOT / "tests"), root=str(REPO_ROOT)))
+    done = subprocess.run([sys.executable, str(fork)], capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    lines = done.stdout.splitlines()
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert any(line.startswith("dp2 ") and " OK " in line for line in lines), done.stdout
+    assert any(line.startswith("tp2_sp ") and " DIFFERS " in line for line in lines), done.stdout

@@ -2,8 +2,7 @@
 import pytest
 import torch
 
-from distributed import run_on_ranks
-from train_gpt import Muon, zeropower_via_newtonschulz5
+from train_gpt import Muon, run_on_ranks, zeropower_via_newtonschulz5
 
 
 @pytest.mark.parametrize("shape", [(64, 128), (128, 64), (96, 96), (3, 48, 32)])

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import train_gpt
-from distributed import run_on_ranks
+from layouts import train_step
+from train_gpt import run_on_ranks
 from synthetic import tiny_flags
 
 
@@ -13,28 +14,28 @@ def test_each_parameter_lives_on_one_stage_the_embeddings_first_and_the_head_las
     # the tiny model's 6 blocks: 2 stages split at the U-Net's middle (three skips cross); 3 stages give a middle
     # stage that both receives and sends, with encoder skips passing through it
     ranks = layout_runs(name)
-    assert "embed.weight" in ranks[0]["params"] and "lm_head.weight" in ranks[-1]["params"]
+    assert "embed.weight" in ranks[0]["held"] and "lm_head.weight" in ranks[-1]["held"]
     for rank in ranks:
-        assert sum(name in other["params"] for other in ranks for name in rank["params"]) == len(rank["params"])
+        assert sum(name in other["held"] for other in ranks for name in rank["held"]) == len(rank["held"])
 
 
 @pytest.mark.parametrize("name", ["dp2_pp2", "dp2_pp2_zero3", "pp2_tp2_sp"])
 def test_ranks_of_one_stage_hold_the_same_parameters(layout_runs, name):
     ranks = layout_runs(name)
-    assert ranks[0]["params"].keys() == ranks[1]["params"].keys()  # ranks 0, 1: within stage 0
-    assert not ranks[0]["params"].keys() & ranks[2]["params"].keys()
+    assert ranks[0]["held"] == ranks[1]["held"]  # ranks 0, 1: within stage 0
+    assert not set(ranks[0]["held"]) & set(ranks[2]["held"])
 
 
 def stream_structures(rank, world_size, files, layout):
     """The structure of every stream this rank received or sent, after one training step and one evaluation."""
     args = train_gpt.parse_args(tiny_flags(files, **layout), cuda=False)
     ctx = train_gpt.build_parallel_context(rank, world_size, torch.device("cpu"), args.tp, args.pp)
-    run = train_gpt.build_run(args, ctx)
+    trainer = train_gpt.build_trainer(args, ctx)
     batches = train_gpt.DistributedDataLoader(args.train_files, args.train_seq_len, args.seqs_per_step,
                                               ctx.dp.rank, ctx.dp.size, ctx.device)
-    run.train_step(batches, 0)
-    run.evaluate(0)
-    return run.accumulate.__self__.carry_specs  # (the PipelineStage whose schedule accumulate is)
+    train_step(trainer, batches, 0)
+    train_gpt.evaluate(trainer, 0)
+    return trainer.pipeline.stream_specs
 
 
 def test_what_crosses_each_boundary_is_what_the_one_process_forward_holds_there(files):

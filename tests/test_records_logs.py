@@ -146,13 +146,13 @@ def test_summary_of_a_real_log(real_log, capsys):
 
 def test_diff_of_a_real_log_and_a_changed_copy(real_log, tmp_path, capsys):
     text = real_log.read_text()
-    changed_source = text.replace("    seed: int = 0\n", "    seed: int = 7\n", 1)
+    changed_source = text.replace("    seed: int = flag(0,", "    seed: int = flag(7,", 1)
     assert changed_source != text
     changed = tmp_path / "changed.txt"
     changed.write_text(changed_source.replace('"seed": 0', '"seed": 7'))
     code, out, _ = run_cli(capsys, "diff", real_log, changed)
     assert code == 0
-    assert "-    seed: int = 0\n+    seed: int = 7" in out
+    assert "-    seed: int = flag(0," in out and "+    seed: int = flag(7," in out
     assert re.search(r"^seed\s+0\s+->\s+7$", out, re.M)
 
 
@@ -171,8 +171,8 @@ def test_real_logs_of_stopped_and_resumed_runs(tmp_path, monkeypatch):
     full = logs.read_log(log_dir / "full.txt")
     assert full.problem is None and "\ncheckpoint: " in (log_dir / "full.txt").read_text()
 
-    real_step, calls = train_gpt.accumulate_gradients, []
-    monkeypatch.setattr(train_gpt, "accumulate_gradients", lambda *args, **kwargs: (
+    real_step, calls = train_gpt.forward_backward, []
+    monkeypatch.setattr(train_gpt, "forward_backward", lambda *args, **kwargs: (
         calls.append(1), len(calls) == 3 and (log_dir / "stopped.stop").touch(), real_step(*args, **kwargs))[-1])
     with pytest.raises(train_gpt.RunEnded):
         train("stopped")

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import train_gpt
-from distributed import run_on_ranks
+from train_gpt import run_on_ranks
 from synthetic import tiny_flags
 
 

@@ -7,7 +7,8 @@ import torch
 
 import train_gpt
 from conftest import REPO_ROOT
-from distributed import run_on_ranks
+from train_gpt import run_on_ranks
+from layouts import train_step
 from synthetic import tiny_flags, write_synthetic_shards
 
 
@@ -53,29 +54,28 @@ def test_schedules_at_hand_computed_points():
 
 def build(files, **overrides):
     args = train_gpt.parse_args(tiny_flags(files, **overrides), cuda=False)
-    return args, train_gpt.build_run(args, train_gpt.build_parallel_context(0, 1, torch.device("cpu")))
+    return args, train_gpt.build_trainer(args, train_gpt.build_parallel_context(0, 1, torch.device("cpu")))
 
 
 def test_warmup_leaves_no_trace(tmp_path):
     files = write_synthetic_shards(tmp_path)
-    args, run = build(files)
-    model, optimizers = run.model, run.optimizers
+    args, trainer = build(files)
+    model, optimizers = trainer.model, trainer.optimizers
     initial = {k: v.clone() for k, v in model.state_dict().items()}
-    random_tokens = iter(lambda: (torch.randint(0, 50257, (128,), dtype=torch.int32),
-                                  torch.randint(0, 50257, (128,))), None)
-    train_gpt.warmup_and_restore(model, optimizers, lambda: run.train_step(random_tokens, 50), 3)
+    train_gpt.warmup_and_restore(trainer, 3)
     for k, v in model.state_dict().items():
         assert torch.equal(v, initial[k]), k
     assert all(not opt.state for opt in optimizers)  # no momentum or Adam moments survive
     assert all(p.grad is None for p in model.parameters())
     # and training from here is exactly training from a fresh model
     _, fresh = build(files)
-    loader = lambda: train_gpt.DistributedDataLoader(args.train_files, 128, args.seqs_per_step, 0, 1, run.ctx.device)
+    loader = lambda: train_gpt.DistributedDataLoader(args.train_files, 128, args.seqs_per_step, 0, 1,
+                                                     trainer.ctx.device)
     after_warmup, batches = [], loader()
     reference, fresh_batches = [], loader()
     for step in range(2):
-        after_warmup.append(run.train_step(batches, step)[0].item())
-        reference.append(fresh.train_step(fresh_batches, step)[0].item())
+        after_warmup.append(train_step(trainer, batches, step)[0].item())
+        reference.append(train_step(fresh, fresh_batches, step)[0].item())
     assert after_warmup == reference
     for (name, p), q in zip(model.named_parameters(), fresh.model.parameters()):
         assert torch.equal(p, q), name
@@ -188,15 +188,16 @@ def test_float64_sums_of_sparse_embedding_gradients_equal_those_of_dense_ones(tm
     files = write_synthetic_shards(tmp_path)
     grads = []
     for sparse in (True, False):
-        args, run = build(files)
-        embeddings = [m for m in run.model.modules() if isinstance(m, torch.nn.Embedding)]
-        assert embeddings and all(m.sparse for m in embeddings)  # (what build_run chose with --fp64_grad_sum)
+        args, trainer = build(files)
+        embeddings = [m for m in trainer.model.modules() if isinstance(m, torch.nn.Embedding)]
+        assert embeddings and all(m.sparse for m in embeddings)  # (what build_trainer chose with --fp64_grad_sum)
         for m in embeddings:
             m.sparse = sparse
-        batches = train_gpt.DistributedDataLoader(args.train_files, 128, args.seqs_per_step, 0, 1, run.ctx.device)
-        run.train_step(batches, 0)  # a second step: the zero-initialised head no longer zeroes every gradient
-        run.backward(batches, 1)
-        grads.append({name: p.grad for name, p in run.model.named_parameters()})
+        batches = train_gpt.DistributedDataLoader(args.train_files, 128, args.seqs_per_step, 0, 1,
+                                                  trainer.ctx.device)
+        train_step(trainer, batches, 0)  # a second step: the zero-initialised head no longer zeroes every gradient
+        train_gpt.forward_backward(trainer, batches, 1)
+        grads.append({name: p.grad for name, p in trainer.model.named_parameters()})
     for name, grad in grads[1].items():
         assert not grad.is_sparse and torch.equal(grads[0][name], grad), name
     assert grads[1]["embed.weight"].abs().sum() > 0
@@ -205,6 +206,6 @@ def test_float64_sums_of_sparse_embedding_gradients_equal_those_of_dense_ones(tm
 @pytest.mark.parametrize("compiled", [False, True])
 def test_float64_sums_take_sparse_embedding_gradients_only_in_an_eager_model(tmp_path, compiled):
     # torch.compile does not lower sparse embeddings (Inductor asserts), so a compiled model keeps dense ones
-    args, run = build(write_synthetic_shards(tmp_path), compile=compiled)
-    embeddings = [m for m in run.model.modules() if isinstance(m, torch.nn.Embedding)]
+    args, trainer = build(write_synthetic_shards(tmp_path), compile=compiled)
+    embeddings = [m for m in trainer.model.modules() if isinstance(m, torch.nn.Embedding)]
     assert args.fp64_grad_sum and embeddings and all(m.sparse is not compiled for m in embeddings)
