@@ -138,11 +138,9 @@ fp8_mm.register_autograd(_fp8_mm_backward, setup_context=_fp8_mm_setup_context)
 # Optimizers: Muon for hidden matrices (Newton-Schulz orthogonalised momentum), Adam for the rest
 
 def zeropower_via_newtonschulz5(G: Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16) -> Tensor:
-    """Approximately orthogonalise G (batched over leading dims): U S' V^T with S' roughly in [0.5, 1.5].
-
-    Quintic iteration whose coefficients maximise the slope at zero, so 5 steps suffice; it trades exact
-    convergence to U V^T for speed, which does not hurt training. bf16 on GPU, fp32 on CPU (bf16 is slow there).
-    """
+    """Approximately orthogonalise G (batched over leading dims): U S' V^T with S' roughly in [0.5, 1.5]. The
+    quintic's coefficients maximise the slope at zero, so 5 steps suffice; it trades exact convergence to U V^T for
+    speed, which does not hurt training. bf16 on GPU, fp32 on CPU (bf16 is slow there)."""
     a, b, c = 3.4445, -4.7750, 2.0315
     X = G.to(dtype)
     tall = G.size(-2) > G.size(-1)
@@ -177,12 +175,10 @@ def full_shape(p: Tensor) -> tuple:
 class Muon(torch.optim.Optimizer):
     """MomentUm Orthogonalized by Newton-Schulz, sharded across the data-parallel ranks.
 
-    Parameters are grouped by size; within a group rank r orthogonalises parameters r, r+W, r+2W, ... and the
-    flattened updates are exchanged with async all_gather_single, so every rank applies every update while
-    the next chunk is being orthogonalised. Gradients must already be averaged across ranks. A parameter of which
-    this rank holds a slice is orthogonalised whole (its owner keeps the whole momentum) and the slice applied.
-    exchange_updates=False (ZeRO 3, where a parameter lives on its owner alone): the owner applies its own update
-    and nothing is exchanged.
+    Parameters are grouped by size; within a group rank r orthogonalises parameters r, r+W, r+2W, ... (so it alone
+    keeps their momentum) and the flattened updates travel by async all-gather while the next ones are computed:
+    every rank applies every update. Gradients arrive averaged. A tensor-parallel slice is orthogonalised whole.
+    exchange_updates=False (ZeRO 3, where a parameter lives on its owner alone): each owner applies its own.
     """
 
     def __init__(self, params, lr=0.05, momentum=0.95, nesterov=True, ns_steps=5, rank=0, world_size=1, group=None,
@@ -191,53 +187,43 @@ class Muon(torch.optim.Optimizer):
         self.rank, self.world_size, self.group = rank, world_size, group
         self.orthogonalize, self.ns_dtype, self.exchange_updates = orthogonalize, ns_dtype, exchange_updates
         sizes = sorted({p.numel() for p in params}, reverse=True)
-        groups = [dict(params=[p for p in params if p.numel() == size]) for size in sizes]
-        super().__init__(groups, dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps))
+        super().__init__([dict(params=[p for p in params if p.numel() == size]) for size in sizes],
+                         dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps))
         # flat gather targets (gloo needs 1-D), kept outside param_groups so state_dict() never copies them
         self.update_buffers = [torch.empty(world_size * size, dtype=ns_dtype, device=params[0].device)
                                for size in sizes]
 
     @staticmethod
     def owners(params, world_size: int) -> dict[Tensor, int]:
-        """The rank that orthogonalises each parameter and so alone keeps its momentum: r, r+W, ... of each size."""
+        """The rank that orthogonalises each parameter: r, r+W, ... of each size."""
         params = list(params)
-        owner_of = {}
-        for size in sorted({p.numel() for p in params}, reverse=True):
-            for i, p in enumerate(p for p in params if p.numel() == size):
-                owner_of[p] = i % world_size
-        return owner_of
+        return {p: i % world_size for size in sorted({p.numel() for p in params}, reverse=True)
+                for i, p in enumerate(p for p in params if p.numel() == size)}
 
-    def param_owners(self):
-        """(parameter, owner rank) for every parameter, in param_groups order."""
-        owner_of = self.owners([p for group in self.param_groups for p in group["params"]], self.world_size)
-        for group in self.param_groups:
-            for p in group["params"]:
-                yield p, owner_of[p]
+    def param_owners(self) -> dict[Tensor, int]:
+        return self.owners([p for group in self.param_groups for p in group["params"]], self.world_size)
 
     @torch.no_grad()
     def step(self):
-        if not self.exchange_updates:
-            for p, owner in self.param_owners():
-                if owner == self.rank:
-                    group = self._group_of(p)
-                    self._apply(None, [p], [self._orthogonalized_momentum(p, group)], group)
-            return
         for group, update_buffer in zip(self.param_groups, self.update_buffers):
             params, views = group["params"], update_buffer.view(self.world_size, -1).unbind(0)
             pending = None  # (handle, params of the chunk in flight)
             for base in range(0, len(params), self.world_size):
-                if base + self.rank < len(params):
-                    update = self._orthogonalized_momentum(params[base + self.rank], group).flatten()
-                else:
-                    update = views[self.rank]  # no parameter left for this rank: a placeholder of the right size
+                mine = params[base + self.rank] if base + self.rank < len(params) else None
+                update = self._orthogonalized_momentum(mine, group) if mine is not None else None
+                if not self.exchange_updates:
+                    if mine is not None:
+                        self._apply(None, [mine], [update], group)
+                    continue
+                update = update.flatten() if mine is not None else views[self.rank]  # (none left: a placeholder)
                 if pending is not None:
                     self._apply(*pending, views, group)
+                handle = None
                 if self.world_size > 1:
                     count_comm("all_gather_single", update_buffer)
                     handle = dist.all_gather_single(update_buffer, update, group=self.group, async_op=True)
                 else:
                     views[0].copy_(update)
-                    handle = None
                 pending = handle, params[base:base + self.world_size]
             if pending is not None:
                 self._apply(*pending, views, group)
@@ -246,16 +232,12 @@ class Muon(torch.optim.Optimizer):
         if p.grad is None:
             raise RuntimeError(f"Muon parameter of shape {tuple(p.shape)} has no gradient")
         g = whole(p, p.grad)  # Newton-Schulz needs the whole matrix
-        state = self.state[p]
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(g)
-        buf = state["momentum_buffer"]
+        if "momentum_buffer" not in self.state[p]:
+            self.state[p]["momentum_buffer"] = torch.zeros_like(g)
+        buf = self.state[p]["momentum_buffer"]
         buf.lerp_(g, 1 - group["momentum"])
         g = g.lerp_(buf, group["momentum"]) if group["nesterov"] else buf
         return own_slice(p, self.orthogonalize(g, steps=group["ns_steps"], dtype=self.ns_dtype))
-
-    def _group_of(self, p: Tensor) -> dict:
-        return next(group for group in self.param_groups if group["params"][0].numel() == p.numel())
 
     @staticmethod
     def _apply(handle, chunk, views, group):
@@ -796,8 +778,8 @@ def parse_args(argv=None, cuda: bool | None = None) -> Hyperparameters:
     for field in dataclasses.fields(Hyperparameters):
         if field.metadata["group"]:
             group = parser.add_argument_group(field.metadata["group"])
-        presets = ", ".join(f"{name} {values[field.name]}" for name, values in PRESETS.items() if field.name in values)
-        kwargs = dict(default=None, help=field.metadata["help"] + f" [{field.default}{'; ' + presets if presets else ''}]")
+        presets = "".join(f", {name} {values[field.name]!r}" for name, values in PRESETS.items() if field.name in values)
+        kwargs = dict(default=None, help=f"{field.metadata['help']} [default {field.default!r}{presets}]")
         if field.name == "preset":
             kwargs.update(choices=sorted(PRESETS), help=field.metadata["help"])
         elif field.type in (bool, bool | None):
@@ -805,7 +787,7 @@ def parse_args(argv=None, cuda: bool | None = None) -> Hyperparameters:
         elif field.name == "check_layout":
             kwargs.update(nargs="?", const="all", metavar="LAYOUTS", help=field.metadata["help"])
         else:
-            kwargs.update(type=field.type)
+            kwargs.update(type=field.type, metavar={int: "N", float: "X", str: "TEXT"}[field.type])
         group.add_argument(f"--{field.name}", **kwargs)
     flags = parser.parse_args(argv)
     preset = flags.preset or ("record" if cuda or flags.plan else "cpu")
@@ -848,6 +830,9 @@ def check_hyperparameters(args: Hyperparameters) -> None:
     need(not (args.zero >= 3 and args.compile), "--zero 3 gathers parameters in module hooks that torch.compile "
          "does not trace: run it with --compile false")
     need(args.nproc >= 0, f"--nproc must be >= 0, got {args.nproc}")
+    unknown = set(args.check_layout.split(",")) - set(LAYOUTS) - {"all", ""}
+    need(not unknown, f"--check_layout {args.check_layout!r}: no layout {min(unknown, default='')!r}; name some of "
+         f"{', '.join(LAYOUTS)}, or all")
     need(args.plan_device in ("cuda", "cpu"), f"--plan_device must be cuda or cpu, got {args.plan_device!r}")
     need(0 <= args.cooldown_frac <= 1, f"--cooldown_frac must be in [0, 1], got {args.cooldown_frac}")
     need(args.vocab_size <= 2**16, f"--vocab_size {args.vocab_size} does not fit the uint16 token shards")
@@ -1336,63 +1321,27 @@ CHECKPOINT_KEYS = ("model", "adam", "muon", "rng", "step", "run_id", "data", "tr
                    "hyperparameters")
 
 
-def full_state_tensor(key: str, value: Tensor, p: Tensor) -> Tensor:
-    """The one-process tensor of an optimizer state: Adam's moments are shaped like their parameter; Muon keeps
-    whole matrices and the step count is a scalar."""
-    return whole(p, value) if key.startswith("exp_avg") else value
-
-
-def optimizer_state_on_stage_master(opt: torch.optim.Optimizer, owners: dict, names: dict,
-                                    ctx: "ParallelContext") -> dict[str, dict[str, Tensor]]:
-    """{parameter name: its full state} on the stage master (data- and tensor-parallel rank 0 of this pipeline
-    stage; empty elsewhere). The owner's tensor-parallel group gathers the slices; its first rank sends them to
-    the stage master, one tensor at a time."""
-    keys = OPTIMIZER_STATE_KEYS[type(opt)]
-    master = ctx.grid_rank(0, 0)
-    gathered = {}
-    for p, owner in owners.items():
-        holder = owner or 0  # the data-parallel rank whose tensor-parallel group holds this state
-        sender = ctx.grid_rank(holder, 0)
-        state = {k: full_state_tensor(k, opt.state[p][k], p) for k in keys} if ctx.dp.rank == holder else None
-        if ctx.rank == master == sender:
-            gathered[names[p]] = state
-        elif ctx.rank == master:
-            gathered[names[p]] = {key: torch.empty((), dtype=torch.float32, device=p.device) if key == "step"
-                                  else torch.empty(full_shape(p), dtype=p.dtype, device=p.device) for key in keys}
-            for tensor in gathered[names[p]].values():
-                dist.recv(tensor, sender)
-        elif ctx.rank == sender:
-            for key in keys:
-                dist.send(state[key].contiguous(), master)
-    return gathered
-
-
-def collect_stages(part: dict, ctx: "ParallelContext") -> dict | None:
-    """Rank 0's merge of every stage master's `part` (a dict of dicts of tensors); None on other ranks.
-    The stage masters are rank 0's pipeline group; each sends its part at once, as CPU tensors."""
-    if ctx.pp.size == 1 or ctx.dp.rank != 0 or ctx.tp.rank != 0:
-        return part if ctx.is_master else None
-    parts = [None] * ctx.pp.size if ctx.is_master else None
-    cpu_part = {kind: {name: value.cpu() if isinstance(value, Tensor) else {k: v.cpu() for k, v in value.items()}
-                       for name, value in entries.items()} for kind, entries in part.items()}
-    dist.gather_object(cpu_part, parts, dst=ctx.pp.global_rank(0), group=ctx.pp.group)
-    if not ctx.is_master:
-        return None
-    return {kind: {name: value for stage_part in parts for name, value in stage_part[kind].items()} for kind in part}
-
-
 def gather_training_state(trainer: "Trainer") -> dict | None:
-    """What training changes, as one-process tensors keyed by parameter name, on rank 0 (None elsewhere): the
-    weights, Adam's state and Muon's momentum. Tensors rank 0 holds stay where they live; ranks owning optimizer
-    state send it to their stage's master, the other stage masters send their stage to rank 0. Under ZeRO 3 call
-    it within zero.whole_parameters()."""
-    ctx, model = trainer.ctx, trainer.model
-    names = {p: name for name, p in model.named_parameters()}
-    adam_state, muon_state = (optimizer_state_on_stage_master(opt, owners, names, ctx) for opt, owners
-                              in zip(trainer.optimizers, optimizer_state_owners(trainer)))
-    weights = {name: whole(p, p.detach()) for name, p in model.named_parameters()} if ctx.dp.rank == 0 else None
-    return collect_stages(dict(model=weights if ctx.tp.rank == 0 else None, adam=adam_state,
-                               muon={name: s["momentum_buffer"] for name, s in muon_state.items()}), ctx)
+    """What training changes, as one-process CPU tensors keyed by parameter name, on rank 0 (None elsewhere): the
+    weights, Adam's state and Muon's momentum, each sent by the one rank that holds it (from data-parallel rank 0, or
+    the owner of the state; tensor-parallel slices joined first). Under ZeRO 3, call it within whole_parameters()."""
+    ctx, (adam, muon) = trainer.ctx, trainer.optimizers
+    owners = dict(zip(("adam", "muon"), optimizer_state_owners(trainer)))
+    part = dict(model={}, adam={}, muon={})
+    for name, p in trainer.model.named_parameters():  # (every rank of a tensor-parallel group joins each whole())
+        held = dict(model=whole(p, p.detach())) if ctx.dp.rank == 0 else {}
+        if p in owners["adam"] and ctx.dp.rank == (owners["adam"][p] or 0):  # Adam's moments are shaped like p
+            held["adam"] = {k: whole(p, v) if k.startswith("exp_avg") else v for k, v in adam.state[p].items()}
+        if ctx.dp.rank == owners["muon"].get(p):  # Muon keeps whole matrices
+            held["muon"] = muon.state[p]["momentum_buffer"]
+        for kind, value in held.items() if ctx.tp.rank == 0 else ():
+            part[kind][name] = pytree.tree_map(lambda t: t.cpu(), value)
+    parts = [part]
+    if dist.is_initialized():
+        parts = [None] * ctx.world_size if ctx.is_master else None
+        dist.gather_object(part, parts, dst=0, group=ctx.host_group)
+    return {kind: {k: v for rank_part in parts for k, v in rank_part[kind].items()} for kind in part} \
+        if ctx.is_master else None
 
 
 def save_checkpoint(path: Path, trainer: "Trainer", **run_state) -> None:
@@ -1982,6 +1931,7 @@ class ParallelContext:
     dp: Axis
     tp: Axis
     pp: Axis = Axis()
+    host_group: object = None  # for collectives of Python objects on the CPU (None: the default group, gloo)
 
     @property
     def is_master(self) -> bool:
@@ -2012,7 +1962,8 @@ def build_parallel_context(rank: int, world_size: int, device: torch.device, tp:
             group = dist.new_group(list(ranks))
             if rank in ranks:
                 axes[name] = Axis(ranks.index(rank), size, group, ranks)
-    return ParallelContext(rank, world_size, device, **axes)
+    host_group = dist.new_group(backend="gloo") if device.type == "cuda" and world_size > 1 else None
+    return ParallelContext(rank, world_size, device, **axes, host_group=host_group)
 
 
 def setup_distributed(tp: int = 1, pp: int = 1) -> ParallelContext:

@@ -79,6 +79,7 @@ def test_tied_embeddings_are_one_parameter_in_one_optimizer_group(layout_files):
     assert any(p is model.embed.weight for p in groups["head"])  # the head's rule comes first
     assert any(p is model.bigram.weight for p in groups["embed"])  # an embedding whatever its name
     assert any(p is model.lm_head.cap for p in groups["scalar"])  # a scalar of the head is a scalar
+    assert any(p is model.next_head.weight for p in groups["head"])  # a head whatever its name
 
 
 FORK = """
