@@ -448,20 +448,25 @@ class SoftCap(torch.autograd.Function):
 
 
 class LMHead(CastedLinear):
-    """The output layer and the loss: soft-capped logits, cross-entropy summed over tokens."""
+    """The output layer and the loss: soft-capped logits, cross-entropy summed over tokens (no targets: the
+    logits)."""
 
     # evaluation runs over this many tokens at a time: a 262K-token validation sequence's fp32 logits over the
     # whole vocabulary are 53 GB
     EVAL_ROWS = 16384
 
-    def forward(self, x: Tensor, targets: Tensor) -> Tensor:
-        """x: (T, D), targets: (T,)."""
+    def forward(self, x: Tensor, targets: Tensor | None) -> Tensor:
+        """x: (T, D), targets: (T,) or None."""
+        if targets is None:
+            return self.logits(x)
         rows = len(x) if self.training else self.EVAL_ROWS
         return sum(self.summed_loss(x[i:i + rows], targets[i:i + rows]) for i in range(0, len(x), rows))
 
+    def logits(self, x: Tensor) -> Tensor:
+        return SoftCap.apply(super().forward(x).float(), 7.5 * x.size(-1) ** 0.5)
+
     def summed_loss(self, x: Tensor, targets: Tensor) -> Tensor:
-        logits = SoftCap.apply(super().forward(x).float(), 7.5 * x.size(-1) ** 0.5)
-        return self.cross_entropy(logits, targets)
+        return self.cross_entropy(self.logits(x), targets)
 
     @staticmethod
     def cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
@@ -505,8 +510,9 @@ class GPT(nn.Module):
                               x_s=model_dim ** 0.5 / 448, w_s=24 / 448, grad_s=1 / 448)
         self.lm_head.weight.detach().zero_()
 
-    def forward(self, input_seq: Tensor, target_seq: Tensor, window_blocks: Tensor) -> Tensor:
-        """input_seq, target_seq: (T,). Loss summed over tokens in training, averaged in evaluation."""
+    def forward(self, input_seq: Tensor, target_seq: Tensor | None, window_blocks: Tensor) -> Tensor:
+        """input_seq, target_seq: (T,). Loss summed over tokens in training, averaged in evaluation; without targets,
+        the logits (T, padded vocabulary)."""
         masks = self.attention_masks(input_seq, window_blocks)
         stream = self.embed_tokens(input_seq)
         for i in range(len(self.blocks)):
@@ -535,9 +541,9 @@ class GPT(nn.Module):
             skips.append(x)
         return dict(stream, x=x, skips=skips)
 
-    def head_loss(self, stream: dict, target_seq: Tensor) -> Tensor:
-        loss = self.lm_head(norm(stream["x"])[0], target_seq)
-        return loss if self.training else loss / len(target_seq)
+    def head_loss(self, stream: dict, target_seq: Tensor | None) -> Tensor:
+        out = self.lm_head(norm(stream["x"])[0], target_seq)
+        return out if self.training or target_seq is None else out / len(target_seq)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -711,6 +717,7 @@ class Hyperparameters:
     val_seq_len: int = flag(4 * 64 * 1024, "tokens per validation sequence")
     val_loss_every: int = flag(125, "steps between evaluations (0: at the end only)")
     target_val_loss: float = flag(3.28, "the track's target loss, read by records/logs.py")
+    sample_every: int = flag(0, "steps: print a short sample at the validations on multiples of this (0: never)")
     preset: str = flag("record", "base values that the other flags override: record, cpu or tiny "
                                  "(unset: record with CUDA or --plan, else cpu)", "run and checkpoints")
     log_dir: str = flag("logs", "folder of the logs and checkpoints")
@@ -720,6 +727,8 @@ class Hyperparameters:
     kill_switch: str = flag("", "the run stops with a checkpoint when this file appears (unset: "
                                 "<log_dir>/<run_id>.stop)")
     compile: bool | None = flag(None, "torch.compile the model (unset: on CUDA without --tp, --pp or --zero 3)")
+    memory_check: bool = flag(True, "on CUDA, refuse at start a run whose planned memory (--plan) exceeds the GPU's "
+                                    "free memory")
     warmup_steps: int = flag(10, "compile warm-up steps on random tokens, undone before step 1")
     fp64_grad_sum: bool = flag(False, "sum gradients in float64: every world size trains bit-identical models")
     tp: int = flag(1, "tensor-parallel size: consecutive ranks split heads, MLP width and vocabulary", "layouts")
@@ -732,6 +741,12 @@ class Hyperparameters:
                         "3 also parameters")
     check_layout: str = flag("", "train the tiny model for 3 steps under one process and under each layout (a "
                                  "comma-separated list, or all) and compare; no training")
+    sample: str = flag("", "a checkpoint to print text from (no training), with the flags below and --seed", "sample")
+    prompt: str = flag("", "text the samples continue (empty: the start of a document)")
+    max_new_tokens: int = flag(100, "tokens to generate per sample")
+    temperature: float = flag(1.0, "divides the logits before the softmax (> 0; with --top_k 1, greedy)")
+    top_k: int = flag(200, "sample among this many most likely tokens (0: all)")
+    num_samples: int = flag(1, "samples to print")
     plan: bool = flag(False, "print each rank's memory and each collective's bytes per step; no training", "plan")
     nproc: int = flag(0, "with --plan: the processes to plan for (0: WORLD_SIZE, else 1)")
     plan_device: str = flag("cuda", "with --plan: the dtypes of a run on cuda (bf16 embeddings) or cpu")
@@ -748,7 +763,7 @@ PRESETS = {
                 num_heads=2, head_dim=64, model_dim=128, window_pattern="LSSSSL", attention_free_layers="",
                 window_max_tokens=512, fp8_head=False, num_iterations=230, muon_momentum_warmup_steps=50,
                 lr_head=0.077, lr_embed=0.21, lr_scalar=0.014, lr_muon=0.0175,
-                val_loss_every=46, target_val_loss=5.15, fp64_grad_sum=True),
+                val_loss_every=46, target_val_loss=5.15, fp64_grad_sum=True, save_every=230),  # (to sample from)
     # seconds, for tests and smoke runs
     "tiny": dict(train_files="data/shakespeare/shakespeare_train_*.bin",
                  val_files="data/shakespeare/shakespeare_val_*.bin",
@@ -794,6 +809,7 @@ def parse_args(argv=None, cuda: bool | None = None) -> Hyperparameters:
     values = dict(PRESETS[preset], preset=preset)
     values.update({k: v for k, v in vars(flags).items() if v is not None and k != "preset"})
     args = Hyperparameters(**values)
+    args.given = {k for k, v in vars(flags).items() if v is not None}  # (not a field: the log lists the values)
     check_hyperparameters(args)
     return args
 
@@ -830,6 +846,13 @@ def check_hyperparameters(args: Hyperparameters) -> None:
     need(not (args.zero >= 3 and args.compile), "--zero 3 gathers parameters in module hooks that torch.compile "
          "does not trace: run it with --compile false")
     need(args.nproc >= 0, f"--nproc must be >= 0, got {args.nproc}")
+    need(math.isfinite(args.temperature) and args.temperature > 0, f"--temperature must be a finite number > 0, got "
+         f"{args.temperature} (for greedy sampling use --top_k 1)")
+    need(0 <= args.top_k <= args.vocab_size, f"--top_k must be between 0 (all tokens) and --vocab_size "
+         f"{args.vocab_size}, got {args.top_k}")
+    for name in ("max_new_tokens", "num_samples"):
+        need(getattr(args, name) > 0, f"--{name} must be positive, got {getattr(args, name)}")
+    need(args.sample_every >= 0, f"--sample_every must be >= 0, got {args.sample_every}")
     unknown = set(args.check_layout.split(",")) - set(LAYOUTS) - {"all", ""}
     need(not unknown, f"--check_layout {args.check_layout!r}: no layout {min(unknown, default='')!r}; name some of "
          f"{', '.join(LAYOUTS)}, or all")
@@ -1104,6 +1127,22 @@ def compiles_by_default(args: Hyperparameters, device: torch.device) -> bool:
     return device.type == "cuda" and args.zero < 3 and args.tp == 1 and args.pp == 1
 
 
+FP8_CAPABILITY = (8, 9)  # FP8 matmul on the tensor cores: Ada, Hopper and newer
+
+
+def settle_fp8(args: Hyperparameters, capability: tuple[int, int], device_name: str) -> str | None:
+    """On a GPU without FP8 matmul: the FP8 head of the preset is turned off, and the line saying so returned for the
+    log; --fp8_head true given on the command line is refused."""
+    if not args.fp8_head or tuple(capability) >= FP8_CAPABILITY:
+        return None
+    has = f"{device_name} (compute capability {capability[0]}.{capability[1]}) has no FP8 matmul"
+    if "fp8_head" in getattr(args, "given", ()):
+        raise UserError(f"--fp8_head true needs FP8 matmul (compute capability 8.9 or newer: Ada, Hopper, Blackwell), "
+                        f"and {has}: drop the flag, and the head multiplies in bf16")
+    args.fp8_head = False
+    return f"fp8: off: {has}; the head multiplies in bf16 (fp8_head false)"
+
+
 def sum_over_ranks(value: Tensor) -> Tensor:
     if dist.is_initialized():
         count_comm("all_reduce", value)
@@ -1183,13 +1222,15 @@ def train(args: Hyperparameters, ctx: "ParallelContext") -> float:
     on_master(check_log_dir, args)
     with RunIdLock(args, ctx):  # another run with this id is refused at once; held until this one ends
         resume_path, checkpoint = check_run_inputs(args, ctx)  # refused now rather than mid-run
-        if args.compile is None:
-            args.compile = compiles_by_default(args, ctx.device)
+        fp8 = settle_fp8(args, torch.cuda.get_device_capability(ctx.device), torch.cuda.get_device_name(ctx.device)) \
+            if ctx.device.type == "cuda" else None
         trainer = build_trainer(args, ctx)
         if args.compile and args.warmup_steps > 0:
             warmup_and_restore(trainer, args.warmup_steps)
         progress = Progress(args, trainer, checkpoint, resume_path)  # restores the checkpoint, then opens the log
         del checkpoint  # unmaps the file
+        if fp8:
+            progress.log(fp8, console=True)
         train_loader = DistributedDataLoader(args.train_files, args.train_seq_len, args.seqs_per_step, ctx.dp.rank,
                                              ctx.dp.size, ctx.device, position=progress.data_position)
         val_loss = float("nan")
@@ -1202,6 +1243,8 @@ def train(args: Hyperparameters, ctx: "ParallelContext") -> float:
                     with progress.clock.paused():  # validation is not timed
                         val_loss = evaluate(trainer, step)
                         progress.log_validation(step, val_loss)
+                        if args.sample_every and step % args.sample_every == 0:
+                            print_sample(trainer, step)
                 if last_step:
                     break
                 comm_bytes.clear()
@@ -1236,11 +1279,19 @@ def main(argv=None) -> float | None:
     args = parse_args(argv)
     if args.check_layout:
         return check_layouts(args)
+    if args.sample:
+        sample_from_checkpoint(args)
+        return None
     world_size = args.nproc if args.plan and args.nproc else int(os.environ.get("WORLD_SIZE", 1))
     check_world_size(args, world_size)
     if args.plan:
         print(format_plan(plan_layout(args, world_size, cuda=args.plan_device == "cuda")))
         return None
+    if args.compile is None:
+        args.compile = compiles_by_default(args, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    if torch.cuda.is_available() and args.memory_check and int(os.environ.get("RANK", 0)) == 0:
+        # before the process group and the compile: the other ranks wait in the rendezvous, torchrun ends them
+        check_memory(args, world_size, torch.cuda.mem_get_info(int(os.environ.get("LOCAL_RANK", 0)))[0])
     ctx = setup_distributed(args.tp, args.pp)
     try:
         return train(args, ctx)
@@ -1321,18 +1372,19 @@ CHECKPOINT_KEYS = ("model", "adam", "muon", "rng", "step", "run_id", "data", "tr
                    "hyperparameters")
 
 
-def gather_training_state(trainer: "Trainer") -> dict | None:
+def gather_training_state(trainer: "Trainer", weights_only: bool = False) -> dict | None:
     """What training changes, as one-process CPU tensors keyed by parameter name, on rank 0 (None elsewhere): the
-    weights, Adam's state and Muon's momentum, each sent by the one rank that holds it (from data-parallel rank 0, or
+    weights, and unless weights_only Adam's state and Muon's momentum, each sent by the one rank that holds it (from data-parallel rank 0, or
     the owner of the state; tensor-parallel slices joined first). Under ZeRO 3, call it within whole_parameters()."""
     ctx, (adam, muon) = trainer.ctx, trainer.optimizers
     owners = dict(zip(("adam", "muon"), optimizer_state_owners(trainer)))
     part = dict(model={}, adam={}, muon={})
     for name, p in trainer.model.named_parameters():  # (every rank of a tensor-parallel group joins each whole())
         held = dict(model=whole(p, p.detach())) if ctx.dp.rank == 0 else {}
-        if p in owners["adam"] and ctx.dp.rank == (owners["adam"][p] or 0):  # Adam's moments are shaped like p
+        states = not weights_only
+        if states and p in owners["adam"] and ctx.dp.rank == (owners["adam"][p] or 0):  # moments shaped like p
             held["adam"] = {k: whole(p, v) if k.startswith("exp_avg") else v for k, v in adam.state[p].items()}
-        if ctx.dp.rank == owners["muon"].get(p):  # Muon keeps whole matrices
+        if states and ctx.dp.rank == owners["muon"].get(p):  # Muon keeps whole matrices
             held["muon"] = muon.state[p]["momentum_buffer"]
         for kind, value in held.items() if ctx.tp.rank == 0 else ():
             part[kind][name] = pytree.tree_map(lambda t: t.cpu(), value)
@@ -1883,6 +1935,104 @@ class RunLog:
         self("hyperparameters: " + json.dumps(dataclasses.asdict(args)))
         self(f"run: id={args.run_id} device={ctx.device.type} world_size={ctx.world_size} dp={ctx.dp.size} "
              f"tp={ctx.tp.size} pp={ctx.pp.size} zero={args.zero} grad_accum_steps={grad_accum_steps}", console=True)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sampling: text from the model, through the training forward itself
+
+def gpt2_encoding():
+    """GPT-2's tokenizer, as the data was encoded: data/gpt2_tokenizer.py's (offline with its ranks file) beside this
+    file, else tiktoken's own."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    try:
+        from data.gpt2_tokenizer import get_gpt2_encoding
+    except ImportError:
+        import tiktoken
+        return tiktoken.get_encoding("gpt2")
+    finally:
+        sys.path.pop(0)
+    try:
+        return get_gpt2_encoding()
+    except Exception as e:  # (data's own UserError: the ranks file is missing and cannot be fetched)
+        raise UserError(str(e)) from None
+
+
+@torch.no_grad()
+def generate(model: GPT, prompt: list[int], new_tokens: int, temperature: float, top_k: int, window_blocks: int,
+             context: int, vocab_size: int, generator: torch.Generator) -> list[int]:
+    """The tokens that continue prompt, each drawn from softmax(logits / temperature) over the top_k most likely,
+    the logits those of GPT.forward over the sequence so far (its last `context` tokens, padded to whole attention
+    blocks: causal attention keeps the padding from the real tokens), with the run's final sliding window; up to an
+    end-of-text token. No cache: each token runs the whole sequence again."""
+    model.eval()
+    device = next(model.parameters()).device
+    tokens, window = list(prompt), window_tensor(window_blocks, device)
+    while len(tokens) < len(prompt) + new_tokens:
+        seq = tokens[-context:]
+        padded = seq + [EOT_TOKEN] * (next_multiple_of_n(len(seq), ATTENTION_BLOCK_SIZE) - len(seq))
+        logits = model(torch.tensor(padded, dtype=torch.int32, device=device), None, window)[len(seq) - 1]
+        logits = logits[:vocab_size].float() / temperature  # (the head's padding rows are no tokens)
+        if top_k:
+            logits[logits < logits.topk(top_k).values[-1]] = -math.inf
+        tokens.append(int(torch.multinomial(logits.softmax(-1).cpu(), 1, generator=generator)))
+        if tokens[-1] == EOT_TOKEN:
+            break
+    return tokens[len(prompt):]
+
+
+def sampling_prompt(args: Hyperparameters, encoding, context: int) -> list[int]:
+    """--prompt's tokens after the end-of-text token that starts every document."""
+    prompt = [EOT_TOKEN] + encoding.encode(args.prompt)
+    if len(prompt) > context:
+        raise UserError(f"--prompt is {len(prompt)} tokens with the document start, longer than the model's context "
+                        f"of {context} (max(train_seq_len, val_seq_len) of its run): shorten it")
+    return prompt
+
+
+def sample_from_checkpoint(args: Hyperparameters) -> list[str]:
+    """--sample: the checkpoint's model, built from this file with the hyperparameters of its run, continues the
+    prompt --num_samples times; each sample is printed as it is drawn, then the speed."""
+    path = Path(args.sample)
+    if not path.is_file():
+        raise UserError(f"--sample {path}: no such file; name a checkpoint (<log_dir>/<run_id>/stepNNNNNN.pt)")
+    state = load_checkpoint(path)
+    fields = {field.name for field in dataclasses.fields(Hyperparameters)}
+    run = dataclasses.replace(Hyperparameters(), **{k: v for k, v in state["hyperparameters"].items() if k in fields})
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    model = build_model(run, device)
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as e:
+        raise UserError(f"checkpoint {path} does not fit this file's model ({str(e).splitlines()[1].strip()}): sample "
+                        "with the train_gpt.py that wrote it (its source is in the checkpoint, under 'code')") from None
+    encoding, context = gpt2_encoding(), max(run.train_seq_len, run.val_seq_len)
+    prompt = sampling_prompt(args, encoding, context)
+    generator, texts, count, start = torch.Generator().manual_seed(args.seed), [], 0, time.perf_counter()
+    for i in range(args.num_samples):
+        tokens = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k,
+                          window_size_blocks(run.num_iterations, run), context, run.vocab_size, generator)
+        count += len(tokens)
+        texts.append(encoding.decode(prompt[1:] + [t for t in tokens if t != EOT_TOKEN]))
+        print(f"--- sample {i + 1} of {args.num_samples} ({len(tokens)} tokens)\n{texts[-1]}", flush=True)
+    print(f"--- {count} tokens in {time.perf_counter() - start:.1f} s: {count / (time.perf_counter() - start):.1f} "
+          f"tokens/s on {device.type}", flush=True)
+    return texts
+
+
+def print_sample(trainer: "Trainer", step: int) -> None:
+    """--sample_every: a short sample from the model as it is now, on rank 0, from a one-process copy on the CPU (so
+    that any layout can give it, and the timed run's compiled model and memory are left alone)."""
+    with trainer.zero.whole_parameters():
+        state = gather_training_state(trainer, weights_only=True)
+    if state is None:
+        return
+    args = trainer.args
+    model = build_model(args, torch.device("cpu"))
+    model.load_state_dict(state["model"])
+    encoding, context = gpt2_encoding(), max(args.train_seq_len, args.val_seq_len)
+    tokens = generate(model, sampling_prompt(args, encoding, context), 48, args.temperature, args.top_k,
+                      window_size_blocks(step, args), context, args.vocab_size, torch.Generator().manual_seed(step))
+    print(f"sample: step:{step} {encoding.decode(tokens)!r}", flush=True)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -3139,6 +3289,8 @@ def plan_layout(args: Hyperparameters, world_size: int, cuda: bool) -> dict:
     """
     if dist.is_initialized():
         raise UserError("--plan runs in one process, not under torchrun: give the process count with --nproc")
+    compiled = args.compile if args.compile is not None else compiles_by_default(args, torch.device(
+        "cuda" if cuda else "cpu"))
     args = dataclasses.replace(args, compile=False)
     meta = torch.device("meta")
     tokens = torch.empty(args.train_seq_len + 1, dtype=torch.int64, device=meta)
@@ -3151,10 +3303,53 @@ def plan_layout(args: Hyperparameters, world_size: int, cuda: bool) -> dict:
                 trainer = build_trainer(args, ctx, cuda_dtypes=cuda, stream_specs=stream_specs)
                 held = account_step(trainer, batches)
                 del held["loss_sum"]
+                held["activations"] = int(held["activations"] * (COMPILED_ACTIVATIONS if compiled else 1))
                 ranks.append(dict(held, stage=ctx.pp.rank))
     return dict(preset=args.preset, world_size=world_size, dp=world_size // (args.tp * args.pp), tp=args.tp,
-                pp=args.pp, grad_accum_steps=trainer.micro_batches, zero=args.zero, ranks=ranks,
+                pp=args.pp, grad_accum_steps=trainer.micro_batches, zero=args.zero, ranks=ranks, compiled=compiled,
                 num_params=sum(math.prod(shape) for shape in trainer.model.full_shapes.values()))
+
+
+# What a compiled step keeps for backward, against an eager one's saved tensors (SavedActivations): Inductor recomputes
+# cheap element-wise results instead of keeping them. Calibrated on the one GPU measurement of this model at the
+# record's 48K-token sequence: the reference design's 30.7 GB peak on an H100, of which ~2.8 GB are parameters,
+# gradients and optimizer states, against 44.9 GiB estimated eager. (The CPU's Inductor keeps 0.57 of the eager bytes
+# for the cpu preset, 0.89 for the record's width at 2K tokens in fp32: measured, and no stand-in for a GPU.)
+COMPILED_ACTIVATIONS = 0.58
+MEMORY_HEADROOM = 0.95  # of the free memory a plan may fill: the allocator's fragmentation and workspaces
+
+
+def planned_peak(args: Hyperparameters, world_size: int) -> int:
+    """The largest per-rank bytes of the plan of a CUDA run: parameters at their peak, gradients, optimizer states,
+    float64 sums, activations."""
+    kinds = ("peak_parameters", "gradients", "optimizer_states", "gradient_sums", "activations")
+    return max(sum(rank[kind] for kind in kinds) for rank in plan_layout(args, world_size, cuda=True)["ranks"])
+
+
+def check_memory(args: Hyperparameters, world_size: int, free_bytes: int) -> None:
+    """Refuse a run whose plan does not fit the GPU's free memory, naming what would: a shorter sequence, ZeRO 3, or
+    twice the processes with ZeRO 3."""
+    need, room = planned_peak(args, world_size), MEMORY_HEADROOM * free_bytes
+    if need <= room:
+        return
+    unit = math.lcm(ATTENTION_BLOCK_SIZE, args.tp if args.sp else 1)
+    options = [(f"--train_seq_len {n}", dict(train_seq_len=n), world_size) for n in
+               (args.train_seq_len // 2, args.train_seq_len // 4, args.train_seq_len // 8) if n % unit == 0 and n]
+    dp = world_size // (args.tp * args.pp)
+    if args.zero < 3 and dp > 1:
+        options.append(("--zero 3", dict(zero=3, compile=False), world_size))
+    if args.seqs_per_step % (2 * dp) == 0:
+        options.append((f"{2 * world_size} processes with --zero 3", dict(zero=3, compile=False), 2 * world_size))
+    fits = []
+    for flags, change, n in options:  # (the longest sequence that fits, then the other ways)
+        if not (flags.startswith("--train_seq_len") and any(f.startswith("--train_seq_len") for f in fits)) and \
+                planned_peak(dataclasses.replace(args, **change), n) <= room:
+            fits.append(flags)
+    raise UserError(f"this run needs about {need / 2**30:.1f} GiB on a GPU by its plan (see --plan), and the GPU has "
+                    f"{free_bytes / 2**30:.1f} GiB free: "
+                    + (f"it would fit with {' or '.join(fits)}" if fits
+                       else "no shorter sequence, --zero 3 or twice the processes makes it fit")
+                    + "; --memory_check false runs it anyway")
 
 
 def format_plan(plan: dict) -> str:
@@ -3164,7 +3359,8 @@ def format_plan(plan: dict) -> str:
     lines = [f"plan: preset {plan['preset']}, {plan['world_size']} processes = pipeline {plan['pp']} x data parallel "
              f"{plan['dp']} x tensor parallel {plan['tp']}, ZeRO stage {plan['zero']}, {plan['grad_accum_steps']} "
              f"micro-batches per rank per step, {psi:,} parameters",
-             "rank stage  parameters  (peak)  gradients  optimizer  grad sums  activations (est.)    total   [MiB]"]
+             "rank stage  parameters  (peak)  gradients  optimizer  grad sums  activations (est.)    total   [MiB]"
+             + ("   (activations of a compiled step)" if plan["compiled"] else "")]
     for rank, r in enumerate(plan["ranks"]):
         values = [r[kind] / mib for kind in memory]
         lines.append(f"{rank:4d} {r['stage']:5d}  {values[0]:10.1f} {values[1]:7.1f} {values[2]:10.1f} "

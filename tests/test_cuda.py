@@ -1,7 +1,12 @@
-"""The CUDA path: FlexAttention, the FP8 op, the compiled model, compile warm-up, a record-shape step, and on two or
-more GPUs the layouts over NCCL, each against its reference. Skipped where there is no GPU:
+"""The CUDA path: FlexAttention, the FP8 op, the compiled model, compile warm-up, a record-shape step against its plan,
+and on two or more GPUs the layouts over NCCL, each against its reference. Skipped where there is no GPU:
 
     python -m pytest -q tests/test_cuda.py
+
+tests/test_compiled.py checks the compiled model on the CPU (Inductor's C++ backend, the dense mask twin, the FP8
+op's eager bodies): one compile over the window schedule, compiled against eager, the FP8 op in the graph, the
+warm-up's exact restore. What only a GPU can check: FlexAttention's kernels, torch._scaled_mm on CUDA and the FP8
+op's compiled bodies, NCCL, and Triton (Inductor's GPU code).
 """
 import copy
 
@@ -149,6 +154,9 @@ def test_a_record_shape_step_with_gradient_accumulation_fits_one_gpu_and_has_a_f
     # a budget, not the GPU's size (which an overrun would hit as an error first): half an 80 GB H100, where an
     # earlier version of this file peaked at 32.9 GB on an H200 with 8 micro-batches
     assert torch.cuda.max_memory_allocated() < 40 * 2**30
+    # and the plan the memory check uses, calibrated on the reference design's measurement, within a quarter of it
+    planned = train_gpt.planned_peak(args, 1)
+    assert 0.75 < torch.cuda.max_memory_allocated() / planned < 1.25, (torch.cuda.max_memory_allocated(), planned)
 
 
 # NCCL: the layouts the CPU tests run on gloo, one GPU per rank, against one process on GPU 0 (bf16 activations:

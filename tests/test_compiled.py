@@ -1,0 +1,110 @@
+"""torch.compile on the CPU (Inductor's C++ backend, the dense twin of the attention masks): what tests/test_cuda.py
+checks of the compiled model, short of the CUDA kernels. A small model with the FP8 head (torch._scaled_mm runs on
+the CPU), compiled once for the module."""
+import copy
+
+import pytest
+import torch
+
+import train_gpt
+from layouts import train_step
+from synthetic import tiny_flags, write_synthetic_shards
+from test_attention import sequence_with_documents
+
+SEQ_LEN = 512  # four attention blocks: windows of 1 to 4 blocks over the schedule
+DOC_STARTS = [0, 70, 128, 129, 300, 450]  # documents starting mid-block, on a block's edge, one token long
+
+
+def small_args(files=None, **overrides):
+    files = files or dict(train_files="unused", val_files="unused")
+    return train_gpt.parse_args(tiny_flags(files, fp8_head=True, train_seq_len=SEQ_LEN, val_seq_len=SEQ_LEN,
+                                           window_max_tokens=SEQ_LEN, **overrides), cuda=False)
+
+
+def nonzero_model(args):
+    """The model with its zero-initialised layers given values, so that every gradient is non-zero at once."""
+    torch.manual_seed(0)
+    model = train_gpt.build_model(args, torch.device("cpu"))
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.any():
+                p.normal_(std=0.02)
+    return model
+
+
+@pytest.fixture(scope="module")
+def compiled_over_the_schedule():
+    """One compiled model run forward and backward at every window size of the schedule, recompiles made errors;
+    the eager model beside it; dynamo's counters."""
+    args = small_args(num_iterations=20)
+    eager = nonzero_model(args)
+    model = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    compiled = torch.compile(model, dynamic=False)
+    tokens = sequence_with_documents(DOC_STARTS, SEQ_LEN + 1)
+    windows = sorted({train_gpt.window_size_blocks(step, args) for step in range(args.num_iterations + 1)})
+    graphs_after_first_window, losses = None, []
+    with torch._dynamo.config.patch(error_on_recompile=True):  # a recompile raises
+        for blocks in windows:
+            window = train_gpt.window_tensor(blocks, torch.device("cpu"))
+            loss = compiled(tokens[:-1].to(torch.int32), tokens[1:], window)
+            loss.backward()
+            losses.append((loss.item(), eager(tokens[:-1].to(torch.int32), tokens[1:], window)))
+            losses[-1][1].backward()
+            graphs_after_first_window = graphs_after_first_window or counters["stats"]["unique_graphs"]
+    return dict(windows=windows, graph_breaks=dict(counters["graph_break"]), unique_graphs=counters["stats"]
+                ["unique_graphs"], graphs_after_first_window=graphs_after_first_window, losses=losses, eager=eager,
+                compiled=model)
+
+
+def test_the_model_compiles_once_across_the_window_schedule_with_no_graph_break(compiled_over_the_schedule):
+    run = compiled_over_the_schedule
+    assert run["windows"] == [1, 2, 3, 4]  # every window size from 1 to 4 blocks
+    assert not run["graph_breaks"], run["graph_breaks"]
+    assert run["unique_graphs"] == run["graphs_after_first_window"]
+
+
+def test_the_compiled_model_gives_the_eager_loss_and_gradients(compiled_over_the_schedule):
+    # the same fp32 math, fused apart: within 1e-5 of the loss and 1e-4 of each gradient's norm, summed over the
+    # four windows (measured up to 2e-6 and 2e-5)
+    run = compiled_over_the_schedule
+    for compiled_loss, eager_loss in run["losses"]:
+        assert compiled_loss == pytest.approx(eager_loss.item(), rel=1e-5)
+    for (name, p), q in zip(run["eager"].named_parameters(), run["compiled"].parameters()):
+        assert p.grad.norm() > 0, name
+        assert (q.grad - p.grad).norm() <= 1e-4 * p.grad.norm(), name
+
+
+def test_the_fp8_head_runs_inside_the_compiled_model(compiled_over_the_schedule):
+    # the custom op is one node of the compiled graph (whose loss and gradients are the eager FP8 model's, above),
+    # and its quantisation shows: an fp32 head's gradient differs from it by more than rounding, by less than 10%
+    args = small_args()
+    tokens = sequence_with_documents(DOC_STARTS, SEQ_LEN + 1)
+    batch = (tokens[:-1].to(torch.int32), tokens[1:], train_gpt.window_tensor(1, torch.device("cpu")))
+    explained = torch._dynamo.explain(nonzero_model(args))(*batch)
+    assert any("nanogpt.mm" in str(graph.graph) for graph in explained.graphs)
+    grads = []
+    for fp8 in (True, False):
+        model = nonzero_model(args)
+        model.lm_head.use_fp8 = fp8
+        model(*batch).backward()
+        grads.append(model.lm_head.weight.grad)
+    assert 1e-3 < ((grads[0] - grads[1]).norm() / grads[1].norm()).item() < 0.1
+
+
+def test_compiled_warmup_restores_model_and_optimizer_state_exactly(tmp_path):
+    files = write_synthetic_shards(tmp_path)
+    args = small_args(files, compile=True, seqs_per_step=2)
+    trainer = train_gpt.build_trainer(args, train_gpt.build_parallel_context(0, 1, torch.device("cpu")))
+    initial = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    train_gpt.warmup_and_restore(trainer, 2)
+    for k, v in trainer.model.state_dict().items():
+        assert torch.equal(v, initial[k]), k
+    assert all(not opt.state for opt in trainer.optimizers)
+    assert all(p.grad is None for p in trainer.model.parameters())
+    # and it trains from there: two steps, the loss falls
+    batches = train_gpt.DistributedDataLoader(args.train_files, SEQ_LEN, 2, 0, 1, torch.device("cpu"))
+    losses = [train_step(trainer, batches, step)[0].item() for step in range(2)]
+    assert losses[1] < losses[0]

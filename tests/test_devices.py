@@ -1,0 +1,53 @@
+"""Ready for the GPU a user has: FP8 only where the GPU has it, and a run refused before any work when its plan
+does not fit the GPU's memory (capabilities and memory sizes faked: no GPU here)."""
+import json
+
+import pytest
+
+import train_gpt
+
+
+@pytest.mark.parametrize("capability, fp8", [((8, 0), False), ((8, 6), False), ((8, 9), True), ((9, 0), True)])
+def test_the_record_s_fp8_head_is_turned_off_on_a_gpu_without_fp8_and_the_log_says_so(capability, fp8):
+    args = train_gpt.parse_args([], cuda=True)  # the record: fp8_head by default
+    line = train_gpt.settle_fp8(args, capability, "NVIDIA A100-SXM4-80GB")
+    assert args.fp8_head is fp8
+    assert (line is None) is fp8
+    if not fp8:
+        assert line == (f"fp8: off: NVIDIA A100-SXM4-80GB (compute capability {capability[0]}.{capability[1]}) has "
+                        "no FP8 matmul; the head multiplies in bf16 (fp8_head false)")
+        assert json.loads(json.dumps(train_gpt.dataclasses.asdict(args)))["fp8_head"] is False  # the log's line
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (9, 0)])
+def test_fp8_head_asked_for_on_a_gpu_without_fp8_is_refused(capability):
+    args = train_gpt.parse_args(["--fp8_head", "true"], cuda=True)
+    if capability >= (8, 9):
+        assert train_gpt.settle_fp8(args, capability, "NVIDIA H100 80GB HBM3") is None and args.fp8_head
+        return
+    with pytest.raises(train_gpt.UserError, match=r"--fp8_head true needs FP8 matmul \(compute capability 8\.9 or "
+                                                  r"newer.*\), and NVIDIA H100 80GB HBM3 \(compute capability 8\.0\) "
+                                                  r"has no FP8 matmul: drop the flag"):
+        train_gpt.settle_fp8(args, capability, "NVIDIA H100 80GB HBM3")
+
+
+def test_the_memory_check_refuses_the_record_on_a_24_gib_gpu_saying_what_fits_and_runs_it_on_80():
+    # the record on one GPU, compiled (one micro-batch a step: what a GPU holds at once, and a quicker plan)
+    args = train_gpt.parse_args(["--compile", "true", "--seqs_per_step", "1"], cuda=True)
+    need = train_gpt.planned_peak(args, 1)
+    assert 25 * 2**30 < need < 35 * 2**30  # near the 30.7 GB the reference design measured on an H100
+    with pytest.raises(train_gpt.UserError, match=r"this run needs about \d+\.\d GiB on a GPU by its plan .* the GPU "
+                                                  r"has 24\.0 GiB free: it would fit with --train_seq_len 24576; "
+                                                  r"--memory_check false runs it anyway"):
+        train_gpt.check_memory(args, 1, 24 * 2**30)
+    train_gpt.check_memory(args, 1, 80 * 2**30)
+
+
+def test_the_memory_check_names_zero_3_and_more_processes_where_the_model_states_do_not_fit():
+    # 2 processes, a short sequence: the parameters, gradients and optimizer states fill the GPU; ZeRO 3 splits
+    # them, and so do 4 processes with ZeRO 3, while a shorter sequence is not enough
+    args = train_gpt.parse_args(["--train_seq_len", "256", "--val_seq_len", "256", "--val_tokens", "2048",
+                                 "--compile", "false"], cuda=True)
+    free = train_gpt.planned_peak(args, 2) - 2**28
+    with pytest.raises(train_gpt.UserError, match=r"it would fit with --zero 3 or 4 processes with --zero 3;"):
+        train_gpt.check_memory(args, 2, int(free / train_gpt.MEMORY_HEADROOM))

@@ -1,0 +1,105 @@
+"""Text from a checkpoint (--sample) and during training (--sample_every), through the training model's own forward;
+bad sampling input refused by name."""
+import re
+
+import pytest
+import torch
+
+import train_gpt
+from synthetic import tiny_flags
+from train_gpt import run_on_ranks
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, files):
+    """A tiny run's checkpoint after STEPS steps, in one process."""
+    logs = tmp_path_factory.mktemp("logs")
+    train_gpt.main(tiny_flags(files, log_dir=logs, run_id="saved", num_iterations=STEPS, save_every=STEPS,
+                              val_loss_every=0))
+    return logs / "saved" / f"step{STEPS:06d}.pt"
+
+
+def model_of(path):
+    state = train_gpt.load_checkpoint(path)
+    args = train_gpt.Hyperparameters(**state["hyperparameters"])
+    model = train_gpt.build_model(args, torch.device("cpu"))
+    model.load_state_dict(state["model"])
+    return args, model
+
+
+def test_greedy_samples_follow_the_argmax_of_the_training_forward_on_each_prefix(saved):
+    args, model = model_of(saved)
+    prompt = [train_gpt.EOT_TOKEN, 464, 3290, 318]
+    window = train_gpt.window_size_blocks(args.num_iterations, args)
+    new = train_gpt.generate(model, prompt, 40, 1.0, 1, window, 128, args.vocab_size, torch.Generator())
+    assert len(new) >= 10 and len(set(new)) > 1  # (up to an end-of-text token)
+    # the reference: the training forward (train mode, the whole sequence at once, padded with another token) and its
+    # argmax at each position before a generated token
+    sequence = torch.tensor(prompt + new + [7] * (128 - len(prompt) - len(new)))
+    model.train()
+    with torch.no_grad():
+        logits = model(sequence.to(torch.int32), None, train_gpt.window_tensor(window, torch.device("cpu")))
+    expected = logits[:, :args.vocab_size].argmax(-1)
+    assert new == expected[len(prompt) - 1:len(prompt) + len(new) - 1].tolist()
+
+
+def resave_on_rank(rank, world_size, path, out, flags):
+    """Restore the one-process checkpoint under a layout and write it again from there."""
+    args = train_gpt.parse_args(flags, cuda=False)
+    trainer = train_gpt.build_trainer(args, train_gpt.build_parallel_context(rank, world_size, torch.device("cpu"),
+                                                                             args.tp, args.pp))
+    state = train_gpt.load_checkpoint(path)
+    train_gpt.restore_checkpoint(state, path, trainer)
+    train_gpt.save_checkpoint(out, trainer, **{k: state[k] for k in ("step", "run_id", "data", "training_time_ms",
+                                                                     "log_bytes", "hyperparameters")})
+
+
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(pp=2)])
+def test_a_checkpoint_written_under_a_layout_samples_the_one_process_text(saved, files, tmp_path, gpt2_ranks, capsys,
+                                                                          layout):
+    resaved = tmp_path / "resaved.pt"
+    run_on_ranks(resave_on_rank, 2, saved, resaved, tiny_flags(files, **layout))
+    texts = []
+    for path in (saved, resaved):
+        train_gpt.main(["--sample", str(path), "--prompt", "To be, or not", "--max_new_tokens", "24", "--seed", "3",
+                        "--num_samples", "2"])
+        texts.append(re.sub(r"\d+\.\d tokens/s|in \d+\.\d s", "", capsys.readouterr().out))
+    assert texts[0] == texts[1] and texts[0].count("--- sample ") == 2 and "To be, or not" in texts[0]
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--temperature", "0"], "--temperature must be a finite number > 0, got 0.0 (for greedy sampling use --top_k 1)"),
+    (["--top_k", "50258"], "--top_k must be between 0 (all tokens) and --vocab_size 50257, got 50258"),
+    (["--max_new_tokens", "0"], "--max_new_tokens must be positive"),
+])
+def test_bad_sampling_values_are_refused_by_name(flags, words):
+    with pytest.raises(train_gpt.UserError) as error:
+        train_gpt.parse_args(["--preset", "tiny", "--sample", "x.pt", *flags], cuda=False)
+    assert words in str(error.value)
+
+
+def test_a_missing_or_incomplete_checkpoint_and_an_overlong_prompt_are_refused(saved, tmp_path, gpt2_ranks):
+    with pytest.raises(train_gpt.UserError, match=r"--sample nowhere\.pt: no such file"):
+        train_gpt.main(["--sample", "nowhere.pt"])
+    state = torch.load(saved, weights_only=True)
+    del state["model"]
+    torch.save(state, tmp_path / "incomplete.pt")
+    with pytest.raises(train_gpt.UserError, match=r"incomplete\.pt lacks model: it is incomplete"):
+        train_gpt.main(["--sample", str(tmp_path / "incomplete.pt")])
+    with pytest.raises(train_gpt.UserError, match=r"--prompt is \d+ tokens with the document start, longer than the "
+                                                  r"model's context of 128"):
+        train_gpt.main(["--sample", str(saved), "--prompt", "to be " * 100])
+
+
+def test_sample_every_prints_samples_at_validation_and_changes_no_loss(files, tmp_path, gpt2_ranks, capsys):
+    logs = []
+    for run_id, sample_every in (("plain", 0), ("sampled", 2)):
+        train_gpt.main(tiny_flags(files, log_dir=tmp_path, run_id=run_id, num_iterations=4, val_loss_every=2,
+                                  sample_every=sample_every))
+        text = (tmp_path / f"{run_id}.txt").read_text()
+        logs.append([re.sub(r" train_time.*", "", line) for line in text.splitlines() if line.startswith("step:")])
+    out = capsys.readouterr().out
+    assert logs[0] == logs[1]
+    assert [int(step) for step in re.findall(r"^sample: step:(\d+) '", out, re.M)] == [0, 2, 4]
