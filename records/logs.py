@@ -33,6 +33,7 @@ STEP_LINE = re.compile(r"step:(\d+)/(\d+) (?:(val_loss|train_loss):(\S+) )?train
 PEAK_MEMORY_LINE = re.compile(r"peak memory (allocated: \d+ MiB reserved: \d+ MiB|rss: \d+ MiB"
                               r"|consumption: \d+ MiB)")
 NVIDIA_SMI_GPU_ROW = re.compile(r"\|\s+\d+\s+(.+?)\s+(?:On|Off)\s+\|")
+RESUMED_LINE = re.compile(r"resumed: step:(\d+)/(\d+) from .+")  # its total: the resumed num_iterations
 
 
 class LogError(Exception):
@@ -83,7 +84,17 @@ class Run:
         return self.val[-1]
 
 
+def not_a_file(path: Path) -> str | None:
+    """What stands at path when it exists but is no regular file: reading a named pipe blocks until something
+    writes to it, and a folder is not one file."""
+    if not path.exists() or path.is_file():
+        return None
+    return "a folder" if path.is_dir() else "a named pipe, socket or device"
+
+
 def read_log(path: Path) -> Run:
+    if kind := not_a_file(path):
+        raise LogError(f"{path}: {kind}, not a log file")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
@@ -137,7 +148,15 @@ def parse_hyperparameters(line: str, number: int) -> dict:
     missing = [k for k in REQUIRED_HYPERPARAMETERS if k not in hyperparameters]
     if missing:
         raise LogError(f"line {number}: the hyperparameters lack {', '.join(missing)}")
+    if not is_target(hyperparameters["target_val_loss"]):
+        raise LogError(f"line {number}: target_val_loss is {json.dumps(hyperparameters['target_val_loss'])}, "
+                       "not a finite number >= 0")
     return hyperparameters
+
+
+def is_target(value) -> bool:
+    """A target val loss as the trainer accepts one: a finite number >= 0 (JSON's true is no number)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
 
 
 def reference_hyperparameters(body: list[str]) -> dict:
@@ -157,8 +176,8 @@ def read_body(run: Run, lines: list[str], first_number: int) -> str | None:
             if point is None:
                 total = STEP_LINE.fullmatch(line)
                 if total and int(total[2]) != run.num_iterations:
-                    return (f"step line {number} counts to {total[2]} steps, but the hyperparameters line says "
-                            f"num_iterations={run.num_iterations} (resumed with another --num_iterations?)")
+                    return (f"step line {number} counts to {total[2]} steps, but the run's num_iterations is "
+                            f"{run.num_iterations} (its hyperparameters line, or its last resumed: line)")
                 return f"malformed step line {number}: {line[:80]!r}"
             (run.val if " val_loss:" in line else run.train).append(point)
         elif line.startswith("peak memory"):
@@ -169,7 +188,13 @@ def read_body(run: Run, lines: list[str], first_number: int) -> str | None:
             run.layout = dict(field.split("=", 1) for field in line[len("run: "):].split() if "=" in field)
         elif line.startswith(("stopped: ", "diverged: ")):
             run.ended = line
-        # any other line (checkpoint:, resumed:, ...) carries nothing this tool reports
+        elif line.startswith("resumed: "):
+            resumed = RESUMED_LINE.fullmatch(line)
+            if resumed is None:
+                return f"malformed resumed line {number}: {line[:80]!r}"
+            # a resume may change --num_iterations (the trainer logs it): the steps from here count to the new one
+            run.hyperparameters["num_iterations"] = int(resumed[2])
+        # any other line (checkpoint:, resumed with changed hyperparameters:, ...) carries nothing this tool reports
     return None
 
 
@@ -412,9 +437,11 @@ def compare(args) -> str:
     loss_p = mean_below_target_p(losses(candidate), target)
     lines = [f"{name}: train time {mean_std(times_s(runs), 3, ' s')}, val loss {mean_std(losses(runs), 4)}"
              for name, runs in (("baseline ", baseline), ("candidate", candidate))]
-    time_change = mean(times_s(candidate)) - mean(times_s(baseline))
-    lines.append(f"train time: candidate - baseline = {time_change:+.3f} s "
-                 f"({100 * time_change / mean(times_s(baseline)):+.1f}%); "
+    base_time = mean(times_s(baseline))
+    time_change = mean(times_s(candidate)) - base_time
+    # a baseline logged at 0 s (its train_time rounds to 0 ms) has no relative change
+    relative = f"{100 * time_change / base_time:+.1f}%" if base_time > 0 else "n/a: the baseline's time is 0 s"
+    lines.append(f"train time: candidate - baseline = {time_change:+.3f} s ({relative}); "
                  f"Welch one-sided p (candidate faster) = {format_p(time_p)}")
     if not mean(losses(baseline)) < target:  # its time to the target is unbounded: any run that gets there is faster
         time_p = 0.0
@@ -526,7 +553,21 @@ def make_figure(curves: list[Curve], target: float):
     return figure
 
 
+def check_output(output: Path) -> None:
+    """Refuse, before any log is read, an output matplotlib would fail on only after the work, or would write
+    elsewhere (a name without a suffix gets .png appended)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    if kind := not_a_file(output):
+        raise LogError(f"-o {output}: {kind}; the output must be a file path such as curves.png")
+    formats = FigureCanvasAgg.get_supported_filetypes()
+    if output.suffix[1:].lower() not in formats:
+        raise LogError(f"-o {output}: the suffix {output.suffix or '(none)'} names no format matplotlib writes; "
+                       f"use one of {', '.join('.' + f for f in sorted(formats))}")
+
+
 def plot(args) -> str:
+    check_output(Path(args.output))
     groups = [args.logs] + (args.groups or [])
     if len(groups) == 1:  # one line per run, crashed ones too (dashed): where a run diverged is worth seeing
         runs = load(args.logs)
@@ -546,6 +587,17 @@ def plot(args) -> str:
 # ----------------------------------------------------------------------------------------------------
 # Command line
 
+def target_flag(text: str) -> float:
+    """--target's value, held to the rule a log's target_val_loss is."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if not is_target(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number >= 0")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="logs.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -557,7 +609,7 @@ def build_parser() -> argparse.ArgumentParser:
         if groups:
             sub.add_argument(GROUP_FLAG, nargs="+", action="append", dest="groups", help=argparse.SUPPRESS)
         if target:
-            sub.add_argument("--target", type=float,
+            sub.add_argument("--target", type=target_flag,
                              help="target val loss (default: the logs' target_val_loss when they agree, else 3.28)")
         return sub
 
@@ -568,7 +620,7 @@ def build_parser() -> argparse.ArgumentParser:
             nargs=2, target=False)
     command("plot", "val loss vs train time and vs step, per run or (with --) per group",
             "LOG... [-- LOG... ...] -o OUT.png [--target T]", groups=True).add_argument(
-        "-o", "--output", required=True, help="the PNG file to write")
+        "-o", "--output", required=True, help="the image to write; its suffix picks the format (.png, .pdf, .svg, ...)")
     return parser
 
 

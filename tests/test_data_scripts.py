@@ -5,8 +5,12 @@ GPT-2), hashlib, and hand-made shards.
 """
 import hashlib
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pyarrow
@@ -17,7 +21,7 @@ import tiktoken
 import train_gpt
 from conftest import REPO_ROOT
 from data import check, fineweb, gpt2_tokenizer, shakespeare
-from data.common import Manifest, UserError, scan_shard
+from data.common import FlagError, Manifest, UserError, scan_shard
 from train_gpt import EOT_TOKEN, SHARD_HEADER_INTS, SHARD_MAGIC, SHARD_VERSION, write_data_shard
 
 # the URL tiktoken's r50k_base fetches; its cache holds the file under sha1(URL)
@@ -294,3 +298,52 @@ def test_fineweb_input_errors(ranks_path, tmp_path):
     fineweb.main(["--input", str(good), "--out_dir", str(tmp_path / "o3"), "--workers", "1"])
     with pytest.raises(UserError, match="already holds fineweb shards"):
         fineweb.main(["--input", str(good), "--out_dir", str(tmp_path / "o3"), "--workers", "1"])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# --out_dir: refused before any download, reading or tokenizing, with exit status 2
+
+def sha256(path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("script", ["fineweb.py", "shakespeare.py"])
+def test_an_out_dir_at_or_under_a_file_exits_2_with_one_line(tmp_path, script):
+    taken, empty = tmp_path / "taken", tmp_path / "empty"
+    taken.write_text("not a folder\n")
+    empty.mkdir()
+    before = sha256(taken)
+    # the issue's two cases. fineweb.py reads the hub: the check must come before any request (offline here, so a
+    # missing check fails fast); shakespeare.py refuses an empty --texts when it reads it: the check comes first
+    out_dir, inputs = (taken, []) if script == "fineweb.py" else (taken / "sub", ["--texts", str(empty)])
+    result = subprocess.run([sys.executable, str(REPO_ROOT / "data" / script), "--out_dir", str(out_dir), *inputs],
+                            capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 2 and result.stdout == "" and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr == f"error: --out_dir {out_dir}: {taken} is not a folder; choose another --out_dir\n"
+    assert sha256(taken) == before
+
+
+@pytest.mark.parametrize("script", ["fineweb", "shakespeare"])
+@pytest.mark.parametrize("kind", ["a file", "under a file", "unwritable"])
+def test_an_unusable_out_dir_is_refused_before_any_work(tmp_path, monkeypatch, script, kind):
+    taken, locked = tmp_path / "taken", tmp_path / "locked"
+    taken.write_text("not a folder\n")
+    locked.mkdir()
+    before = sha256(taken)
+    # root may write anywhere: the permission is taken away where the check asks for it
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != locked)
+    out_dir, reason = {"a file": (taken, f"{taken} is not a folder; choose another --out_dir"),
+                       "under a file": (taken / "sub", f"{taken} is not a folder; choose another --out_dir"),
+                       "unwritable": (locked / "sub", f"no permission to write in {locked}; choose another "
+                                                      "--out_dir or make it writable")}[kind]
+    # inputs read only after the check: a document fineweb.py would tokenize, an empty --texts shakespeare.py refuses
+    document, empty = tmp_path / "doc.jsonl", tmp_path / "empty"
+    document.write_text('{"text": "fine"}\n')
+    empty.mkdir()
+    with pytest.raises(FlagError) as refused:
+        if script == "fineweb":
+            fineweb.main(["--input", str(document), "--out_dir", str(out_dir), "--workers", "1"])
+        else:
+            shakespeare.main(["--texts", str(empty), "--out_dir", str(out_dir)])
+    assert str(refused.value) == f"--out_dir {out_dir}: {reason}"
+    assert sha256(taken) == before and not any(locked.iterdir())

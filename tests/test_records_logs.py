@@ -1,4 +1,5 @@
 """records/logs.py against the log-format contract: real and hand-written logs, statistics checked with scipy."""
+import hashlib
 import importlib.util
 import json
 import math
@@ -197,8 +198,29 @@ def test_step_lines_counting_to_another_num_iterations_are_named(tmp_path):
     path.write_text(log_text().replace("step:4/4 val_loss", "step:4/6 val_loss"))
     number = next(i for i, line in enumerate(path.read_text().splitlines(), 1) if line.startswith("step:4/6"))
     assert number == 17  # 3 source lines, 5 of environment, hyperparameters, run:, 7 step lines
-    assert logs.read_log(path).problem == (f"step line {number} counts to 6 steps, but the hyperparameters line says "
-                                           "num_iterations=4 (resumed with another --num_iterations?)")
+    assert logs.read_log(path).problem == (f"step line {number} counts to 6 steps, but the run's num_iterations is 4 "
+                                           "(its hyperparameters line, or its last resumed: line)")
+
+
+def test_a_finished_run_resumed_with_fewer_iterations_counts_to_the_new_total(files, tmp_path, capsys):
+    """The trainer accepts a lower --num_iterations on resume and logs it: the run's length is the last one logged."""
+    import train_gpt
+    from synthetic import tiny_flags
+    log_dir = tmp_path / "logs"
+    flags = dict(log_dir=log_dir, run_id="cut", val_loss_every=2, save_every=1)
+    train_gpt.main(tiny_flags(files, num_iterations=3, **flags))
+    train_gpt.main(tiny_flags(files, num_iterations=2, resume=log_dir / "cut" / "step000001.pt", **flags))
+    path = log_dir / "cut.txt"
+    text = path.read_text()
+    assert "\nstep:1/3 train_loss:" in text and "\nresumed: step:1/2 from " in text
+    assert "\nresumed with changed hyperparameters: num_iterations=2\n" in text
+    run = logs.read_log(path)
+    assert run.problem is None and run.num_iterations == 2
+    assert [p.step for p in run.val] == [0, 2] and [p.step for p in run.train] == [1, 2]
+    code, out, err = run_cli(capsys, "summary", path)
+    assert code == 0 and "complete runs: 1 of 1" in out and err == ""
+    path.write_text(text.replace("resumed: step:1/2 from ", "resumed: step:1/two from "))
+    assert logs.read_log(path).problem.startswith("malformed resumed line")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -423,6 +445,77 @@ def test_malformed_step_line_is_not_counted(tmp_path):
     path = tmp_path / "garbled.txt"
     path.write_text(log_text().replace("step:3/4 train_loss:10.0000", "step:3/4 train_loss:ten"))
     assert logs.read_log(path).problem.startswith("malformed step line")
+
+
+def sha256(path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+def test_a_named_pipe_is_refused_not_read(tmp_path):
+    """Reading a named pipe (as a log, or writing it as the plot) would block until another process opened it."""
+    pipe, log = tmp_path / "pipe.png", tmp_path / "run.txt"  # .png: as plot's output only its kind refuses it
+    os.mkfifo(pipe)
+    log.write_text(log_text())
+    before = sha256(log)
+    script = str(REPO_ROOT / "records" / "logs.py")
+    for argv, named in ((["summary", pipe], f"{pipe}: a named pipe"),
+                        (["plot", log, "-o", pipe], f"-o {pipe}: a named pipe")):
+        result = subprocess.run([sys.executable, script, *map(str, argv)], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2 and result.stdout == "" and "Traceback" not in result.stderr, result.stderr
+        assert len(result.stderr.splitlines()) == 1 and named in result.stderr, result.stderr
+    assert sha256(log) == before and sorted(tmp_path.iterdir()) == [pipe, log]
+
+
+@pytest.mark.parametrize("output, reason", [
+    ("curves.xyz", "the suffix .xyz names no format matplotlib writes; use one of "),
+    ("run0.txt", "the suffix .txt names no format matplotlib writes; use one of "),  # one of the logs themselves
+    ("curves", "the suffix (none) names no format matplotlib writes; use one of "),  # it would write curves.png
+    ("folder", "a folder; the output must be a file path"),
+])
+def test_plot_refuses_an_output_it_cannot_write_before_reading_any_log(tmp_path, capsys, output, reason):
+    paths = write_logs(tmp_path, [5.5], [1000])
+    (tmp_path / "folder").mkdir()
+    before = {path: sha256(path) for path in paths}
+    # the missing log would be refused first if the output were checked only after reading the logs
+    code, out, err = run_cli(capsys, "plot", *paths, tmp_path / "missing.txt", "-o", tmp_path / output)
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert len(err.splitlines()) == 1 and f"-o {tmp_path / output}: {reason}" in err, err
+    if output != "folder":  # the suffixes it can write are named
+        assert ".pdf" in err and ".png" in err and ".svg" in err
+    assert {path: sha256(path) for path in paths} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder", "run0.txt"]
+    assert not any((tmp_path / "folder").iterdir())
+
+
+@pytest.mark.parametrize("target, written", [("abc", '"abc"'), ([1], "[1]"), (True, "true"), (-1, "-1")])
+def test_a_log_whose_target_is_not_a_finite_number_is_refused(tmp_path, capsys, target, written):
+    path = tmp_path / "run.txt"
+    path.write_text(log_text(target=target))
+    before = sha256(path)
+    code, out, err = run_cli(capsys, "summary", path)
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert err == f"logs.py: error: {path}: line 9: target_val_loss is {written}, not a finite number >= 0\n"
+    assert sha256(path) == before
+
+
+@pytest.mark.parametrize("target", ["abc", "[1]", "nan", "-inf", "-1"])
+def test_a_target_flag_that_is_not_a_finite_number_is_refused(tmp_path, capsys, target):
+    with pytest.raises(SystemExit) as refused:
+        logs.main(["summary", *write_logs(tmp_path, [5.5], [1000]), f"--target={target}"])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and "Traceback" not in err
+    # argparse's usage line, then its one-line error
+    assert err.splitlines()[-1] == f"logs.py summary: error: argument --target: {target!r} is not a finite number >= 0"
+
+
+def test_compare_against_a_baseline_that_took_0_s(tmp_path, capsys):
+    baseline = write_logs(tmp_path / "base", [5.50, 5.51], [0, 0])
+    candidate = write_logs(tmp_path / "cand", [5.50, 5.52], [30000, 30200])
+    code, out, err = run_cli(capsys, "compare", *baseline, "--", *candidate)
+    assert code == 0 and err == ""
+    assert "train time: candidate - baseline = +30.100 s (n/a: the baseline's time is 0 s); " in out
+    assert out.rstrip().splitlines()[-1] == "verdict: not faster"
 
 
 def test_command_line_errors_exit_2_without_traceback(tmp_path):
