@@ -24,6 +24,7 @@ import errno
 import fcntl
 import functools
 import glob
+import hashlib
 import json
 import math
 import multiprocessing
@@ -42,6 +43,7 @@ import traceback
 import uuid
 import weakref
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Callable
 
@@ -723,14 +725,18 @@ class Hyperparameters:
     log_dir: str = flag("logs", "folder of the logs and checkpoints")
     run_id: str = flag("", "names the log and the checkpoint folder (unset: torchrun's rendezvous id, or a uuid)")
     save_every: int = flag(0, "steps between checkpoints, and one at the end (0: only when stopped)")
+    keep_last: int = flag(0, "keep this many newest checkpoints, the oldest deleted once a newer one is complete "
+                             "(0: keep all)")
     resume: str = flag("", "checkpoint to resume from, or 'latest': this run id's newest (none yet: start fresh)")
     kill_switch: str = flag("", "the run stops with a checkpoint when this file appears (unset: "
                                 "<log_dir>/<run_id>.stop)")
     compile: bool | None = flag(None, "torch.compile the model (unset: on CUDA without --tp, --pp or --zero 3)")
-    memory_check: bool = flag(True, "on CUDA, refuse at start a run whose planned memory (--plan) exceeds the GPU's "
-                                    "free memory")
+    memory_check: bool = flag(True, "refuse at start a model that does not fit this machine's memory, or on CUDA "
+                                    "a run whose planned memory (--plan) exceeds the GPU's free memory")
     warmup_steps: int = flag(10, "compile warm-up steps on random tokens, undone before step 1")
     fp64_grad_sum: bool = flag(False, "sum gradients in float64: every world size trains bit-identical models")
+    collective_timeout: float = flag(600.0, "seconds: a step or the start that waits this long for a rank ends the "
+                                            "run, naming the rank")
     tp: int = flag(1, "tensor-parallel size: consecutive ranks split heads, MLP width and vocabulary", "layouts")
     sp: bool = flag(False, "with --tp: sequence parallelism, the blocks' stream sharded along the sequence")
     async_tp: bool = flag(False, "with --sp: a column-parallel matmul starts on its own shard while the rest "
@@ -831,7 +837,7 @@ def check_hyperparameters(args: Hyperparameters) -> None:
     for name in ("num_iterations", "num_layers", "num_heads", "head_dim", "model_dim", "seqs_per_step",
                  "train_seq_len", "val_seq_len", "val_tokens", "window_max_tokens", "vocab_size"):
         need(getattr(args, name) > 0, f"--{name} must be positive, got {getattr(args, name)}")
-    for name in ("val_loss_every", "save_every"):
+    for name in ("val_loss_every", "save_every", "keep_last"):
         need(getattr(args, name) >= 0, f"--{name} must be >= 0, got {getattr(args, name)}")
     need(args.tp >= 1, f"--tp must be >= 1, got {args.tp}")
     need(1 <= args.pp <= args.num_layers, f"--pp {args.pp} must be between 1 and --num_layers {args.num_layers}: "
@@ -879,10 +885,16 @@ def check_hyperparameters(args: Hyperparameters) -> None:
              "attention; keep attention in one of them")
     need(args.vocab_size > EOT_TOKEN, f"--vocab_size {args.vocab_size} must be above {EOT_TOKEN}, the end-of-text "
          "token that starts every document")
-    for name in ("lr_head", "lr_embed", "lr_scalar", "lr_muon", "target_val_loss"):
+    need(args.collective_timeout > 0, f"--collective_timeout must be a number of seconds > 0, got "
+         f"{args.collective_timeout}")
+    for name in ("lr_head", "lr_embed", "lr_scalar", "lr_muon", "target_val_loss", "collective_timeout"):
         need(math.isfinite(getattr(args, name)) and getattr(args, name) >= 0,
              f"--{name} must be a finite number >= 0, got {getattr(args, name)}")
     need(0 <= args.seed < 2**63, f"--seed must be in [0, 2**63), got {args.seed}")
+    for field in dataclasses.fields(Hyperparameters):  # counts and sizes become int32 tensors and indices
+        value = getattr(args, field.name)
+        need(field.type is not int or field.name == "seed" or value < 2**31,
+             f"--{field.name} {value} is beyond what any run can use: at most {2**31 - 1}")
     need(args.warmup_steps >= 0, f"--warmup_steps must be >= 0, got {args.warmup_steps}")
     need(set(args.run_id) != {"."} and "/" not in args.run_id and os.sep not in args.run_id,
          f"--run_id {args.run_id!r} would put the run's log and checkpoints outside --log_dir: use a plain name "
@@ -1234,9 +1246,10 @@ def train(args: Hyperparameters, ctx: "ParallelContext") -> float:
         train_loader = DistributedDataLoader(args.train_files, args.train_seq_len, args.seqs_per_step, ctx.dp.rank,
                                              ctx.dp.size, ctx.device, position=progress.data_position)
         val_loss = float("nan")
-        with StopRequests(kill_switch_path(args)) as stop_requests:
+        with StopRequests(kill_switch_path(args)) as stop_requests, lost_ranks_end_the_run(progress) as watchdog:
             progress.start(train_loader, stop_requests)
             for step in range(progress.start_step, args.num_iterations + 1):
+                watchdog.beat(step)
                 last_step = step == args.num_iterations
                 if last_step or (args.val_loss_every > 0 and step % args.val_loss_every == 0):
                     progress.finish_pending_step()  # the step before is logged and checked first
@@ -1255,6 +1268,21 @@ def train(args: Hyperparameters, ctx: "ParallelContext") -> float:
                 progress.after_step(step + 1, stats)  # logs, guards, saves, stops (on CUDA, for the step before)
         progress.log(peak_memory_line(ctx.device), console=True)
     return val_loss
+
+
+@contextlib.contextmanager
+def lost_ranks_end_the_run(progress: "Progress"):
+    """A RankWatchdog over the training loop; a collective that fails there because a rank died ends the run with
+    the watchdog's message."""
+    watchdog = RankWatchdog(progress, progress.args.collective_timeout)
+    try:
+        yield watchdog
+    except RuntimeError as error:  # (gloo and NCCL report a lost peer as RuntimeError or its subclass DistError)
+        if progress.trainer.ctx.world_size == 1:
+            raise
+        raise watchdog.lost(error) from None
+    finally:
+        watchdog.stop()
 
 
 def keep_freed_memory_for_reuse() -> None:
@@ -1282,17 +1310,18 @@ def main(argv=None) -> float | None:
     if args.sample:
         sample_from_checkpoint(args)
         return None
-    world_size = args.nproc if args.plan and args.nproc else int(os.environ.get("WORLD_SIZE", 1))
+    rank, world_size, local_rank = launch_environment()
+    world_size = args.nproc if args.plan and args.nproc else world_size
     check_world_size(args, world_size)
     if args.plan:
         print(format_plan(plan_layout(args, world_size, cuda=args.plan_device == "cuda")))
         return None
     if args.compile is None:
         args.compile = compiles_by_default(args, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    if torch.cuda.is_available() and args.memory_check and int(os.environ.get("RANK", 0)) == 0:
+    if torch.cuda.is_available() and args.memory_check and rank == 0:
         # before the process group and the compile: the other ranks wait in the rendezvous, torchrun ends them
-        check_memory(args, world_size, torch.cuda.mem_get_info(int(os.environ.get("LOCAL_RANK", 0)))[0])
-    ctx = setup_distributed(args.tp, args.pp)
+        check_memory(args, world_size, torch.cuda.mem_get_info(local_rank)[0])
+    ctx = setup_distributed(args.tp, args.pp, args.collective_timeout)
     try:
         return train(args, ctx)
     finally:
@@ -1303,9 +1332,11 @@ def main(argv=None) -> float | None:
 # ----------------------------------------------------------------------------------------------------
 # Checkpoints and stopping: full tensors keyed by parameter name, so a run resumes under any world size
 
-CHECKPOINT_FORMAT = 1
+CHECKPOINT_FORMAT = 2  # 2: the log's digest, so a resume never continues another run's log
 EXIT_STOPPED = 3  # kill switch or signal: a checkpoint was saved; continue with --resume latest
 EXIT_DIVERGED = 4  # non-finite training loss or gradient norm
+EXIT_LOST = 5  # a rank stopped answering or died: no stop checkpoint; continue from the last one
+EXIT_INTERRUPTED = 130  # a second signal: stopped at once, without a stop checkpoint
 
 
 class RunEnded(Exception):
@@ -1342,12 +1373,18 @@ def checkpoint_path(args: Hyperparameters, step: int) -> Path:
     return checkpoint_dir(args) / f"step{step:06d}.pt"
 
 
+def saved_checkpoints(args: Hyperparameters) -> dict[int, Path]:
+    """This run id's checkpoints by step, oldest first (by number: step1000000.pt comes after step999999.pt)."""
+    named = ((path, path.name[len("step"):-len(".pt")]) for path in checkpoint_dir(args).glob("step*.pt"))
+    return dict(sorted((int(number), path) for path, number in named if number.isdigit()))
+
+
 def find_checkpoint(args: Hyperparameters, ctx: "ParallelContext") -> Path | None:
     """The file --resume names; with "latest", this run id's newest checkpoint, or None when there is none yet.
     Rank 0 looks and tells the others (ranks on other nodes need to see the same file system)."""
     found = None
     if ctx.is_master and args.resume == "latest":
-        saved = sorted(checkpoint_dir(args).glob("step*.pt"))
+        saved = list(saved_checkpoints(args).values())
         found = str(saved[-1]) if saved else None
     elif ctx.is_master and args.resume:
         found = args.resume if Path(args.resume).is_file() else ""
@@ -1369,7 +1406,7 @@ def optimizer_state_owners(trainer: "Trainer") -> list[dict]:
 
 OPTIMIZER_STATE_KEYS = {torch.optim.Adam: ("step", "exp_avg", "exp_avg_sq"), Muon: ("momentum_buffer",)}
 CHECKPOINT_KEYS = ("model", "adam", "muon", "rng", "step", "run_id", "data", "training_time_ms", "log_bytes",
-                   "hyperparameters")
+                   "log_sha256", "hyperparameters")
 
 
 def gather_training_state(trainer: "Trainer", weights_only: bool = False) -> dict | None:
@@ -1396,9 +1433,10 @@ def gather_training_state(trainer: "Trainer", weights_only: bool = False) -> dic
         if ctx.is_master else None
 
 
-def save_checkpoint(path: Path, trainer: "Trainer", **run_state) -> None:
-    """Rank 0 writes the training state and run_state; every rank waits until the file is complete, and all stop
-    if it could not be written."""
+def save_checkpoint(path: Path, trainer: "Trainer", on_written: Callable[[], None] = lambda: None,
+                    **run_state) -> None:
+    """Rank 0 writes the training state and run_state, then calls on_written (the log line, before anything else
+    can fail); every rank waits until the file is complete, and all stop if it could not be written."""
     ctx, failure = trainer.ctx, None
     with trainer.zero.whole_parameters():  # (until written: rank 0 saves its parameters from where they live)
         state = gather_training_state(trainer)
@@ -1408,6 +1446,8 @@ def save_checkpoint(path: Path, trainer: "Trainer", **run_state) -> None:
                                   cuda=torch.cuda.get_rng_state(ctx.device) if ctx.device.type == "cuda" else None),
                          code=Path(__file__).read_text(), **run_state)
             failure = write_atomically(path, state)
+            if failure is None:
+                on_written()
     failure = from_master(failure if ctx.is_master else None)
     if failure is not None:
         raise UserError(failure)
@@ -1449,7 +1489,43 @@ def load_checkpoint(path: Path) -> dict:
     missing = [key for key in CHECKPOINT_KEYS if key not in state]
     if missing:
         raise UserError(f"checkpoint {path} lacks {', '.join(missing)}: it is incomplete; resume from another one")
+    for field, expected, ok in checkpoint_field_checks(state):
+        if not ok:
+            value = state[field]
+            shown = f" {value!r}"[:60] if isinstance(value, (str, int, float, type(None))) else ""
+            raise UserError(f"checkpoint {path} has a bad {field} field{shown} (expected {expected}): it is damaged or "
+                            "was edited; resume from another one")
+    for name, tensor in state["model"].items():
+        if not torch.isfinite(tensor).all():
+            raise UserError(f"checkpoint {path} holds non-finite values in tensor {name}: training from it would "
+                            "diverge at once; resume from an earlier one")
     return state
+
+
+def checkpoint_field_checks(state: dict):
+    """(field, what a checkpoint holds there, whether this one does)."""
+    def count(value):
+        return type(value) is int and value >= 0
+
+    def tensors(value, depth=1):
+        return isinstance(value, dict) and all(isinstance(k, str) and (isinstance(v, Tensor) if depth == 1 else
+                                                                       tensors(v, depth - 1)) for k, v in value.items())
+    data, hyperparameters = state["data"], state["hyperparameters"]
+    yield "step", "a step count >= 0", count(state["step"])
+    yield "run_id", "text", isinstance(state["run_id"], str)
+    yield "data", "{'shard': file name, 'offset': token count >= 0}", \
+        isinstance(data, dict) and isinstance(data.get("shard"), str) and count(data.get("offset"))
+    yield "training_time_ms", "a number >= 0", \
+        type(state["training_time_ms"]) in (int, float) and state["training_time_ms"] >= 0
+    yield "log_bytes", "a byte count >= 0", count(state["log_bytes"])
+    yield "log_sha256", "a hex digest", isinstance(state["log_sha256"], str)
+    yield "hyperparameters", "the run's flags", \
+        isinstance(hyperparameters, dict) and count(hyperparameters.get("num_iterations"))
+    yield "model", "tensors by name", tensors(state["model"])
+    yield "adam", "tensors by name and state", tensors(state["adam"], depth=2)
+    yield "muon", "tensors by name", tensors(state["muon"])
+    yield "rng", "{'cpu': tensor, 'cuda': ...}", isinstance(state["rng"], dict) and \
+        isinstance(state["rng"].get("cpu"), Tensor)
 
 
 def restore_checkpoint(state: dict, path: Path, trainer: "Trainer") -> None:
@@ -1490,16 +1566,19 @@ def restore_checkpoint(state: dict, path: Path, trainer: "Trainer") -> None:
 
 
 class StopRequests:
-    """Whether to stop after this step: the kill-switch file appeared, or SIGTERM or SIGINT arrived."""
+    """Whether to stop after this step: the kill-switch file appeared, or SIGTERM, SIGINT or SIGHUP (a closed
+    terminal) arrived. A second signal stops the run at once, unless a checkpoint is being written: that finishes
+    first."""
 
     def __init__(self, kill_switch: Path):
         self.kill_switch = kill_switch
         self.reason: str | None = None
         self.previous_handlers = {}
+        self.writing_checkpoint = False
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 self.previous_handlers[sig] = signal.signal(sig, self._on_signal)
         return self
 
@@ -1508,13 +1587,98 @@ class StopRequests:
             signal.signal(sig, handler)
 
     def _on_signal(self, signum, frame):
-        self.reason = signal.Signals(signum).name
-        signal.signal(signum, self.previous_handlers[signum])  # a second one acts at once
+        name = signal.Signals(signum).name
+        if self.reason is None:
+            self.reason = name
+        elif self.writing_checkpoint:
+            print_if_possible(f"{name} again: the checkpoint being written is finished first, then the run stops")
+        else:
+            raise RunEnded(f"{name} again: stopped at once, without a stop checkpoint; continue from the last "
+                           "checkpoint with --resume latest", EXIT_INTERRUPTED)
+
+    @contextlib.contextmanager
+    def writing(self):
+        self.writing_checkpoint = True
+        try:
+            yield
+        finally:
+            self.writing_checkpoint = False
 
     def check(self) -> str | None:
         if self.reason is None and self.kill_switch.exists():
             self.reason = f"kill switch {self.kill_switch}"
         return self.reason
+
+
+class RankWatchdog:
+    """Ends the run with a message naming the lost ranks, the step and the last checkpoint, when a rank stops
+    answering (a step outlasts --collective_timeout: the others wait for it inside a collective, where no Python
+    runs, hence a thread) or dies (a collective fails). The lost ranks are those that miss a roll call in the
+    launch's store."""
+
+    GRACE_S = 5.0  # for the other live ranks to answer the roll call
+
+    def __init__(self, progress: "Progress", timeout_s: float):
+        self.progress, self.ctx, self.timeout_s = progress, progress.trainer.ctx, timeout_s
+        self.step, self.beat_at, self.armed, self.done = progress.start_step, time.monotonic(), False, False
+        if self.ctx.world_size > 1:
+            threading.Thread(target=self._watch, daemon=True, name="rank watchdog").start()
+
+    def beat(self, step: int) -> None:
+        """Step `step` starts (armed from the second: the first may compile)."""
+        self.armed, self.step, self.beat_at = step > self.progress.start_step, step, time.monotonic()
+
+    def stop(self) -> None:
+        self.armed, self.done = False, True
+
+    def _watch(self) -> None:
+        while not self.done:
+            time.sleep(min(1.0, self.timeout_s / 10))
+            if self.armed and time.monotonic() - self.beat_at > self.timeout_s:
+                message = self._report(f"waited {self.timeout_s:g} s in a collective in step {self.step + 1} "
+                                       "(--collective_timeout)")
+                if message:
+                    print_if_possible(message, sys.stderr)
+                    os._exit(EXIT_LOST)  # (the main thread waits inside a collective: it is writing nothing)
+                self.beat_at = time.monotonic()  # every rank answered: a slow step, not a lost rank
+
+    def lost(self, error: Exception) -> Exception:
+        """The exception to end the run with, after a collective failed: RunEnded when ranks are lost, else
+        error itself (a failure of this rank's own)."""
+        cause = str(error).split("] ", 1)[-1].split(". ")[0]  # (after the source location gloo puts first)
+        message = self._report(f"saw a collective fail in step {self.step + 1} ({' '.join(cause.split())[:120]})")
+        return RunEnded(message, EXIT_LOST) if message else error
+
+    def _report(self, what: str) -> str | None:
+        """Log and print which ranks are lost, and return that message (None: every rank answered)."""
+        lost = self._roll_call()
+        if lost == []:
+            return None
+        who = "another rank stopped answering" if self.ctx.store is None else \
+            f"rank{'s' * (len(lost) > 1)} {', '.join(map(str, lost))} stopped answering" if lost else \
+            "rank 0, which holds the run's store, stopped answering"
+        last = self.progress.last_checkpoint
+        message = (f"{who}: rank {self.ctx.rank} {what}; " + (f"the last checkpoint is {last} (step "
+                   f"{self.progress.last_checkpoint_step}); " if last else "no checkpoint was saved; ")
+                   + f"once every rank is up, continue with --run_id {self.progress.args.run_id} --resume latest")
+        self.progress.log(f"lost: {message}")
+        return message
+
+    def _roll_call(self) -> list[int] | None:
+        """The ranks that do not answer (None: no store, or it does not answer)."""
+        store, ranks, call = self.ctx.store, range(self.ctx.world_size), f"roll_call/step{self.step}"
+        if store is None:
+            return None
+        try:
+            store.set(f"{call}/{self.ctx.rank}", "here")
+            deadline = time.monotonic() + self.GRACE_S
+            while True:
+                missing = [r for r in ranks if not store.check([f"{call}/{r}"])]
+                if not missing or time.monotonic() > deadline:
+                    return missing
+                time.sleep(0.1)
+        except dist.DistError:
+            return None
 
 
 class TrainingClock:
@@ -1577,6 +1741,8 @@ class Progress:
         self.start_step, self.training_time_ms, self.data_position = 0, 0.0, None
         if checkpoint is not None:
             restore_checkpoint(checkpoint, resume_path, trainer)
+            if trainer.ctx.is_master:  # (only now: a refused checkpoint leaves every file where it was)
+                move_aside_later_checkpoints(args, checkpoint["step"])
         self.log = RunLog(args, trainer.ctx)  # opened only now: a refused checkpoint leaves the previous log alone
         if checkpoint is None or checkpoint["run_id"] != args.run_id or \
                 not self.log.continue_from(checkpoint["log_bytes"]):
@@ -1587,7 +1753,7 @@ class Progress:
             self.start_step, self.training_time_ms, self.data_position = \
                 checkpoint["step"], checkpoint["training_time_ms"], checkpoint["data"]
             self.log(f"resumed: step:{self.start_step}/{args.num_iterations} from {resume_path}", console=True)
-            bookkeeping = ("run_id", "resume", "save_every", "kill_switch")
+            bookkeeping = ("run_id", "resume", "save_every", "keep_last", "kill_switch", "collective_timeout")
             changed = [f"{k}={v}" for k, v in dataclasses.asdict(args).items()
                        if k not in bookkeeping and checkpoint["hyperparameters"].get(k) != v]
             if changed:
@@ -1649,12 +1815,20 @@ class Progress:
             self.stop_seen = True
             return
         if stop or self.checkpoint_due(done):
-            with clock.paused():  # checkpoints are not timed
-                self.last_checkpoint, self.last_checkpoint_step = checkpoint_path(args, done), done
-                save_checkpoint(self.last_checkpoint, self.trainer, step=done, run_id=args.run_id,
+            with clock.paused(), self.stop_requests.writing():  # checkpoints are not timed
+                path = checkpoint_path(args, done)
+
+                def written():  # on rank 0, as soon as the file is complete
+                    self.last_checkpoint, self.last_checkpoint_step = path, done
+                    self.log(f"checkpoint: {path}", console=True)
+                save_checkpoint(path, self.trainer, written, step=done, run_id=args.run_id,
                                 data=self.train_loader.position(), training_time_ms=clock.ms(),
-                                log_bytes=self.log.num_bytes(), hyperparameters=dataclasses.asdict(args))
-                self.log(f"checkpoint: {self.last_checkpoint}", console=True)
+                                log_bytes=self.log.num_bytes(), log_sha256=self.log.digest(),
+                                hyperparameters=dataclasses.asdict(args))
+                self.last_checkpoint, self.last_checkpoint_step = path, done  # (on every rank)
+                if self.trainer.ctx.is_master and args.keep_last:
+                    for old in list(saved_checkpoints(args).values())[:-args.keep_last]:
+                        old.unlink()
         if stop:
             reason = self.stop_requests.reason or "another rank was asked to stop"
             self.log(f"stopped: step:{done}/{args.num_iterations} reason:{reason}", console=True)
@@ -1695,8 +1869,23 @@ def run_log_path(args: Hyperparameters) -> Path:
 def check_log_dir(args: Hyperparameters) -> None:
     """--log_dir exists or can be made, is a writable folder, and <log_dir>/<run_id> is not a file."""
     log_dir = Path(args.log_dir)
+    for link in [log_dir, *log_dir.parents]:
+        if link.is_symlink() and not link.exists():
+            try:
+                link.stat()
+            except OSError as e:
+                cause = "a loop of symbolic links" if e.errno == errno.ELOOP else \
+                    f"a symbolic link to {os.readlink(link)}, which does not exist"
+                raise UserError(f"--log_dir {log_dir}: {link} is {cause}; fix the link or name another folder") \
+                    from None
     if log_dir.exists() and not log_dir.is_dir():
         raise UserError(f"--log_dir {log_dir} is a file: name a folder for the logs and checkpoints")
+    existing = next(path for path in [log_dir, *log_dir.parents, Path(".")] if path.is_dir())
+    suffix = ".txt.replayed.99"  # the longest name made from the run id
+    longest = os.pathconf(existing, "PC_NAME_MAX") - len(suffix)
+    if len(args.run_id.encode()) > longest:
+        raise UserError(f"--run_id is {len(args.run_id.encode())} bytes long, and the file names made from it (up "
+                        f"to <run_id>{suffix}) must fit this file system's limit: use at most {longest} bytes")
     try:
         log_dir.mkdir(parents=True, exist_ok=True)
         probe = log_dir / f".{args.run_id}.{os.getpid()}.probe"
@@ -1710,25 +1899,28 @@ def check_log_dir(args: Hyperparameters) -> None:
 
 
 class RunIdLock:
-    """Rank 0 holds an exclusive lock on <log_dir>/<run_id>.lock while the run lasts, so a second run started with
-    the same id is refused at once (the processes of an elastic restart are new, and the dead ones' lock went with
-    them). The file stays; only the lock is released."""
+    """Rank 0 holds an exclusive lock on the run's own folder, <log_dir>/<run_id>, while the run lasts, so a second
+    run started with the same id is refused at once (the processes of an elastic restart are new, and the dead
+    ones' lock went with them). No lock file is left to tidy away by hand; a folder the run made and left empty is
+    removed at the end."""
 
     def __init__(self, args: Hyperparameters, ctx: "ParallelContext"):
-        self.path = Path(args.log_dir) / f"{args.run_id}.lock"
-        self.run_id, self.master, self.file = args.run_id, ctx.is_master, None
+        self.path = checkpoint_dir(args)
+        self.run_id, self.master, self.fd, self.made = args.run_id, ctx.is_master, None, False
 
     def __enter__(self):
         error = None
         if self.master:
             try:
-                self.file = open(self.path, "a")
-                fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                self.made = not self.path.exists()
+                self.path.mkdir(exist_ok=True)
+                self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 error = (f"run id {self.run_id} is in use: another run holds {self.path}; wait for it to end, or "
                          "pick another --run_id")
             except OSError as e:
-                error = (f"cannot lock {self.path} ({e.strerror}): a run locks its id there while it lasts; point "
+                error = (f"cannot lock {self.path} ({e.strerror}): a run locks its folder while it lasts; point "
                          "--log_dir at a folder on a file system with locks (a local disk)")
         error = from_master(error)
         if error is not None:
@@ -1737,9 +1929,11 @@ class RunIdLock:
         return self
 
     def __exit__(self, *exc_info):
-        if self.file is not None:
-            self.file.close()  # (releases the lock)
-            self.file = None
+        if self.fd is not None:
+            if self.made and not any(self.path.iterdir()):
+                self.path.rmdir()
+            os.close(self.fd)  # (releases the lock)
+            self.fd = None
 
 
 def check_run_inputs(args: Hyperparameters, ctx: "ParallelContext") -> tuple[Path | None, dict | None]:
@@ -1755,8 +1949,9 @@ def check_run_inputs(args: Hyperparameters, ctx: "ParallelContext") -> tuple[Pat
                         f"{args.num_iterations}: resume with --num_iterations "
                         f"{checkpoint['hyperparameters']['num_iterations']} (or at least {checkpoint['step']})")
     on_master(check_run_id_is_free, args, checkpoint)
-    on_master(check_room_for_the_run, args, checkpoint["step"] if checkpoint is not None else 0)
     on_master(check_data, args, ctx.dp.size, checkpoint)
+    on_master(check_host_memory, args, ctx.device)
+    on_master(check_room_for_the_run, args, checkpoint["step"] if checkpoint is not None else 0)
     return resume_path, checkpoint
 
 
@@ -1764,8 +1959,13 @@ def check_run_id_is_free(args: Hyperparameters, checkpoint: dict | None) -> None
     """A run that will start a log of its own must not find another run's there: only a resume of this run id's
     own checkpoint continues its log. After an elastic restart that found no checkpoint, the dead attempt's log is
     moved aside instead."""
-    log, saved = run_log_path(args), sorted(checkpoint_dir(args).glob("step*.pt"))
+    log, saved = run_log_path(args), list(saved_checkpoints(args).values())
     if checkpoint is not None and checkpoint["run_id"] == args.run_id:
+        if log.is_file() and log.stat().st_size >= checkpoint["log_bytes"] and \
+                file_digest(log, checkpoint["log_bytes"]) != checkpoint["log_sha256"]:
+            raise UserError(f"{log} is not the log of the run that saved the checkpoint (their first "
+                            f"{checkpoint['log_bytes']} bytes differ): it is another run's with the id {args.run_id}; "
+                            "resume with the --log_dir the checkpoint was saved in, or pick another --run_id")
         return
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0 and args.resume == "latest" and log.exists() \
             and not saved:
@@ -1781,32 +1981,89 @@ def check_run_id_is_free(args: Hyperparameters, checkpoint: dict | None) -> None
                         "never overwrites another's log or checkpoints)")
 
 
-def move_aside(path: Path, tag: str) -> Path:
-    """Rename path to <path>.<tag> (or <path>.<tag>.2, ... when that is taken): kept, never overwritten."""
+def free_name(path: Path, tag: str) -> Path:
+    """<path>.<tag>, or <path>.<tag>.2, ... when that is taken."""
     aside, n = path.with_name(f"{path.name}.{tag}"), 1
     while aside.exists():
         n += 1
         aside = path.with_name(f"{path.name}.{tag}.{n}")
+    return aside
+
+
+def move_aside(path: Path, tag: str) -> Path:
+    """Rename path to a free name (free_name): kept, never overwritten."""
+    aside = free_name(path, tag)
     path.rename(aside)
     return aside
 
 
+def file_digest(path: Path, num_bytes: int) -> str:
+    """sha256 of the file's first num_bytes bytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while num_bytes > 0:
+            chunk = f.read(min(num_bytes, 2**20))
+            if not chunk:
+                break
+            digest.update(chunk)
+            num_bytes -= len(chunk)
+    return digest.hexdigest()
+
+
+def move_aside_later_checkpoints(args: Hyperparameters, start_step: int) -> None:
+    """A run resumed from an older checkpoint than its newest would write over the later ones as it reaches their
+    steps, and --resume latest would find them: they are renamed, kept, and the run says so."""
+    later = [path for step, path in saved_checkpoints(args).items() if step > start_step]
+    if later:
+        kept = [move_aside(path, f"before_resume_from_{start_step}").name for path in later]
+        print(f"resuming run {args.run_id} from step {start_step}, before its later checkpoints: kept in "
+              f"{checkpoint_dir(args)} as {', '.join(kept)}", flush=True)
+
+
 def check_room_for_the_run(args: Hyperparameters, start_step: int) -> None:
-    """The log folder's free space holds the log and every checkpoint --save_every will write from start_step on
-    (none is deleted; each is a full one-process copy of the parameters and both optimizers' states: at most 16
-    bytes a parameter, counted on the meta device)."""
+    """The log folder's free space holds the log and every checkpoint --save_every will write from start_step on,
+    and one more a stop writes (with --keep_last N, at most N + 1: the newest is complete before the oldest goes):
+    each a full one-process copy of the parameters and both optimizers' states, at most 16 bytes a parameter,
+    counted on the meta device."""
     free = shutil.disk_usage(args.log_dir).free
     log_bytes = len(Path(__file__).read_bytes()) + 200 * (args.num_iterations + 10)
-    params = sum(math.prod(shape) for shape in build_model(args, torch.device("meta")).full_shapes.values())
-    checkpoint_bytes = 16 * params + len(Path(__file__).read_bytes())
-    saves = len({step for step in range(start_step + 1, args.num_iterations + 1) if step % args.save_every == 0}
-                | {args.num_iterations}) if args.save_every > 0 and start_step < args.num_iterations else 0
+    checkpoint_bytes = 16 * parameter_count(args) + len(Path(__file__).read_bytes())
+    end, every = args.num_iterations, args.save_every
+    saves = 1 + (end // every - start_step // every + (end % every != 0) if every > 0 and start_step < end else 0)
+    if args.keep_last:
+        saves = min(saves, args.keep_last + 1)
     if free < log_bytes + saves * checkpoint_bytes:
-        what = f"its log and {saves} checkpoint(s) of {checkpoint_bytes / 2**20:.0f} MiB (--save_every " \
-               f"{args.save_every}; none is deleted)" if saves else "its log"
+        what = f"its log and {saves} checkpoint(s) of {checkpoint_bytes / 2**20:.0f} MiB (--save_every {every}, " \
+               "and one for a stop; " + (f"--keep_last {args.keep_last})" if args.keep_last else "none is deleted)")
         raise UserError(f"--log_dir {args.log_dir} has {free / 2**20:.1f} MiB free, and this run needs about "
                         f"{(log_bytes + saves * checkpoint_bytes) / 2**20:.1f} MiB for {what}: free some space, "
-                        + ("raise --save_every, " if saves > 1 else "") + "or point --log_dir at another disk")
+                        + ("raise --save_every or set --keep_last, " if saves > 1 else "")
+                        + "or point --log_dir at another disk")
+
+
+def parameter_count(args: Hyperparameters) -> int:
+    return sum(math.prod(shape) for shape in build_model(args, torch.device("meta")).full_shapes.values())
+
+
+def available_host_memory() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None  # (not Linux: unchecked)
+
+
+def check_host_memory(args: Hyperparameters, device: torch.device) -> None:
+    """Each process on this machine builds the whole model in fp32 on the CPU before placing it, and on the CPU
+    trains it there with its gradients and optimizer states (16 bytes a parameter, activations aside)."""
+    available = available_host_memory()
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    need = parameter_count(args) * (16 if device.type == "cpu" else 4) * processes
+    if args.memory_check and available is not None and need > available:
+        raise UserError(f"the model's {parameter_count(args):,} parameters (--model_dim {args.model_dim}, --num_layers "
+                        f"{args.num_layers}, --vocab_size {args.vocab_size}) need at least {need / 2**30:.1f} GiB of "
+                        f"this machine's memory for {processes} process(es), and {available / 2**30:.1f} GiB are "
+                        "available: make the model smaller; --memory_check false runs it anyway")
 
 
 def check_data(args: Hyperparameters, dp: int, checkpoint: dict | None) -> None:
@@ -1823,6 +2080,10 @@ def check_data(args: Hyperparameters, dp: int, checkpoint: dict | None) -> None:
                         + (f"use --val_tokens {most} or less" if most else
                            f"no multiple of --val_seq_len {args.val_seq_len} x {dp} ranks fits, lower --val_seq_len"))
     train_files = list_shards(args.train_files, "train_files")
+    shared = sorted({f.resolve() for f in train_files} & {f.resolve() for f in val_files})
+    if shared:
+        raise UserError(f"--train_files {args.train_files!r} matches the validation shard {shared[0]} (--val_files "
+                        f"{args.val_files!r}): the run would train on its validation data; narrow the pattern")
     sizes = [read_shard_header(f) for f in train_files]
     position = checkpoint["data"] if checkpoint is not None else dict(shard=train_files[0].name, offset=0)
     start, needed = (checkpoint["step"] if checkpoint is not None else 0), args.num_iterations
@@ -1857,6 +2118,14 @@ def check_token_ids(path: Path, vocab_size: int) -> None:
 
 # ----------------------------------------------------------------------------------------------------
 # Logging: the log file starts with this file's source, so a run is reproducible from its log alone
+
+def print_if_possible(line: str, file=None) -> None:
+    """Print, unless the terminal has gone (SIGHUP: a closed window or SSH session): the log has the line."""
+    try:
+        print(line, file=file or sys.stdout, flush=True)
+    except OSError:
+        pass
+
 
 def device_synchronize(device: torch.device) -> None:
     if device.type == "cuda":
@@ -1897,7 +2166,7 @@ class RunLog:
             return
         self._write("a", line + "\n")
         if console:
-            print(line, flush=True)
+            print_if_possible(line)
 
     def _write(self, mode: str, text: str) -> None:
         try:
@@ -1910,10 +2179,22 @@ class RunLog:
     def num_bytes(self) -> int:
         return self.path.stat().st_size if self.path is not None else 0
 
+    def digest(self) -> str:
+        return file_digest(self.path, self.num_bytes()) if self.path is not None else ""
+
     def continue_from(self, num_bytes: int) -> bool:
-        """Cut this run's log back to where a checkpoint was saved, so the resumed run's lines follow on."""
+        """Cut this run's log back to where a checkpoint was saved, so the resumed run's lines follow on; steps
+        logged after that point (the run replays them) are kept in a copy first."""
         if self.path is None or not self.path.is_file() or self.path.stat().st_size < num_bytes:
             return False
+        with open(self.path, "rb") as f:
+            f.seek(num_bytes)
+            replayed = b"\nstep:" in b"\n" + f.read()
+        if replayed:
+            copy = free_name(self.path, "replayed")
+            shutil.copyfile(self.path, copy)
+            print(f"{self.path}: its steps after the checkpoint are replayed; the log as it was is kept as {copy}",
+                  flush=True)
         os.truncate(self.path, num_bytes)
         return True
 
@@ -2082,6 +2363,7 @@ class ParallelContext:
     tp: Axis
     pp: Axis = Axis()
     host_group: object = None  # for collectives of Python objects on the CPU (None: the default group, gloo)
+    store: "dist.Store | None" = None  # the launch's key-value store, for the roll call when a rank is lost
 
     @property
     def is_master(self) -> bool:
@@ -2116,34 +2398,67 @@ def build_parallel_context(rank: int, world_size: int, device: torch.device, tp:
     return ParallelContext(rank, world_size, device, **axes, host_group=host_group)
 
 
-def setup_distributed(tp: int = 1, pp: int = 1) -> ParallelContext:
-    """torchrun's environment (or none: one process); NCCL on CUDA, gloo on CPU."""
-    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+def launch_environment() -> tuple[int, int, int]:
+    """RANK, WORLD_SIZE and LOCAL_RANK as torchrun sets them (unset: one process), refused when malformed, and
+    MASTER_ADDR and MASTER_PORT present when there are several processes."""
+    def read(name: str, default: int, low: int, high: int | None = None) -> int:
+        text = os.environ.get(name)
+        if text is None:
+            return default
+        if not text.strip().isdigit() or not low <= int(text) <= (high if high is not None else int(text)):
+            raise UserError(f"the environment variable {name}={text!r} must be a whole number from {low}"
+                            + (f" to {high}" if high is not None else "") + ": launch with torchrun, which sets it "
+                            "(or unset it for one process)")
+        return int(text)
+    world_size = read("WORLD_SIZE", 1, 1)
+    rank, local_rank = read("RANK", 0, 0, world_size - 1), read("LOCAL_RANK", 0, 0)
+    if world_size > 1:
+        missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+        if missing:
+            raise UserError(f"WORLD_SIZE={world_size} needs {' and '.join(missing)}, where rank 0 waits for the "
+                            f"others: launch with torchrun --nproc_per_node={world_size} train_gpt.py, which sets them")
+        read("MASTER_PORT", 0, 1, 65535)
+    return rank, world_size, local_rank
+
+
+def setup_distributed(tp: int = 1, pp: int = 1, timeout_s: float = 600.0) -> ParallelContext:
+    """torchrun's environment (or none: one process); NCCL on CUDA, gloo on CPU. A rank that never joins ends the
+    start after timeout_s with a message; a collective's own timeout is a minute longer, so that the watchdog
+    (RankWatchdog) names a stalled rank first."""
+    rank, world_size, local_rank = launch_environment()
     if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+    store = None
     if world_size > 1 and not dist.is_initialized():  # (tests start the group themselves)
-        store = elastic_attempt_store(world_size)
-        if device.type == "cuda":
-            dist.init_process_group(backend="nccl", device_id=device, store=store, rank=rank, world_size=world_size)
-        else:
-            dist.init_process_group(backend="gloo", store=store, rank=rank, world_size=world_size)
+        store = rendezvous_store(rank, world_size, timedelta(seconds=timeout_s))
+        backend = dict(backend="nccl", device_id=device) if device.type == "cuda" else dict(backend="gloo")
+        dist.init_process_group(**backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_s + 60))
         dist.barrier()
-    return build_parallel_context(rank, world_size, device, tp, pp)
+    return dataclasses.replace(build_parallel_context(rank, world_size, device, tp, pp), store=store)
 
 
-def elastic_attempt_store(world_size: int) -> "dist.Store | None":
-    """torchrun's shared store under a prefix of its own for this restart attempt; None outside torchrun's.
-
-    torchrun keeps one store across elastic restarts, so without the prefix restarted workers can read the dead
-    workers' addresses and fail to connect (pytorch/pytorch#135712).
-    """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None  # init_process_group reads MASTER_ADDR and MASTER_PORT itself
-    shared = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False)
-    return dist.PrefixStore(f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", shared)
+def rendezvous_store(rank: int, world_size: int, timeout: timedelta) -> "dist.Store":
+    """The store where the ranks meet: rank 0's at MASTER_ADDR:MASTER_PORT, or under torchrun's agent its shared
+    store, under a prefix of its own for this restart attempt (restarted workers could otherwise read the dead
+    workers' addresses and fail to connect: pytorch/pytorch#135712)."""
+    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    try:
+        if agent:
+            shared = dist.TCPStore(address, port, world_size, is_master=False, timeout=timeout)
+            return dist.PrefixStore(f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", shared)
+        return dist.TCPStore(address, port, world_size, is_master=rank == 0, timeout=timeout)
+    except dist.DistError as e:
+        waited = f"waited {timeout.total_seconds():.0f} s (--collective_timeout)"
+        raise UserError((f"rank 0 {waited} at {address}:{port} for the others of WORLD_SIZE={world_size}, and "
+                         f"{' '.join(str(e).split()[-3:]).rstrip('.')}" if rank == 0 and not agent else
+                         f"rank {rank} {waited} to reach the run's store at {address}:{port} ({e})")
+                        + ": start every rank (torchrun --nproc_per_node=N starts them all), or check WORLD_SIZE, "
+                        "MASTER_ADDR and MASTER_PORT") from None
 
 
 def broadcast_parameters(model: nn.Module, dp: Axis) -> None:
@@ -3580,8 +3895,8 @@ if __name__ == "__main__":
     try:
         main()
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print_if_possible(f"error: {e}", sys.stderr)
         sys.exit(2)
     except RunEnded as e:
-        print(e, file=sys.stderr)
+        print_if_possible(str(e), sys.stderr)
         sys.exit(e.exit_status)

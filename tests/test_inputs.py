@@ -236,8 +236,8 @@ def test_a_log_dir_that_cannot_hold_the_run_is_refused_before_the_model_is_built
     built = []
     monkeypatch.setattr(train_gpt, "build_trainer", lambda *a, **k: built.append(1))
     monkeypatch.setattr(train_gpt.shutil, "disk_usage", lambda path: type("Usage", (), dict(free=100_000))())
-    # every checkpoint the run will keep: steps 4 and 8
-    refused(flags(files, tmp_path, run_id="full", save_every=4), "has 0.1 MiB free", "its log and 2 checkpoint(s)",
+    # every checkpoint the run will keep: steps 4 and 8, and one a stop would write
+    refused(flags(files, tmp_path, run_id="full", save_every=4), "has 0.1 MiB free", "its log and 3 checkpoint(s)",
             "raise --save_every")
     assert not built
 
@@ -277,7 +277,7 @@ def test_an_incomplete_checkpoint_is_refused_naming_what_it_lacks_and_the_log_is
     for broken, words in (({k: v for k, v in state.items() if k != "data"}, "lacks data"),
                           (dict(state, adam={k: v for k, v in state["adam"].items() if k != "embed.weight"}),
                            "no Adam state for embed.weight"),
-                          (dict(state, adam=dict(state["adam"], **{"lm_head.weight": {"step": 1}})),
+                          (dict(state, adam=dict(state["adam"], **{"lm_head.weight": {"step": train_gpt.torch.tensor(1.0)}})),
                            "no Adam state for lm_head.weight.exp_avg"),
                           (dict(state, muon={k: v for k, v in state["muon"].items()
                                              if k != "blocks.0.mlp.c_fc.weight"}),

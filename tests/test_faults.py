@@ -1,0 +1,300 @@
+"""Faults in a running job end with a message and the last checkpoint named, never a hang; no run cuts or
+overwrites another run's log or checkpoints; values that would crash later are refused at start. Each fault is
+reproduced as a user meets it (the command line, real gloo processes, real signals) and each refusal checked for
+its exit status, its one-line message, and every earlier file left byte for byte (sha256) as it was."""
+import dataclasses
+import hashlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import train_gpt
+from conftest import REPO_ROOT
+from synthetic import tiny_flags
+from test_checkpoints import assert_states_equal, step_lines
+from test_inputs import refused
+
+
+def digests(folder: Path) -> dict:
+    """sha256 of every file under folder, by path."""
+    return {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def flags(files, tmp_path, run_id="run", **overrides):
+    return tiny_flags(files, **dict(dict(log_dir=tmp_path / "logs", run_id=run_id, num_iterations=8,
+                                         val_loss_every=0), **overrides))
+
+
+def launch(argv, rank=None, world_size=2, port=None, **popen):
+    """train_gpt.py as a user starts it: one process, or one rank of world_size on MASTER_PORT port."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if rank is not None:
+        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port))
+    return subprocess.Popen([sys.executable, str(REPO_ROOT / "train_gpt.py"), *map(str, argv)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+
+
+def refused_at_the_command_line(argv, *words, env=None):
+    """The trainer run as a command exits 2 with one line naming each of words, and no traceback."""
+    result = subprocess.run([sys.executable, str(REPO_ROOT / "train_gpt.py"), *map(str, argv)], capture_output=True,
+                            text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr and result.stderr.count("\n") == 1, result.stderr
+    for word in words:
+        assert str(word) in result.stderr, (word, result.stderr)
+    return result.stderr
+
+
+def wait_for(condition, what: str, timeout: float = 120):
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def logged(log: Path, text: str):
+    return lambda: log.exists() and text in log.read_text()
+
+
+# 1-4. no run cuts another's log or loses checkpoints
+
+def test_resuming_into_another_log_dir_never_cuts_that_folder_s_run_of_the_same_id(tmp_path, files):
+    train_gpt.main(flags(files, tmp_path, "exp", save_every=2, num_iterations=6, log_dir=tmp_path / "A"))
+    train_gpt.main(flags(files, tmp_path, "exp", save_every=2, num_iterations=6, log_dir=tmp_path / "B", seed=1))
+    before = digests(tmp_path / "B")
+    refused_at_the_command_line(flags(files, tmp_path, "exp", num_iterations=6, log_dir=tmp_path / "B",
+                                      resume=tmp_path / "A" / "exp" / "step000002.pt"),
+                                f"{tmp_path / 'B' / 'exp.txt'} is not the log of the run that saved the checkpoint",
+                                "resume with the --log_dir the checkpoint was saved in")
+    assert digests(tmp_path / "B") == before
+
+
+def test_a_running_job_s_id_is_refused_to_a_resume_and_no_lock_file_is_left_to_tidy(tmp_path, files):
+    argv = flags(files, tmp_path, "busy", num_iterations=40, save_every=2)
+    first = launch(argv)
+    log = tmp_path / "logs" / "busy.txt"
+    wait_for(logged(log, "\nstep:3/40 "), "the first run's third step")
+    assert not list((tmp_path / "logs").rglob("*.lock"))  # nothing a user would think safe to delete
+    second = launch([*argv, "--resume=latest"])
+    out, err = second.communicate(timeout=120)
+    assert second.returncode == 2 and "run id busy is in use" in err and "Traceback" not in err, err
+    out, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err[-2000:]
+    text = log.read_text()
+    assert text.count("\nrun: id=busy") == 1 and len(re.findall(r"^step:\d+/40 train_loss:", text, re.MULTILINE)) == 40 and text.endswith(" MiB\n")
+    train_gpt.main(flags(files, tmp_path, "once"))  # a run that saves nothing leaves no empty folder behind
+    assert not (tmp_path / "logs" / "once").exists() and (tmp_path / "logs" / "once.txt").exists()
+
+
+def test_resume_latest_takes_the_highest_step_not_the_last_name(tmp_path):
+    args = train_gpt.parse_args(["--preset", "tiny", "--log_dir", str(tmp_path), "--run_id", "r"], cuda=False)
+    (tmp_path / "r").mkdir()
+    for name in ("step999999.pt", "step1000000.pt", "step000005.pt"):
+        (tmp_path / "r" / name).write_bytes(b"")
+    assert sorted(p.name for p in (tmp_path / "r").glob("step*.pt"))[-1] == "step999999.pt"  # what text order says
+    for name in ("step000005.pt.tmp", "stepx.pt", "step000007.pt.before_resume_from_5"):  # no checkpoints
+        (tmp_path / "r" / name).write_bytes(b"")
+    assert list(train_gpt.saved_checkpoints(args)) == [5, 999999, 1000000]
+
+
+def test_resuming_from_an_older_checkpoint_keeps_the_later_ones_and_the_replayed_log(tmp_path, files, capsys):
+    train_gpt.main(flags(files, tmp_path, "old", save_every=2, num_iterations=6))
+    folder, log = tmp_path / "logs" / "old", tmp_path / "logs" / "old.txt"
+    before = digests(tmp_path / "logs")
+    train_gpt.main(flags(files, tmp_path, "old", save_every=2, num_iterations=6, resume=folder / "step000002.pt"))
+    said = capsys.readouterr().out
+    assert "resuming run old from step 2, before its later checkpoints: kept in" in said
+    for step in (4, 6):
+        kept = folder / f"step{step:06d}.pt.before_resume_from_2"
+        assert digests(tmp_path / "logs")[kept] == before[folder / f"step{step:06d}.pt"]
+    copy = log.with_name("old.txt.replayed")
+    assert digests(tmp_path / "logs")[copy] == before[log] and f"kept as {copy}" in said
+    assert list(train_gpt.saved_checkpoints(train_gpt.parse_args(
+        ["--preset", "tiny", "--log_dir", str(tmp_path / "logs"), "--run_id", "old"], cuda=False))) == [2, 4, 6]
+
+
+# 5, 6, 10. a rank that stops answering or dies, and one that never comes
+
+def two_ranks(argv, port):
+    return [launch(argv, rank, 2, port) for rank in range(2)]
+
+
+@pytest.mark.parametrize("fault", ["SIGSTOP", "SIGKILL"])
+def test_a_lost_rank_is_named_with_its_step_and_the_run_resumes_exactly(tmp_path, files, fault):
+    """Rank 1 stopped (its process frozen) or killed during step 6: rank 0 says so within --collective_timeout,
+    exits 5, and leaves nothing partial; --resume latest then ends as the uninterrupted run does."""
+    argv = flags(files, tmp_path, "lost", num_iterations=8, save_every=4, collective_timeout=4)
+    started = time.time()
+    ranks = two_ranks(argv, train_gpt.free_port())
+    log = tmp_path / "logs" / "lost.txt"
+    wait_for(logged(log, "\nstep:5/8 "), "step 5")
+    os.kill(ranks[1].pid, getattr(signal, fault))
+    out, err = ranks[0].communicate(timeout=60)
+    ranks[1].kill()
+    ranks[1].communicate()
+    assert ranks[0].returncode == train_gpt.EXIT_LOST == 5, err[-2000:]
+    assert "Traceback" not in err
+    cause = "waited 4 s in a collective" if fault == "SIGSTOP" else "saw a collective fail"
+    message = re.compile(rf"rank 1 stopped answering: rank 0 {cause} in step (\d+) .*; the last checkpoint is "
+                         rf"{log.parent / 'lost' / 'step000004.pt'} \(step 4\); once every rank is up, continue with "
+                         r"--run_id lost --resume latest$")
+    assert message.search(err.strip()), err
+    last_line = log.read_text().splitlines()[-1]
+    assert last_line.startswith("lost: ") and int(message.search(last_line)[1]) >= 6, last_line
+    assert time.time() - started < 60
+    assert sorted(p.name for p in (log.parent / "lost").iterdir()) == ["step000004.pt"]  # nothing partial
+
+    resumed = two_ranks([*argv, "--resume=latest"], train_gpt.free_port())
+    reference = two_ranks(flags(files, tmp_path, "reference", num_iterations=8, save_every=8),
+                          train_gpt.free_port())
+    for process in resumed + reference:
+        out, err = process.communicate(timeout=300)
+        assert process.returncode == 0, err[-2000:]
+    assert step_lines(log.read_text()) == step_lines((log.parent / "reference.txt").read_text())
+    assert_states_equal(torch.load(log.parent / "lost" / "step000008.pt", weights_only=True),
+                        torch.load(log.parent / "reference" / "step000008.pt", weights_only=True))
+
+
+def test_a_rank_alone_in_a_world_of_two_ends_after_the_timeout_naming_what_is_missing(tmp_path, files):
+    started = time.time()
+    alone = launch(flags(files, tmp_path, collective_timeout=2), rank=0, port=train_gpt.free_port())
+    out, err = alone.communicate(timeout=60)
+    assert alone.returncode == 2 and "Traceback" not in err and err.count("\n") == 1, err
+    assert "rank 0 waited 2 s (--collective_timeout)" in err and "WORLD_SIZE=2" in err and "1/2" in err
+    assert time.time() - started < 30
+
+
+@pytest.mark.parametrize("env, words", [
+    (dict(WORLD_SIZE="0"), "WORLD_SIZE='0' must be a whole number from 1"),
+    (dict(WORLD_SIZE="abc"), "WORLD_SIZE='abc' must be a whole number from 1"),
+    (dict(RANK="1"), "RANK='1' must be a whole number from 0 to 0"),
+    (dict(WORLD_SIZE="2", RANK="1"), "WORLD_SIZE=2 needs MASTER_ADDR and MASTER_PORT"),
+    (dict(WORLD_SIZE="2", RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="99999"), "MASTER_PORT='99999'"),
+])
+def test_a_malformed_launch_environment_is_refused_before_any_work(tmp_path, files, env, words):
+    refused_at_the_command_line(flags(files, tmp_path), words, env=env)
+    assert not (tmp_path / "logs").exists()
+
+
+# 7, 11. values that pass the parser and crash or exhaust the machine later
+
+def test_an_unreachable_iteration_count_is_refused_at_once_in_little_memory(tmp_path, files):
+    # the trainer as a command, reporting its own peak memory (VmHWM: this program's, not the forked test's)
+    report_peak = ("import re, runpy, sys\nsys.argv = sys.argv[1:]\ntry:\n    runpy.run_path(sys.argv[0], "
+                   "run_name='__main__')\nfinally:\n    print(re.search(r'VmHWM:\\s+(\\d+)', "
+                   "open('/proc/self/status').read())[1], file=sys.stderr)")
+    started = time.time()
+    result = subprocess.run([sys.executable, "-c", report_peak, str(REPO_ROOT / "train_gpt.py"),
+                             *flags(files, tmp_path, num_iterations=10_000_000_000, save_every=1)],
+                            capture_output=True, text=True, timeout=120)
+    *message, peak_kib = result.stderr.splitlines()
+    assert result.returncode == 2 and message == ["error: --num_iterations 10000000000 is beyond what any run can "
+                                                  "use: at most 2147483647"], result.stderr
+    assert int(peak_kib) * 1024 < 2**30 and time.time() - started < 60
+
+
+def test_checkpoints_are_counted_not_listed_for_the_room_check(tmp_path, monkeypatch):
+    args = train_gpt.parse_args(["--preset", "tiny", "--log_dir", str(tmp_path), "--num_iterations", str(2**31 - 1),
+                                 "--save_every", "1"], cuda=False)
+    started = time.time()
+    with pytest.raises(train_gpt.UserError, match="its log and 2147483648 checkpoint"):  # every step's and a stop's
+        train_gpt.check_room_for_the_run(args, 0)
+    assert time.time() - started < 10
+    monkeypatch.setattr(train_gpt.shutil, "disk_usage", lambda path: type("Usage", (), dict(free=2**20))())
+    with pytest.raises(train_gpt.UserError, match=r"its log and 1 checkpoint\(s\)"):  # --save_every 0: a stop's
+        train_gpt.check_room_for_the_run(dataclasses.replace(args, num_iterations=10, save_every=0), 0)
+    with pytest.raises(train_gpt.UserError, match=r"its log and 3 checkpoint\(s\).*--keep_last 2"):
+        train_gpt.check_room_for_the_run(dataclasses.replace(args, num_iterations=10, save_every=1, keep_last=2), 0)
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--window_max_tokens", "1000000000000000000"], "--window_max_tokens 1000000000000000000 is beyond"),
+    (["--model_dim", "1048576", "--num_heads", "8192", "--head_dim", "128"],
+     "need at least"),
+])
+def test_sizes_that_would_overflow_or_exhaust_memory_are_refused_at_start(tmp_path, files, extra, words):
+    refused_at_the_command_line([*flags(files, tmp_path), *extra], words)
+
+
+# 14, 20. checkpoints with a wrong field, and messages that name the real cause
+
+def test_a_checkpoint_field_of_the_wrong_type_or_value_is_refused_by_name(tmp_path, files):
+    train_gpt.main(flags(files, tmp_path, "C", save_every=4))
+    state = torch.load(tmp_path / "logs" / "C" / "step000004.pt", weights_only=True)
+    before = digests(tmp_path / "logs")
+    nan_model = dict(state["model"], **{"embed.weight": torch.full_like(state["model"]["embed.weight"], float("nan"))})
+    for broken, words in ((dict(state, step="4"), "bad step field '4' (expected a step count >= 0)"),
+                          (dict(state, step=-1), "bad step field -1"),
+                          (dict(state, data="x"), "bad data field 'x'"),
+                          (dict(state, data=dict(state["data"], offset=-5)), "bad data field (expected"),
+                          (dict(state, training_time_ms="soon"), "bad training_time_ms field"),
+                          (dict(state, model=nan_model), "non-finite values in tensor embed.weight")):
+        bad = tmp_path / "bad.pt"
+        torch.save(broken, bad)
+        refused(flags(files, tmp_path, "C", resume=bad), f"checkpoint {bad}", words)
+    assert digests(tmp_path / "logs") == before
+
+
+def test_a_run_id_too_long_and_a_broken_log_dir_link_are_named_as_such(tmp_path, files):
+    words = refused(flags(files, tmp_path, "x" * 300), "--run_id is 300 bytes long", "use at most 239 bytes")
+    assert "File name too long" not in words
+    dangling, loop = tmp_path / "dangling", tmp_path / "loop"
+    dangling.symlink_to(tmp_path / "nowhere")
+    loop.symlink_to(loop)
+    refused(flags(files, tmp_path, log_dir=dangling), f"{dangling} is a symbolic link to {tmp_path / 'nowhere'}, "
+            "which does not exist")
+    refused(flags(files, tmp_path, log_dir=loop / "logs"), f"{loop} is a loop of symbolic links")
+
+
+# 15-18. signals, disk use, data
+
+def test_a_hangup_stops_with_a_checkpoint_like_sigterm(tmp_path, files):
+    run = launch(flags(files, tmp_path, "hup", num_iterations=100))
+    log = tmp_path / "logs" / "hup.txt"
+    wait_for(logged(log, "\nstep:2/100 "), "step 2")
+    run.send_signal(signal.SIGHUP)
+    out, err = run.communicate(timeout=120)
+    assert run.returncode == train_gpt.EXIT_STOPPED, err[-2000:]
+    stopped = re.search(r"\ncheckpoint: (\S+)\nstopped: step:(\d+)/100 reason:SIGHUP\n$", log.read_text())
+    assert stopped and torch.load(stopped[1], weights_only=True)["step"] == int(stopped[2])
+
+
+def test_a_second_interrupt_while_the_stop_checkpoint_is_written_lets_it_finish(tmp_path, files, monkeypatch,
+                                                                                capsys):
+    real_write, real_step = train_gpt.write_atomically, train_gpt.optimizer_step
+
+    def interrupted_step(trainer, step):  # Ctrl-C during step 3
+        real_step(trainer, step)
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    def write_interrupted_again(path, state):
+        os.kill(os.getpid(), signal.SIGINT)  # delivered at the next bytecode, here, inside the write
+        return real_write(path, state)
+    monkeypatch.setattr(train_gpt, "optimizer_step", interrupted_step)
+    monkeypatch.setattr(train_gpt, "write_atomically", write_interrupted_again)
+    with pytest.raises(train_gpt.RunEnded, match=r"stopped after step 3 \(SIGINT\)"):
+        train_gpt.main(flags(files, tmp_path, "twice"))
+    assert "SIGINT again: the checkpoint being written is finished first" in capsys.readouterr().out
+    assert torch.load(tmp_path / "logs" / "twice" / "step000003.pt", weights_only=True)["step"] == 3
+
+
+def test_keep_last_keeps_exactly_the_newest_complete_checkpoints(tmp_path, files):
+    train_gpt.main(flags(files, tmp_path, "keep", save_every=2, keep_last=2))
+    assert sorted(p.name for p in (tmp_path / "logs" / "keep").iterdir()) == ["step000006.pt", "step000008.pt"]
+    assert (tmp_path / "logs" / "keep.txt").read_text().count("\ncheckpoint: ") == 4
+
+
+def test_training_shards_that_include_a_validation_shard_are_refused(tmp_path, files):
+    both = str(Path(files["train_files"]).parent / "synth_*.bin")
+    refused(flags(files, tmp_path, train_files=both), f"--train_files '{both}' matches the validation shard",
+            "synth_val_000000.bin", "the run would train on its validation data")
+    assert not (tmp_path / "logs" / "run.txt").exists()
