@@ -3595,12 +3595,27 @@ def simulated_rank(rank: int, world_size: int):
         dist.destroy_process_group()
 
 
+def grid_coordinates(rank: int, world_size: int, tp: int, pp: int) -> tuple[int, int, int]:
+    """(pipeline stage, data-parallel rank, tensor-parallel rank) of a rank: build_parallel_context's grid."""
+    dp = world_size // (tp * pp)
+    return rank // (dp * tp), rank // tp % dp, rank % tp
+
+
+def rank_role(rank: int, stage: int, dp_rank: int, tp_rank: int, owners: list[dict] | None) -> tuple:
+    """What makes ranks plan alike: their stage and tensor-parallel slice, and the optimizer states (and under
+    ZeRO 3 the parameters) their data-parallel rank owns. Until a stage's owners are known, the rank itself."""
+    if owners is None:
+        return (rank,)
+    return stage, tp_rank, *(frozenset(name for name, owner in owned.items() if owner == dp_rank) for owned in owners)
+
+
 def plan_layout(args: Hyperparameters, world_size: int, cuda: bool) -> dict:
     """What each rank of a run of args on world_size processes holds and sends per training step, in bytes.
 
     Each rank's first training step runs here in turn: the real code, on the meta device (nothing is allocated)
     under a fake process group, so the bytes are those the run itself counts; activations are an estimate (see
     SavedActivations). The pipeline stages run in order and share the structure of what crosses each boundary.
+    Ranks in one role (rank_role) hold and send alike: each role runs once, so thousands of ranks plan in seconds.
     """
     if dist.is_initialized():
         raise UserError("--plan runs in one process, not under torchrun: give the process count with --nproc")
@@ -3610,16 +3625,27 @@ def plan_layout(args: Hyperparameters, world_size: int, cuda: bool) -> dict:
     meta = torch.device("meta")
     tokens = torch.empty(args.train_seq_len + 1, dtype=torch.int64, device=meta)
     batches = iter(lambda: (tokens[:-1].to(torch.int32), tokens[1:]), None)
-    stream_specs, ranks = {}, []
+    stream_specs, ranks, planned, owners_by_stage, shown = {}, [], {}, {}, time.monotonic()
     with torch.random.fork_rng(devices=[]):
         for rank in range(world_size):
-            with simulated_rank(rank, world_size):
-                ctx = build_parallel_context(rank, world_size, meta, args.tp, args.pp)
-                trainer = build_trainer(args, ctx, cuda_dtypes=cuda, stream_specs=stream_specs)
-                held = account_step(trainer, batches)
+            stage, dp_rank, tp_rank = grid_coordinates(rank, world_size, args.tp, args.pp)
+            role = rank_role(rank, stage, dp_rank, tp_rank, owners_by_stage.get(stage))
+            if role not in planned:
+                with simulated_rank(rank, world_size):
+                    ctx = build_parallel_context(rank, world_size, meta, args.tp, args.pp)
+                    trainer = build_trainer(args, ctx, cuda_dtypes=cuda, stream_specs=stream_specs)
+                    held = account_step(trainer, batches)
                 del held["loss_sum"]
                 held["activations"] = int(held["activations"] * (COMPILED_ACTIVATIONS if compiled else 1))
-                ranks.append(dict(held, stage=ctx.pp.rank))
+                names = {p: name for name, p in trainer.model.named_parameters()}
+                owners_by_stage.setdefault(stage, [{names[p]: owner for p, owner in owned.items()}
+                                                   for owned in optimizer_state_owners(trainer)])
+                planned[rank_role(rank, stage, dp_rank, tp_rank, owners_by_stage[stage])] = dict(held, stage=stage)
+            ranks.append(planned[rank_role(rank, stage, dp_rank, tp_rank, owners_by_stage[stage])])
+            if time.monotonic() - shown > 5:
+                print(f"planning: {rank + 1} of {world_size} ranks, {len(planned)} distinct", file=sys.stderr,
+                      flush=True)
+                shown = time.monotonic()
     return dict(preset=args.preset, world_size=world_size, dp=world_size // (args.tp * args.pp), tp=args.tp,
                 pp=args.pp, grad_accum_steps=trainer.micro_batches, zero=args.zero, ranks=ranks, compiled=compiled,
                 num_params=sum(math.prod(shape) for shape in trainer.model.full_shapes.values()))

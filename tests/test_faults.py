@@ -77,15 +77,17 @@ def test_resuming_into_another_log_dir_never_cuts_that_folder_s_run_of_the_same_
     assert digests(tmp_path / "B") == before
 
 
-def test_a_running_job_s_id_is_refused_to_a_resume_and_no_lock_file_is_left_to_tidy(tmp_path, files):
+def test_a_running_job_s_id_is_refused_at_once_and_no_lock_file_is_left_to_tidy(tmp_path, files):
     argv = flags(files, tmp_path, "busy", num_iterations=40, save_every=2)
     first = launch(argv)
     log = tmp_path / "logs" / "busy.txt"
     wait_for(logged(log, "\nstep:3/40 "), "the first run's third step")
     assert not list((tmp_path / "logs").rglob("*.lock"))  # nothing a user would think safe to delete
-    second = launch([*argv, "--resume=latest"])
-    out, err = second.communicate(timeout=120)
-    assert second.returncode == 2 and "run id busy is in use" in err and "Traceback" not in err, err
+    for second in (launch(argv), launch([*argv, "--resume=latest"])):  # started afresh, or resuming
+        started = time.time()
+        out, err = second.communicate(timeout=120)
+        assert second.returncode == 2 and "run id busy is in use" in err and "Traceback" not in err, err
+        assert time.time() - started < 60
     out, err = first.communicate(timeout=300)
     assert first.returncode == 0, err[-2000:]
     text = log.read_text()
@@ -152,12 +154,10 @@ def test_a_lost_rank_is_named_with_its_step_and_the_run_resumes_exactly(tmp_path
     assert time.time() - started < 60
     assert sorted(p.name for p in (log.parent / "lost").iterdir()) == ["step000004.pt"]  # nothing partial
 
-    resumed = two_ranks([*argv, "--resume=latest"], train_gpt.free_port())
-    reference = two_ranks(flags(files, tmp_path, "reference", num_iterations=8, save_every=8),
-                          train_gpt.free_port())
-    for process in resumed + reference:
-        out, err = process.communicate(timeout=300)
-        assert process.returncode == 0, err[-2000:]
+    for run in ([*argv, "--resume=latest"], flags(files, tmp_path, "reference", num_iterations=8, save_every=8)):
+        for process in two_ranks(run, train_gpt.free_port()):
+            out, err = process.communicate(timeout=300)
+            assert process.returncode == 0, err[-2000:]
     assert step_lines(log.read_text()) == step_lines((log.parent / "reference.txt").read_text())
     assert_states_equal(torch.load(log.parent / "lost" / "step000008.pt", weights_only=True),
                         torch.load(log.parent / "reference" / "step000008.pt", weights_only=True))
@@ -298,3 +298,29 @@ def test_training_shards_that_include_a_validation_shard_are_refused(tmp_path, f
     refused(flags(files, tmp_path, train_files=both), f"--train_files '{both}' matches the validation shard",
             "synth_val_000000.bin", "the run would train on its validation data")
     assert not (tmp_path / "logs" / "run.txt").exists()
+
+
+# 8. a plan for thousands of ranks
+
+def test_a_plan_runs_each_role_once_and_equals_the_plan_of_every_rank(monkeypatch):
+    """40 data-parallel ranks under ZeRO 1, more than the tiny model has parameters to own, so many share a role
+    (measured by hand as well: 64 ranks under --pp 2 --tp 2 --zero 3 plan alike both ways)."""
+    nproc = 40
+    args = train_gpt.parse_args(["--preset", "tiny", "--seqs_per_step", str(nproc), "--val_tokens",
+                                 str(256 * nproc), "--compile", "false", "--zero", "1"], cuda=False)
+    builds, real_build = [], train_gpt.build_trainer
+    monkeypatch.setattr(train_gpt, "build_trainer", lambda *a, **k: builds.append(1) or real_build(*a, **k))
+    plan = train_gpt.plan_layout(args, nproc, cuda=True)
+    roles = len(builds)
+    assert roles < nproc  # ranks in one role ran once
+    monkeypatch.setattr(train_gpt, "rank_role", lambda rank, *rest: (rank,))  # every rank its own role
+    every_rank = train_gpt.plan_layout(args, nproc, cuda=True)
+    assert len(builds) == roles + nproc
+    assert plan == every_rank and len({str(r) for r in plan["ranks"]}) > 1  # the same, and not all alike
+
+
+def test_a_plan_of_4096_ranks_takes_seconds(capsys):
+    started = time.time()
+    train_gpt.main(["--preset", "tiny", "--plan", "--nproc", "4096", "--seqs_per_step", "4096", "--val_tokens",
+                    str(4096 * 256)])
+    assert time.time() - started < 60 and capsys.readouterr().out.count("\n") > 8192

@@ -4,7 +4,6 @@ flag or value named and every earlier log and checkpoint left byte for byte as i
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -114,24 +113,6 @@ def failing_check_on_rank_0(rank, world_size):
         train_gpt.on_master(broken_check)
     except Exception as e:
         return type(e).__name__ if rank == 0 else f"{type(e).__name__}: {e}"
-
-
-def test_two_runs_started_with_one_id_the_second_is_refused_at_once_the_first_finishes(tmp_path, files):
-    argv = flags(files, tmp_path, "twin", num_iterations=30, val_loss_every=0)
-    first = trainer(*argv, cwd=tmp_path)
-    log = tmp_path / "logs" / "twin.txt"
-    deadline = time.time() + 120
-    while not (log.exists() and "\nstep:1/30 " in log.read_text()) and first.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    started = time.time()
-    second = trainer(*argv, cwd=tmp_path)
-    out, err = second.communicate(timeout=120)
-    assert second.returncode == 2 and time.time() - started < 60
-    assert "run id twin is in use: another run holds" in err and "Traceback" not in err
-    out, err = first.communicate(timeout=300)
-    assert first.returncode == 0, err[-2000:]
-    text = log.read_text()
-    assert text.count("\nrun: id=twin") == 1 and text.endswith(" MiB\n") and "\nstep:30/30 val_loss:" in text
 
 
 # 3. data that runs short, found from the shard headers

@@ -53,7 +53,7 @@ def resave_on_rank(rank, world_size, path, out, flags):
     state = train_gpt.load_checkpoint(path)
     train_gpt.restore_checkpoint(state, path, trainer)
     train_gpt.save_checkpoint(out, trainer, **{k: state[k] for k in ("step", "run_id", "data", "training_time_ms",
-                                                                     "log_bytes", "hyperparameters")})
+                                                                     "log_bytes", "log_sha256", "hyperparameters")})
 
 
 @pytest.mark.parametrize("layout", [dict(tp=2), dict(pp=2)])
