@@ -1620,20 +1620,24 @@ class RankWatchdog:
 
     def __init__(self, progress: "Progress", timeout_s: float):
         self.progress, self.ctx, self.timeout_s = progress, progress.trainer.ctx, timeout_s
-        self.step, self.beat_at, self.armed, self.done = progress.start_step, time.monotonic(), False, False
+        self.step, self.beat_at, self.armed, self.done = progress.start_step, time.monotonic(), False, threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True, name="rank watchdog")
         if self.ctx.world_size > 1:
-            threading.Thread(target=self._watch, daemon=True, name="rank watchdog").start()
+            self.thread.start()
 
     def beat(self, step: int) -> None:
         """Step `step` starts (armed from the second: the first may compile)."""
         self.armed, self.step, self.beat_at = step > self.progress.start_step, step, time.monotonic()
 
     def stop(self) -> None:
-        self.armed, self.done = False, True
+        """Ends the thread now, so that nothing it holds (the store) outlives the run into interpreter shutdown."""
+        self.armed = False
+        self.done.set()
+        if self.thread.is_alive():
+            self.thread.join()
 
     def _watch(self) -> None:
-        while not self.done:
-            time.sleep(min(1.0, self.timeout_s / 10))
+        while not self.done.wait(min(1.0, self.timeout_s / 10)):
             if self.armed and time.monotonic() - self.beat_at > self.timeout_s:
                 message = self._report(f"waited {self.timeout_s:g} s in a collective in step {self.step + 1} "
                                        "(--collective_timeout)")

@@ -68,7 +68,7 @@ def logged(log: Path, text: str):
 
 def test_resuming_into_another_log_dir_never_cuts_that_folder_s_run_of_the_same_id(tmp_path, files):
     train_gpt.main(flags(files, tmp_path, "exp", save_every=2, num_iterations=6, log_dir=tmp_path / "A"))
-    train_gpt.main(flags(files, tmp_path, "exp", save_every=2, num_iterations=6, log_dir=tmp_path / "B", seed=1))
+    train_gpt.main(flags(files, tmp_path, "exp", save_every=2, num_iterations=2, log_dir=tmp_path / "B", seed=1))
     before = digests(tmp_path / "B")
     refused_at_the_command_line(flags(files, tmp_path, "exp", num_iterations=6, log_dir=tmp_path / "B",
                                       resume=tmp_path / "A" / "exp" / "step000002.pt"),
@@ -78,20 +78,20 @@ def test_resuming_into_another_log_dir_never_cuts_that_folder_s_run_of_the_same_
 
 
 def test_a_running_job_s_id_is_refused_at_once_and_no_lock_file_is_left_to_tidy(tmp_path, files):
-    argv = flags(files, tmp_path, "busy", num_iterations=40, save_every=2)
+    argv = flags(files, tmp_path, "busy", num_iterations=30, save_every=2)
     first = launch(argv)
     log = tmp_path / "logs" / "busy.txt"
-    wait_for(logged(log, "\nstep:3/40 "), "the first run's third step")
+    wait_for(logged(log, "\nstep:3/30 "), "the first run's third step")
     assert not list((tmp_path / "logs").rglob("*.lock"))  # nothing a user would think safe to delete
-    for second in (launch(argv), launch([*argv, "--resume=latest"])):  # started afresh, or resuming
-        started = time.time()
+    started = time.time()
+    for second in [launch(argv), launch([*argv, "--resume=latest"])]:  # started afresh, or resuming
         out, err = second.communicate(timeout=120)
         assert second.returncode == 2 and "run id busy is in use" in err and "Traceback" not in err, err
-        assert time.time() - started < 60
+    assert time.time() - started < 60
     out, err = first.communicate(timeout=300)
     assert first.returncode == 0, err[-2000:]
     text = log.read_text()
-    assert text.count("\nrun: id=busy") == 1 and len(re.findall(r"^step:\d+/40 train_loss:", text, re.MULTILINE)) == 40 and text.endswith(" MiB\n")
+    assert text.count("\nrun: id=busy") == 1 and len(re.findall(r"^step:\d+/30 train_loss:", text, re.MULTILINE)) == 30 and text.endswith(" MiB\n")
     train_gpt.main(flags(files, tmp_path, "once"))  # a run that saves nothing leaves no empty folder behind
     assert not (tmp_path / "logs" / "once").exists() and (tmp_path / "logs" / "once.txt").exists()
 
@@ -132,7 +132,7 @@ def two_ranks(argv, port):
 @pytest.mark.parametrize("fault", ["SIGSTOP", "SIGKILL"])
 def test_a_lost_rank_is_named_with_its_step_and_the_run_resumes_exactly(tmp_path, files, fault):
     """Rank 1 stopped (its process frozen) or killed during step 6: rank 0 says so within --collective_timeout,
-    exits 5, and leaves nothing partial; --resume latest then ends as the uninterrupted run does."""
+    exits 5, and leaves nothing partial; --resume latest then ends as the uninterrupted run does (checked once)."""
     argv = flags(files, tmp_path, "lost", num_iterations=8, save_every=4, collective_timeout=4)
     started = time.time()
     ranks = two_ranks(argv, train_gpt.free_port())
@@ -144,7 +144,8 @@ def test_a_lost_rank_is_named_with_its_step_and_the_run_resumes_exactly(tmp_path
     ranks[1].communicate()
     assert ranks[0].returncode == train_gpt.EXIT_LOST == 5, err[-2000:]
     assert "Traceback" not in err
-    cause = "waited 4 s in a collective" if fault == "SIGSTOP" else "saw a collective fail"
+    # a killed rank's links close: the others' collective fails, unless the watchdog's timeout comes first
+    cause = "waited 4 s in a collective" if fault == "SIGSTOP" else "(?:saw a collective fail|waited 4 s in a collective)"
     message = re.compile(rf"rank 1 stopped answering: rank 0 {cause} in step (\d+) .*; the last checkpoint is "
                          rf"{log.parent / 'lost' / 'step000004.pt'} \(step 4\); once every rank is up, continue with "
                          r"--run_id lost --resume latest$")
@@ -153,7 +154,8 @@ def test_a_lost_rank_is_named_with_its_step_and_the_run_resumes_exactly(tmp_path
     assert last_line.startswith("lost: ") and int(message.search(last_line)[1]) >= 6, last_line
     assert time.time() - started < 60
     assert sorted(p.name for p in (log.parent / "lost").iterdir()) == ["step000004.pt"]  # nothing partial
-
+    if fault == "SIGKILL":
+        return
     for run in ([*argv, "--resume=latest"], flags(files, tmp_path, "reference", num_iterations=8, save_every=8)):
         for process in two_ranks(run, train_gpt.free_port()):
             out, err = process.communicate(timeout=300)
@@ -256,14 +258,16 @@ def test_a_run_id_too_long_and_a_broken_log_dir_link_are_named_as_such(tmp_path,
 
 # 15-18. signals, disk use, data
 
-def test_a_hangup_stops_with_a_checkpoint_like_sigterm(tmp_path, files):
-    run = launch(flags(files, tmp_path, "hup", num_iterations=100))
+def test_a_hangup_to_one_rank_stops_every_rank_with_a_checkpoint_like_sigterm(tmp_path, files):
+    ranks = two_ranks(flags(files, tmp_path, "hup", num_iterations=100), train_gpt.free_port())
     log = tmp_path / "logs" / "hup.txt"
     wait_for(logged(log, "\nstep:2/100 "), "step 2")
-    run.send_signal(signal.SIGHUP)
-    out, err = run.communicate(timeout=120)
-    assert run.returncode == train_gpt.EXIT_STOPPED, err[-2000:]
-    stopped = re.search(r"\ncheckpoint: (\S+)\nstopped: step:(\d+)/100 reason:SIGHUP\n$", log.read_text())
+    ranks[1].send_signal(signal.SIGHUP)  # its terminal closed
+    ended = [rank.communicate(timeout=120) for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [train_gpt.EXIT_STOPPED] * 2, ended
+    assert re.search(r"stopped after step \d+ \(SIGHUP\)", ended[1][1]) and "Traceback" not in ended[0][1]
+    stopped = re.search(r"\ncheckpoint: (\S+)\nstopped: step:(\d+)/100 reason:another rank was asked to stop\n$",
+                        log.read_text())
     assert stopped and torch.load(stopped[1], weights_only=True)["step"] == int(stopped[2])
 
 
