@@ -1616,7 +1616,6 @@ class RankWatchdog:
     runs, hence a thread) or dies (a collective fails). The lost ranks are those that miss a roll call in the
     launch's store."""
 
-    GRACE_S = 5.0  # for the other live ranks to answer the roll call
 
     def __init__(self, progress: "Progress", timeout_s: float):
         self.progress, self.ctx, self.timeout_s = progress, progress.trainer.ctx, timeout_s
@@ -1675,7 +1674,7 @@ class RankWatchdog:
             return None
         try:
             store.set(f"{call}/{self.ctx.rank}", "here")
-            deadline = time.monotonic() + self.GRACE_S
+            deadline = time.monotonic() + min(5.0, self.timeout_s / 2)  # for the other live ranks to answer
             while True:
                 missing = [r for r in ranks if not store.check([f"{call}/{r}"])]
                 if not missing or time.monotonic() > deadline:

@@ -67,7 +67,7 @@ def logged(log: Path, text: str):
 # 1-4. no run cuts another's log or loses checkpoints
 
 def test_resuming_into_another_log_dir_never_cuts_that_folder_s_run_of_the_same_id(tmp_path, files):
-    train_gpt.main(flags(files, tmp_path, "exp", save_every=2, num_iterations=6, log_dir=tmp_path / "A"))
+    train_gpt.main(flags(files, tmp_path, "exp", save_every=2, num_iterations=2, log_dir=tmp_path / "A"))
     train_gpt.main(flags(files, tmp_path, "exp", save_every=2, num_iterations=2, log_dir=tmp_path / "B", seed=1))
     before = digests(tmp_path / "B")
     refused_at_the_command_line(flags(files, tmp_path, "exp", num_iterations=6, log_dir=tmp_path / "B",
@@ -78,20 +78,23 @@ def test_resuming_into_another_log_dir_never_cuts_that_folder_s_run_of_the_same_
 
 
 def test_a_running_job_s_id_is_refused_at_once_and_no_lock_file_is_left_to_tidy(tmp_path, files):
-    argv = flags(files, tmp_path, "busy", num_iterations=30, save_every=2)
+    argv = flags(files, tmp_path, "busy", num_iterations=100, save_every=2)
     first = launch(argv)
     log = tmp_path / "logs" / "busy.txt"
-    wait_for(logged(log, "\nstep:3/30 "), "the first run's third step")
+    wait_for(logged(log, "\nstep:3/100 "), "the first run's third step")
     assert not list((tmp_path / "logs").rglob("*.lock"))  # nothing a user would think safe to delete
     started = time.time()
     for second in [launch(argv), launch([*argv, "--resume=latest"])]:  # started afresh, or resuming
         out, err = second.communicate(timeout=120)
         assert second.returncode == 2 and "run id busy is in use" in err and "Traceback" not in err, err
     assert time.time() - started < 60
+    (tmp_path / "logs" / "busy.stop").touch()  # the first run, untouched by the others, stops when asked
     out, err = first.communicate(timeout=300)
-    assert first.returncode == 0, err[-2000:]
+    assert first.returncode == train_gpt.EXIT_STOPPED, err[-2000:]
     text = log.read_text()
-    assert text.count("\nrun: id=busy") == 1 and len(re.findall(r"^step:\d+/30 train_loss:", text, re.MULTILINE)) == 30 and text.endswith(" MiB\n")
+    assert text.count("\nrun: id=busy") == 1 and re.search(r"\nstopped: step:(\d+)/100 reason:kill switch", text)
+    steps = [int(n) for n in re.findall(r"^step:(\d+)/100 train_loss:", text, re.MULTILINE)]
+    assert steps == list(range(1, len(steps) + 1))  # one run's lines, none twice
     train_gpt.main(flags(files, tmp_path, "once"))  # a run that saves nothing leaves no empty folder behind
     assert not (tmp_path / "logs" / "once").exists() and (tmp_path / "logs" / "once.txt").exists()
 
@@ -131,13 +134,13 @@ def two_ranks(argv, port):
 
 @pytest.mark.parametrize("fault", ["SIGSTOP", "SIGKILL"])
 def test_a_lost_rank_is_named_with_its_step_and_the_run_resumes_exactly(tmp_path, files, fault):
-    """Rank 1 stopped (its process frozen) or killed during step 6: rank 0 says so within --collective_timeout,
+    """Rank 1 stopped (its process frozen) or killed during step 5: rank 0 says so within --collective_timeout,
     exits 5, and leaves nothing partial; --resume latest then ends as the uninterrupted run does (checked once)."""
-    argv = flags(files, tmp_path, "lost", num_iterations=8, save_every=4, collective_timeout=4)
+    argv = flags(files, tmp_path, "lost", num_iterations=6, save_every=3, collective_timeout=3)
     started = time.time()
     ranks = two_ranks(argv, train_gpt.free_port())
     log = tmp_path / "logs" / "lost.txt"
-    wait_for(logged(log, "\nstep:5/8 "), "step 5")
+    wait_for(logged(log, "\nstep:4/6 "), "step 4")
     os.kill(ranks[1].pid, getattr(signal, fault))
     out, err = ranks[0].communicate(timeout=60)
     ranks[1].kill()
@@ -145,24 +148,24 @@ def test_a_lost_rank_is_named_with_its_step_and_the_run_resumes_exactly(tmp_path
     assert ranks[0].returncode == train_gpt.EXIT_LOST == 5, err[-2000:]
     assert "Traceback" not in err
     # a killed rank's links close: the others' collective fails, unless the watchdog's timeout comes first
-    cause = "waited 4 s in a collective" if fault == "SIGSTOP" else "(?:saw a collective fail|waited 4 s in a collective)"
+    cause = "waited 3 s in a collective" if fault == "SIGSTOP" else "(?:saw a collective fail|waited 3 s in a collective)"
     message = re.compile(rf"rank 1 stopped answering: rank 0 {cause} in step (\d+) .*; the last checkpoint is "
-                         rf"{log.parent / 'lost' / 'step000004.pt'} \(step 4\); once every rank is up, continue with "
+                         rf"{log.parent / 'lost' / 'step000003.pt'} \(step 3\); once every rank is up, continue with "
                          r"--run_id lost --resume latest$")
     assert message.search(err.strip()), err
     last_line = log.read_text().splitlines()[-1]
-    assert last_line.startswith("lost: ") and int(message.search(last_line)[1]) >= 6, last_line
+    assert last_line.startswith("lost: ") and int(message.search(last_line)[1]) >= 5, last_line
     assert time.time() - started < 60
-    assert sorted(p.name for p in (log.parent / "lost").iterdir()) == ["step000004.pt"]  # nothing partial
+    assert sorted(p.name for p in (log.parent / "lost").iterdir()) == ["step000003.pt"]  # nothing partial
     if fault == "SIGKILL":
         return
-    for run in ([*argv, "--resume=latest"], flags(files, tmp_path, "reference", num_iterations=8, save_every=8)):
+    for run in ([*argv, "--resume=latest"], flags(files, tmp_path, "reference", num_iterations=6, save_every=6)):
         for process in two_ranks(run, train_gpt.free_port()):
             out, err = process.communicate(timeout=300)
             assert process.returncode == 0, err[-2000:]
     assert step_lines(log.read_text()) == step_lines((log.parent / "reference.txt").read_text())
-    assert_states_equal(torch.load(log.parent / "lost" / "step000008.pt", weights_only=True),
-                        torch.load(log.parent / "reference" / "step000008.pt", weights_only=True))
+    assert_states_equal(torch.load(log.parent / "lost" / "step000006.pt", weights_only=True),
+                        torch.load(log.parent / "reference" / "step000006.pt", weights_only=True))
 
 
 def test_a_rank_alone_in_a_world_of_two_ends_after_the_timeout_naming_what_is_missing(tmp_path, files):
@@ -181,8 +184,10 @@ def test_a_rank_alone_in_a_world_of_two_ends_after_the_timeout_naming_what_is_mi
     (dict(WORLD_SIZE="2", RANK="1"), "WORLD_SIZE=2 needs MASTER_ADDR and MASTER_PORT"),
     (dict(WORLD_SIZE="2", RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="99999"), "MASTER_PORT='99999'"),
 ])
-def test_a_malformed_launch_environment_is_refused_before_any_work(tmp_path, files, env, words):
-    refused_at_the_command_line(flags(files, tmp_path), words, env=env)
+def test_a_malformed_launch_environment_is_refused_before_any_work(tmp_path, files, monkeypatch, env, words):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    refused(flags(files, tmp_path), words)
     assert not (tmp_path / "logs").exists()
 
 
@@ -223,7 +228,7 @@ def test_checkpoints_are_counted_not_listed_for_the_room_check(tmp_path, monkeyp
      "need at least"),
 ])
 def test_sizes_that_would_overflow_or_exhaust_memory_are_refused_at_start(tmp_path, files, extra, words):
-    refused_at_the_command_line([*flags(files, tmp_path), *extra], words)
+    refused([*flags(files, tmp_path), *extra], words)
 
 
 # 14, 20. checkpoints with a wrong field, and messages that name the real cause
