@@ -2060,10 +2060,12 @@ def check_host_memory(args: Hyperparameters, device: torch.device) -> None:
     """Each process on this machine builds the whole model in fp32 on the CPU before placing it, and on the CPU
     trains it there with its gradients and optimizer states (16 bytes a parameter, activations aside)."""
     available = available_host_memory()
-    processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    need = parameter_count(args) * (16 if device.type == "cpu" else 4) * processes
-    if args.memory_check and available is not None and need > available:
-        raise UserError(f"the model's {parameter_count(args):,} parameters (--model_dim {args.model_dim}, --num_layers "
+    if not args.memory_check or available is None:
+        return
+    params, processes = parameter_count(args), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    need = params * (16 if device.type == "cpu" else 4) * processes
+    if need > available:
+        raise UserError(f"the model's {params:,} parameters (--model_dim {args.model_dim}, --num_layers "
                         f"{args.num_layers}, --vocab_size {args.vocab_size}) need at least {need / 2**30:.1f} GiB of "
                         f"this machine's memory for {processes} process(es), and {available / 2**30:.1f} GiB are "
                         "available: make the model smaller; --memory_check false runs it anyway")

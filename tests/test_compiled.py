@@ -94,16 +94,21 @@ def test_the_fp8_head_runs_inside_the_compiled_model(compiled_over_the_schedule)
     assert 1e-3 < ((grads[0] - grads[1]).norm() / grads[1].norm()).item() < 0.1
 
 
-def test_compiled_warmup_restores_model_and_optimizer_state_exactly(tmp_path):
-    files = write_synthetic_shards(tmp_path)
-    args = small_args(files, compile=True, seqs_per_step=2)
-    trainer = train_gpt.build_trainer(args, train_gpt.build_parallel_context(0, 1, torch.device("cpu")))
+def assert_warmup_restores_exactly(trainer, steps: int) -> None:
+    """After `steps` compiled warm-up steps the model is bit for bit as built, with no optimizer state or gradient."""
     initial = {k: v.clone() for k, v in trainer.model.state_dict().items()}
-    train_gpt.warmup_and_restore(trainer, 2)
+    train_gpt.warmup_and_restore(trainer, steps)
     for k, v in trainer.model.state_dict().items():
         assert torch.equal(v, initial[k]), k
     assert all(not opt.state for opt in trainer.optimizers)
     assert all(p.grad is None for p in trainer.model.parameters())
+
+
+def test_compiled_warmup_restores_model_and_optimizer_state_exactly(tmp_path):
+    files = write_synthetic_shards(tmp_path)
+    args = small_args(files, compile=True, seqs_per_step=2)
+    trainer = train_gpt.build_trainer(args, train_gpt.build_parallel_context(0, 1, torch.device("cpu")))
+    assert_warmup_restores_exactly(trainer, 2)
     # and it trains from there: two steps, the loss falls
     batches = train_gpt.DistributedDataLoader(args.train_files, SEQ_LEN, 2, 0, 1, torch.device("cpu"))
     losses = [train_step(trainer, batches, step)[0].item() for step in range(2)]

@@ -18,6 +18,7 @@ from layouts import train_step
 from train_gpt import LAYOUTS, run_on_ranks
 from synthetic import tiny_flags, write_synthetic_shards
 from test_attention import DOC_STARTS, sequence_with_documents
+from test_compiled import assert_warmup_restores_exactly
 from test_fp8 import GRAD_S, W_S, X_S, operands, quantised
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -135,12 +136,7 @@ def test_compiled_warmup_restores_model_and_optimizer_state_exactly(tmp_path):
     files = write_synthetic_shards(tmp_path)
     args = small_args(files, compile=True)
     trainer = train_gpt.build_trainer(args, train_gpt.build_parallel_context(0, 1, CUDA))
-    initial = {k: v.clone() for k, v in trainer.model.state_dict().items()}
-    train_gpt.warmup_and_restore(trainer, 3)
-    for k, v in trainer.model.state_dict().items():
-        assert torch.equal(v, initial[k]), k
-    assert all(not opt.state for opt in trainer.optimizers)
-    assert all(p.grad is None for p in trainer.model.parameters())
+    assert_warmup_restores_exactly(trainer, 3)
 
 
 def test_a_record_shape_step_with_gradient_accumulation_fits_one_gpu_and_has_a_finite_loss():
