@@ -25,6 +25,7 @@ import fcntl
 import functools
 import glob
 import hashlib
+import itertools
 import json
 import math
 import multiprocessing
@@ -55,17 +56,14 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-
 class UserError(Exception):
     """A mistake in the run's inputs (flags, files, layout): reported as one sentence, no traceback."""
-
 
 # ----------------------------------------------------------------------------------------------------
 # FP8 matmul: a custom op so torch.compile sees one opaque node with a fake (shape-only) implementation
 
 def _scale(value: float, like: Tensor) -> Tensor:
     return torch.full((), value, dtype=torch.float32, device=like.device)  # a fill kernel, no host-to-device copy
-
 
 def fp8_mm_body(x: Tensor, w: Tensor, x_s: float, w_s: float) -> tuple[Tensor, Tensor, Tensor]:
     x_f8 = x.div(x_s).to(torch.float8_e4m3fn)
@@ -74,7 +72,6 @@ def fp8_mm_body(x: Tensor, w: Tensor, x_s: float, w_s: float) -> tuple[Tensor, T
     out = torch._scaled_mm(x_f8, w_f8.T, out_dtype=x.dtype, scale_a=_scale(x_s, x), scale_b=_scale(w_s, x),
                            use_fast_accum=True)
     return out, x_f8, w_f8
-
 
 def fp8_mm_backward_body(grad: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s: float,
                          grad_s: float) -> tuple[Tensor, Tensor]:
@@ -88,53 +85,41 @@ def fp8_mm_backward_body(grad: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w
                               scale_a=_scale(grad_s, grad), scale_b=_scale(x_s, grad), use_fast_accum=False)
     return grad_x, grad_w
 
-
 # the bodies compiled on CUDA, where each scale-and-cast becomes one kernel instead of first writing the scaled
 # tensor (the backward's grad / grad_s is 4.9 GB a step on the record config); eager elsewhere, computing the same
 compiled_fp8_mm_body = torch.compile(fp8_mm_body, dynamic=False)
 compiled_fp8_mm_backward_body = torch.compile(fp8_mm_backward_body, dynamic=False)
-
 
 @torch.library.custom_op("nanogpt::mm", mutates_args=())
 def fp8_mm(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor, Tensor]:
     """x @ w.T with both operands in float8_e4m3fn (x / x_s, w / w_s); also returns the fp8 operands for backward."""
     return (compiled_fp8_mm_body if x.is_cuda else fp8_mm_body)(x, w, x_s, w_s)
 
-
 @fp8_mm.register_fake
 def _(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float):
     return x.new_empty(x.size(0), w.size(0)), x.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
-
 
 @torch.library.custom_op("nanogpt::mm_backward", mutates_args=())
 def fp8_mm_backward(grad: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s: float,
                     grad_s: float) -> tuple[Tensor, Tensor]:
     """Gradients of fp8_mm: the incoming gradient goes to float8_e5m2 (wider range, less precision) scaled by grad_s."""
-    return (compiled_fp8_mm_backward_body if grad.is_cuda else fp8_mm_backward_body)(grad, x_f8, w_f8, x_s, w_s,
-                                                                                      grad_s)
-
+    body = compiled_fp8_mm_backward_body if grad.is_cuda else fp8_mm_backward_body
+    return body(grad, x_f8, w_f8, x_s, w_s, grad_s)
 
 @fp8_mm_backward.register_fake
 def _(grad: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s: float, grad_s: float):
     return grad.new_empty(grad.size(0), w_f8.size(1)), grad.new_empty(w_f8.shape, dtype=torch.float32)
 
-
 def _fp8_mm_setup_context(ctx, inputs, output):
     x, w, x_s, w_s, grad_s = inputs
-    _, x_f8, w_f8 = output
-    ctx.save_for_backward(x_f8, w_f8)
-    ctx.scales = x_s, w_s, grad_s
-    ctx.w_dtype = w.dtype
-
+    ctx.save_for_backward(*output[1:])
+    ctx.scales, ctx.w_dtype = (x_s, w_s, grad_s), w.dtype
 
 def _fp8_mm_backward(ctx, grad_out: Tensor, *_unused_grads):
-    x_f8, w_f8 = ctx.saved_tensors
-    grad_x, grad_w = fp8_mm_backward(grad_out, x_f8, w_f8, *ctx.scales)
+    grad_x, grad_w = fp8_mm_backward(grad_out, *ctx.saved_tensors, *ctx.scales)
     return grad_x, grad_w.to(ctx.w_dtype), None, None, None
 
-
 fp8_mm.register_autograd(_fp8_mm_backward, setup_context=_fp8_mm_setup_context)
-
 
 # ----------------------------------------------------------------------------------------------------
 # Optimizers: Muon for hidden matrices (Newton-Schulz orthogonalised momentum), Adam for the rest
@@ -155,24 +140,17 @@ def zeropower_via_newtonschulz5(G: Tensor, steps: int = 5, dtype: torch.dtype = 
         X = a * X + B @ X
     return X.mT if tall else X
 
-
-# A layout may hand this rank only a slice of a parameter (tensor parallelism marks it with `p.slice_of`);
-# Muon and the checkpoints see such a parameter whole through these three.
-
+# A layout may hand this rank only a slice of a parameter (tensor parallelism marks it with `p.slice_of`); Muon and
+# the checkpoints see it whole through these: t (p's gradient or state) whole, this rank's part of a whole t, and
+# p's one-process shape.
 def whole(p: Tensor, t: Tensor) -> Tensor:
-    """t (p's gradient, or optimizer state shaped like p) as the one-process tensor."""
     return p.slice_of.gather(t) if hasattr(p, "slice_of") else t
 
-
 def own_slice(p: Tensor, t: Tensor) -> Tensor:
-    """This rank's part of a one-process tensor t shaped like p whole (the inverse of whole)."""
     return p.slice_of.cut(t) if hasattr(p, "slice_of") else t
 
-
 def full_shape(p: Tensor) -> tuple:
-    """The shape p has in a one-process model."""
     return p.slice_of.full_shape(p) if hasattr(p, "slice_of") else tuple(p.shape)
-
 
 class Muon(torch.optim.Optimizer):
     """MomentUm Orthogonalized by Newton-Schulz, sharded across the data-parallel ranks.
@@ -249,24 +227,19 @@ class Muon(torch.optim.Optimizer):
             rows, cols = full_shape(p)[-2:]  # the whole matrix's aspect, also for a slice of it
             p.add_(update.view_as(p), alpha=-group["lr"] * max(1, rows / cols) ** 0.5)
 
-
 # ----------------------------------------------------------------------------------------------------
 # Model: the U-Net GPT with value embeddings and document-causal sliding-window attention
 
 def next_multiple_of_n(v: float, n: int) -> int:
     return max(n, n * math.ceil(v / n))
 
-
 def norm(x: Tensor) -> Tensor:
     return F.rms_norm(x, (x.size(-1),))  # no learnable scale
 
-
 class CastedLinear(nn.Module):
     """Bias-free linear whose fp32 weight is cast to the activations' dtype; optionally an FP8 matmul in training.
-
-    `stacked` independent matrices (weight (stacked, out, in), such as q, k and v) multiply as one
-    (stacked * out, in) matrix, while Muon orthogonalises each.
-    """
+    `stacked` independent matrices (weight (stacked, out, in), such as q, k and v) multiply as one (stacked * out, in)
+    matrix, while Muon orthogonalises each."""
 
     def __init__(self, in_features: int, out_features: int, stacked: int | None = None, use_fp8=False, x_s=1.0,
                  w_s=1.0, grad_s=1.0):
@@ -281,7 +254,6 @@ class CastedLinear(nn.Module):
             out = fp8_mm(x.flatten(0, -2), self.weight, self.x_s, self.w_s, self.grad_s)[0]
             return out.reshape(*x.shape[:-1], -1)
         return F.linear(x, self.weight.flatten(end_dim=-2).type_as(x))
-
 
 class Rotary(nn.Module):
     """Half-truncated RoPE: only the first half of each head's dims rotate (base 1024); the rest pass through."""
@@ -300,18 +272,14 @@ class Rotary(nn.Module):
         x1, x2 = x_BTHD.float().chunk(2, dim=-1)
         return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1).type_as(x_BTHD)
 
-
 ATTENTION_BLOCK_SIZE = 128  # FlexAttention's block granularity, and the unit of the sliding window
-
 
 @dataclass
 class AttentionMask:
-    """Document-causal sliding-window mask as FlexAttention block lists, with a dense twin for the CPU.
-
-    Per query block, kv blocks are listed nearest-first: `full` ones (causal and same document throughout)
-    need no per-token check; `partial` ones get the document-causal mask_mod. The window keeps the nearest
-    window-1 full blocks and enough partial blocks to make up the window (at least the diagonal one).
-    """
+    """Document-causal sliding-window mask as FlexAttention block lists, with a dense twin for the CPU. Per query
+    block, kv blocks are listed nearest-first: `full` ones (causal and same document throughout) need no per-token
+    check; `partial` ones get the document-causal mask_mod. The window keeps the nearest window-1 full blocks and
+    enough partial blocks to make up the window (at least the diagonal one)."""
     docs: Tensor  # (T,) document id of each token
     partial_num: Tensor  # (1, 1, NB) after the window clamp
     partial_idx: Tensor  # (1, 1, NB, NB)
@@ -337,7 +305,6 @@ class AttentionMask:
         pos = torch.arange(len(self.docs), device=self.docs.device)
         return allowed & self.mask_mod(None, None, pos[:, None], pos[None, :])
 
-
 def document_causal_masks(input_seq: Tensor, window_blocks: Tensor) -> tuple[AttentionMask, AttentionMask]:
     """Long (window_blocks) and short (window_blocks // 2) masks for one sequence; documents start at EOT_TOKEN."""
     docs = (input_seq == EOT_TOKEN).cumsum(0)
@@ -356,21 +323,16 @@ def document_causal_masks(input_seq: Tensor, window_blocks: Tensor) -> tuple[Att
         num = dense.sum(dim=-1, dtype=torch.int32)
         idx = dense.argsort(dim=-1, descending=False, stable=True).flip(-1).to(torch.int32)
         return num[None, None].contiguous(), idx[None, None].contiguous()
-
-    partial_num, partial_idx = nearest_first(partial)
-    full_num, full_idx = nearest_first(full)
+    (partial_num, partial_idx), (full_num, full_idx) = nearest_first(partial), nearest_first(full)
 
     def windowed(blocks: Tensor) -> AttentionMask:
         # clamp_min(0) on the full count: a 0-block window (short mask at window 1) keeps just the diagonal
         return AttentionMask(docs, torch.clamp_max(partial_num, torch.clamp_min(blocks - full_num, 1)), partial_idx,
                              torch.clamp_max(full_num, torch.clamp_min(blocks - 1, 0)), full_idx)
-
     return windowed(window_blocks), windowed(window_blocks // 2)
-
 
 # always compiled: eager flex_attention applies only mask_mod and ignores the block lists, i.e. the window
 compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
-
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask | Tensor) -> Tensor:
     """FlexAttention under a block mask; under its dense twin (CPU, where FlexAttention has no backward) the same
@@ -378,7 +340,6 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask | Tensor) -> Tens
     if isinstance(mask, BlockMask):
         return compiled_flex_attention(q, k, v, block_mask=mask, scale=0.12)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.12)
-
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int, head_dim: int, max_seq_len: int):
@@ -399,7 +360,6 @@ class CausalSelfAttention(nn.Module):
         y = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)  # (B, H, T, D)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, -1))
 
-
 class MLP(nn.Module):
     def __init__(self, dim: int):
         super().__init__()
@@ -409,7 +369,6 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.c_proj(F.relu(self.c_fc(x)).square())  # ReLU^2
-
 
 class Block(nn.Module):
     def __init__(self, dim: int, num_heads: int, head_dim: int, max_seq_len: int, has_attention: bool,
@@ -430,7 +389,6 @@ class Block(nn.Module):
             x = x + self.attn(norm(x), ve, mask)
         return x + self.mlp(norm(x))
 
-
 class SoftCap(torch.autograd.Function):
     """30 * sigmoid(logits / scale), element-wise into (0, 30), and its gradient: the kernels autograd would run for
     that expression, with two fewer (tokens x vocabulary) tensors written (on a CPU the head's element-wise passes
@@ -448,13 +406,9 @@ class SoftCap(torch.autograd.Function):
         capped, = ctx.saved_tensors
         return torch.ops.aten.sigmoid_backward(grad * 30, capped).div_(ctx.scale), None
 
-
 class LMHead(CastedLinear):
-    """The output layer and the loss: soft-capped logits, cross-entropy summed over tokens (no targets: the
-    logits)."""
-
-    # evaluation runs over this many tokens at a time: a 262K-token validation sequence's fp32 logits over the
-    # whole vocabulary are 53 GB
+    """The output layer and the loss: soft-capped logits, cross-entropy summed over tokens (no targets: the logits).
+    Evaluation runs over EVAL_ROWS tokens at a time: a 262K-token validation sequence's fp32 logits are 53 GB."""
     EVAL_ROWS = 16384
 
     def forward(self, x: Tensor, targets: Tensor | None) -> Tensor:
@@ -474,13 +428,11 @@ class LMHead(CastedLinear):
     def cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
         return F.cross_entropy(logits, targets, reduction="sum")
 
-
 def value_embedding_of_layers(num_layers: int, num_value_embeds: int) -> list[int | None]:
     """Per layer, the value embedding added to its values: embedding k feeds layer k and layer num_layers - n + k
     (the first of the two where they meet); the middle layers get none."""
     n = num_value_embeds
     return [i if i < n else i - (num_layers - n) if i >= num_layers - n else None for i in range(num_layers)]
-
 
 class GPT(nn.Module):
     """U-Net GPT: encoder-half outputs feed the mirrored decoder half through learnable skip weights; the value
@@ -491,7 +443,6 @@ class GPT(nn.Module):
     (pipeline stages run them split by layer, sequence parallelism shards the stream between embedding and head),
     so new computation belongs inside one of them.
     """
-
     NUM_VALUE_EMBEDS = 3
 
     def __init__(self, vocab_size: int, num_layers: int, num_heads: int, head_dim: int, model_dim: int,
@@ -547,43 +498,38 @@ class GPT(nn.Module):
         out = self.lm_head(norm(stream["x"])[0], target_seq)
         return out if self.training or target_seq is None else out / len(target_seq)
 
-
 # ----------------------------------------------------------------------------------------------------
 # Data: the sharded .bin token format and the distributed batch generator
 
-SHARD_MAGIC = 20240520
-SHARD_VERSION = 1
+SHARD_MAGIC, SHARD_VERSION = 20240520, 1
 SHARD_HEADER_INTS = 256  # int32 header: magic, version, token count, then zeros
 SHARD_HEADER_BYTES = SHARD_HEADER_INTS * 4
 EOT_TOKEN = 50256  # GPT-2 <|endoftext|>; every document starts with it
 
-
 def read_shard_header(path) -> int:
     """Check a shard's header and size; return its token count. Raises UserError naming the file."""
-    path = Path(path)
+    path, again = Path(path), "fetch or build it again"
     try:
         if not path.is_file():
             raise UserError(f"data shard {path} is not a file: point the flag's pattern at .bin shards only")
         size = path.stat().st_size
         if size < SHARD_HEADER_BYTES:
             raise UserError(f"data shard {path} is {size} bytes, shorter than its {SHARD_HEADER_BYTES}-byte header: "
-                            "the file is truncated or not a shard; fetch or build it again")
+                            f"the file is truncated or not a shard; {again}")
         header = np.fromfile(path, dtype="<i4", count=SHARD_HEADER_INTS)
     except OSError as e:
         raise UserError(f"cannot read data shard {path}: {e.strerror}") from None
     if header[0] != SHARD_MAGIC:
-        raise UserError(f"data shard {path} has magic number {header[0]}, expected {SHARD_MAGIC}: "
-                        "not a .bin token shard (or corrupt); fetch or build it again")
+        raise UserError(f"data shard {path} has magic number {header[0]}, expected {SHARD_MAGIC}: not a .bin token "
+                        f"shard (or corrupt); {again}")
     if header[1] != SHARD_VERSION:
         raise UserError(f"data shard {path} has format version {header[1]}, this trainer reads version "
                         f"{SHARD_VERSION}; rebuild it with data/fineweb.py")
-    num_tokens = int(header[2])
-    expected = SHARD_HEADER_BYTES + 2 * num_tokens
+    num_tokens, expected = int(header[2]), SHARD_HEADER_BYTES + 2 * int(header[2])
     if num_tokens <= 0 or size != expected:
         raise UserError(f"data shard {path} header says {num_tokens} tokens ({expected} bytes) but the file is "
-                        f"{size} bytes: truncated or corrupt; fetch or build it again")
+                        f"{size} bytes: truncated or corrupt; {again}")
     return num_tokens
-
 
 def load_data_shard(path, pin_memory: bool = False) -> Tensor:
     """Read a whole shard's uint16 tokens into (optionally pinned) host memory."""
@@ -596,7 +542,6 @@ def load_data_shard(path, pin_memory: bool = False) -> Tensor:
         raise UserError(f"data shard {path}: read {nbytes} bytes of tokens, header promised {2 * num_tokens}")
     return tokens
 
-
 def write_data_shard(path, tokens) -> None:
     """Write tokens (ints below 2**16) as a shard, via a temporary name so no half-written file is left."""
     tokens = np.asarray(tokens)
@@ -604,13 +549,9 @@ def write_data_shard(path, tokens) -> None:
         raise ValueError(f"{path}: token ids must fit in uint16, got range [{tokens.min()}, {tokens.max()}]")
     header = np.zeros(SHARD_HEADER_INTS, dtype="<i4")
     header[:3] = SHARD_MAGIC, SHARD_VERSION, tokens.size
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(header.tobytes())
-        f.write(tokens.astype("<u2").tobytes())
+    tmp = Path(f"{path}.tmp")
+    tmp.write_bytes(header.tobytes() + tokens.astype("<u2").tobytes())
     os.replace(tmp, path)
-
 
 def list_shards(pattern: str, flag: str) -> list[Path]:
     files = [Path(f) for f in sorted(glob.glob(pattern))]
@@ -619,7 +560,6 @@ def list_shards(pattern: str, flag: str) -> list[Path]:
                         "or point the flag at existing .bin shards")
     return files
 
-
 def shard_index(files: list[Path], position: dict, pattern: str) -> int:
     """The index in files of the shard a checkpoint's data position names."""
     names = [f.name for f in files]
@@ -627,7 +567,6 @@ def shard_index(files: list[Path], position: dict, pattern: str) -> int:
         raise UserError(f"the checkpoint's data position is in shard {position['shard']}, which --train_files "
                         f"{pattern!r} does not match: resume with the data the run was started on")
     return names.index(position["shard"])
-
 
 class DistributedDataLoader:
     """This rank's (inputs, targets) micro-batches, one sequence of seq_len tokens each, resumable from a position.
@@ -682,14 +621,13 @@ class DistributedDataLoader:
             self.shard_index, self.offset = self.shard_index + 1, 0
             self.tokens = load_data_shard(self.files[self.shard_index], pin_memory=pin)
 
-
 # ----------------------------------------------------------------------------------------------------
 # Hyperparameters: the record's values are the defaults; presets and flags override them
 
-def flag(default, help: str, group: str = ""):
-    """A hyperparameter: its record default and its --help line; `group` titles the flags from this one on."""
-    return dataclasses.field(default=default, metadata=dict(help=help, group=group))
-
+def flag(default, help: str, group: str = "", choices: tuple = ()):
+    """A hyperparameter: its record default, its --help line, the values it may take (none: any in range); `group`
+    titles the flags from this one on."""
+    return dataclasses.field(default=default, metadata=dict(help=help, group=group, choices=choices))
 
 @dataclass
 class Hyperparameters:
@@ -720,8 +658,8 @@ class Hyperparameters:
     val_loss_every: int = flag(125, "steps between evaluations (0: at the end only)")
     target_val_loss: float = flag(3.28, "the track's target loss, read by records/logs.py")
     sample_every: int = flag(0, "steps: print a short sample at the validations on multiples of this (0: never)")
-    preset: str = flag("record", "base values that the other flags override: record, cpu or tiny "
-                                 "(unset: record with CUDA or --plan, else cpu)", "run and checkpoints")
+    preset: str = flag("record", "base values that the other flags override (unset: record with CUDA or --plan, else "
+                                 "cpu)", "run and checkpoints", choices=("cpu", "record", "tiny"))
     log_dir: str = flag("logs", "folder of the logs and checkpoints")
     run_id: str = flag("", "names the log and the checkpoint folder (unset: torchrun's rendezvous id, or a uuid)")
     save_every: int = flag(0, "steps between checkpoints, and one at the end (0: only when stopped)")
@@ -742,9 +680,10 @@ class Hyperparameters:
     async_tp: bool = flag(False, "with --sp: a column-parallel matmul starts on its own shard while the rest "
                                  "arrives")
     pp: int = flag(1, "pipeline stages, each a contiguous run of blocks")
-    pp_schedule: str = flag("1f1b", "pipeline schedule: afab (all forwards, then all backwards) or 1f1b")
+    pp_schedule: str = flag("1f1b", "pipeline schedule: afab (all forwards, then all backwards) or 1f1b",
+                            choices=("afab", "1f1b"))
     zero: int = flag(0, "ZeRO stage over the data-parallel ranks: 1 shards optimizer states, 2 also gradients, "
-                        "3 also parameters")
+                        "3 also parameters", choices=(0, 1, 2, 3))
     check_layout: str = flag("", "train the tiny model for 3 steps under one process and under each layout (a "
                                  "comma-separated list, or all) and compare; no training")
     sample: str = flag("", "a checkpoint to print text from (no training), with the flags below and --seed", "sample")
@@ -755,8 +694,8 @@ class Hyperparameters:
     num_samples: int = flag(1, "samples to print")
     plan: bool = flag(False, "print each rank's memory and each collective's bytes per step; no training", "plan")
     nproc: int = flag(0, "with --plan: the processes to plan for (0: WORLD_SIZE, else 1)")
-    plan_device: str = flag("cuda", "with --plan: the dtypes of a run on cuda (bf16 embeddings) or cpu")
-
+    plan_device: str = flag("cuda", "with --plan: the dtypes of a run on cuda (bf16 embeddings) or cpu",
+                            choices=("cuda", "cpu"))
 
 PRESETS = {
     "record": {},
@@ -779,92 +718,86 @@ PRESETS = {
                  target_val_loss=8.0, fp64_grad_sum=True),
 }
 
-
 def _parse_bool(text: str) -> bool:
-    lowered = text.lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
+    if text.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        return text.lower() in ("1", "true", "yes", "on")
     raise argparse.ArgumentTypeError(f"expected true/false or 1/0, got {text!r}")
-
 
 def parse_args(argv=None, cuda: bool | None = None) -> Hyperparameters:
     """Flags named after the fields (a bare boolean flag means true); `--preset` sets the base values, by default
     record with CUDA or when planning (--plan: a plan is for GPUs), else cpu."""
-    if cuda is None:
-        cuda = torch.cuda.is_available()
+    cuda = torch.cuda.is_available() if cuda is None else cuda
     parser = argparse.ArgumentParser(description="GPT-2 speedrun trainer: every flag's default is the record's, "
                                      "then the preset's", allow_abbrev=False)
+    group = parser
     for field in dataclasses.fields(Hyperparameters):
-        if field.metadata["group"]:
-            group = parser.add_argument_group(field.metadata["group"])
+        help, choices = field.metadata["help"], field.metadata["choices"]
+        group = parser.add_argument_group(field.metadata["group"]) if field.metadata["group"] else group
         presets = "".join(f", {name} {values[field.name]!r}" for name, values in PRESETS.items() if field.name in values)
-        kwargs = dict(default=None, help=f"{field.metadata['help']} [default {field.default!r}{presets}]")
+        kwargs = dict(default=None, help=f"{help} [default {field.default!r}{presets}]")
         if field.name == "preset":
-            kwargs.update(choices=sorted(PRESETS), help=field.metadata["help"])
+            kwargs.update(choices=choices, help=help)
         elif field.type in (bool, bool | None):
             kwargs.update(type=_parse_bool, nargs="?", const=True, metavar="BOOL")
         elif field.name == "check_layout":
-            kwargs.update(nargs="?", const="all", metavar="LAYOUTS", help=field.metadata["help"])
+            kwargs.update(nargs="?", const="all", metavar="LAYOUTS", help=help)
         else:
-            kwargs.update(type=field.type, metavar={int: "N", float: "X", str: "TEXT"}[field.type])
+            kwargs.update(type=field.type, metavar="|".join(map(str, choices)) or
+                          {int: "N", float: "X", str: "TEXT"}[field.type])
         group.add_argument(f"--{field.name}", **kwargs)
     flags = parser.parse_args(argv)
     preset = flags.preset or ("record" if cuda or flags.plan else "cpu")
-    values = dict(PRESETS[preset], preset=preset)
-    values.update({k: v for k, v in vars(flags).items() if v is not None and k != "preset"})
-    args = Hyperparameters(**values)
+    args = Hyperparameters(**dict(PRESETS[preset], preset=preset,
+                                  **{k: v for k, v in vars(flags).items() if v is not None and k != "preset"}))
     args.given = {k for k, v in vars(flags).items() if v is not None}  # (not a field: the log lists the values)
     check_hyperparameters(args)
     return args
 
-
 def attention_free_layer_indices(args: Hyperparameters) -> tuple[int, ...]:
-    """The layer indices that --attention_free_layers lists."""
     try:
         return tuple(int(i) for i in args.attention_free_layers.split(",") if i.strip())
     except ValueError:
         raise UserError(f"--attention_free_layers {args.attention_free_layers!r}: expected comma-separated "
                         "layer indices such as '7'") from None
 
+# flags that must be above zero; every other number must be at least zero, and every count below 2**31 (counts
+# become int32 tensors and indices), a seed below 2**63
+POSITIVE = {"num_layers", "num_heads", "head_dim", "model_dim", "vocab_size", "window_max_tokens", "num_iterations",
+            "train_seq_len", "seqs_per_step", "val_tokens", "val_seq_len", "collective_timeout", "tp", "pp",
+            "max_new_tokens", "temperature", "num_samples"}
 
 def check_hyperparameters(args: Hyperparameters) -> None:
     """Refuse values the run cannot use, before any model is built."""
     def need(ok: bool, message: str):
         if not ok:
             raise UserError(message)
-    for name in ("num_iterations", "num_layers", "num_heads", "head_dim", "model_dim", "seqs_per_step",
-                 "train_seq_len", "val_seq_len", "val_tokens", "window_max_tokens", "vocab_size"):
-        need(getattr(args, name) > 0, f"--{name} must be positive, got {getattr(args, name)}")
-    for name in ("val_loss_every", "save_every", "keep_last"):
-        need(getattr(args, name) >= 0, f"--{name} must be >= 0, got {getattr(args, name)}")
-    need(args.tp >= 1, f"--tp must be >= 1, got {args.tp}")
-    need(1 <= args.pp <= args.num_layers, f"--pp {args.pp} must be between 1 and --num_layers {args.num_layers}: "
-         "each pipeline stage holds at least one block")
+    for field in dataclasses.fields(Hyperparameters):
+        name, value, choices = field.name, getattr(args, field.name), field.metadata["choices"]
+        low = "> 0" if name in POSITIVE else ">= 0"
+        if field.type is int:
+            high = 63 if name == "seed" else 31
+            need((value > 0 if name in POSITIVE else value >= 0) and value < 2**high,
+                 f"--{name} must be a whole number {low} and below 2**{high}, got {value}")
+        if field.type is float:
+            need(math.isfinite(value) and (value > 0 if name in POSITIVE else value >= 0),
+                 f"--{name} must be a finite number {low}, got {value}")
+        need(not choices or value in choices, f"--{name} must be one of {', '.join(map(str, choices))}, got {value!r}")
+    need(args.pp <= args.num_layers, f"--pp {args.pp} must be between 1 and --num_layers {args.num_layers}: each "
+         "pipeline stage holds at least one block")
     need(args.sp or not args.async_tp, "--async_tp overlaps the all-gather of sequence-parallel shards with the "
          "matmul: it needs --sp true")
-    need(args.pp_schedule in PIPELINE_SCHEDULES, f"--pp_schedule must be one of {PIPELINE_SCHEDULES}, got "
-         f"{args.pp_schedule!r}")
     need(args.model_dim == args.num_heads * args.head_dim, f"--model_dim {args.model_dim} must equal --num_heads x "
          f"--head_dim ({args.num_heads * args.head_dim}): the value embeddings are added to the values")
-    need(args.zero in (0, 1, 2, 3), f"--zero must be 0, 1, 2 or 3, got {args.zero}")
     need(not (args.zero >= 3 and args.compile), "--zero 3 gathers parameters in module hooks that torch.compile "
          "does not trace: run it with --compile false")
-    need(args.nproc >= 0, f"--nproc must be >= 0, got {args.nproc}")
-    need(math.isfinite(args.temperature) and args.temperature > 0, f"--temperature must be a finite number > 0, got "
-         f"{args.temperature} (for greedy sampling use --top_k 1)")
-    need(0 <= args.top_k <= args.vocab_size, f"--top_k must be between 0 (all tokens) and --vocab_size "
-         f"{args.vocab_size}, got {args.top_k}")
-    for name in ("max_new_tokens", "num_samples"):
-        need(getattr(args, name) > 0, f"--{name} must be positive, got {getattr(args, name)}")
-    need(args.sample_every >= 0, f"--sample_every must be >= 0, got {args.sample_every}")
+    need(args.top_k <= args.vocab_size, f"--top_k must be between 0 (all tokens) and --vocab_size {args.vocab_size}, "
+         f"got {args.top_k}")
     unknown = set(args.check_layout.split(",")) - set(LAYOUTS) - {"all", ""}
     need(not unknown, f"--check_layout {args.check_layout!r}: no layout {min(unknown, default='')!r}; name some of "
          f"{', '.join(LAYOUTS)}, or all")
-    need(args.plan_device in ("cuda", "cpu"), f"--plan_device must be cuda or cpu, got {args.plan_device!r}")
-    need(0 <= args.cooldown_frac <= 1, f"--cooldown_frac must be in [0, 1], got {args.cooldown_frac}")
-    need(args.vocab_size <= 2**16, f"--vocab_size {args.vocab_size} does not fit the uint16 token shards")
+    need(args.cooldown_frac <= 1, f"--cooldown_frac must be in [0, 1], got {args.cooldown_frac}")
+    need(EOT_TOKEN < args.vocab_size <= 2**16, f"--vocab_size {args.vocab_size} must be above {EOT_TOKEN}, the "
+         "end-of-text token that starts every document, and fit the uint16 token shards")
     for name in ("train_seq_len", "val_seq_len"):
         need(getattr(args, name) % ATTENTION_BLOCK_SIZE == 0,
              f"--{name} {getattr(args, name)} must be a multiple of {ATTENTION_BLOCK_SIZE} (the attention block)")
@@ -883,25 +816,11 @@ def check_hyperparameters(args: Hyperparameters) -> None:
              f"--num_layers {args.num_layers} with --attention_free_layers {args.attention_free_layers!r} leaves value "
              f"embedding {k} nothing to feed: it is added to the values of layers {layers}, which have no "
              "attention; keep attention in one of them")
-    need(args.vocab_size > EOT_TOKEN, f"--vocab_size {args.vocab_size} must be above {EOT_TOKEN}, the end-of-text "
-         "token that starts every document")
-    need(args.collective_timeout > 0, f"--collective_timeout must be a number of seconds > 0, got "
-         f"{args.collective_timeout}")
-    for name in ("lr_head", "lr_embed", "lr_scalar", "lr_muon", "target_val_loss", "collective_timeout"):
-        need(math.isfinite(getattr(args, name)) and getattr(args, name) >= 0,
-             f"--{name} must be a finite number >= 0, got {getattr(args, name)}")
-    need(0 <= args.seed < 2**63, f"--seed must be in [0, 2**63), got {args.seed}")
-    for field in dataclasses.fields(Hyperparameters):  # counts and sizes become int32 tensors and indices
-        value = getattr(args, field.name)
-        need(field.type is not int or field.name == "seed" or value < 2**31,
-             f"--{field.name} {value} is beyond what any run can use: at most {2**31 - 1}")
-    need(args.warmup_steps >= 0, f"--warmup_steps must be >= 0, got {args.warmup_steps}")
     need(set(args.run_id) != {"."} and "/" not in args.run_id and os.sep not in args.run_id,
          f"--run_id {args.run_id!r} would put the run's log and checkpoints outside --log_dir: use a plain name "
          "(no path separators, not dots only)")
     need(not args.kill_switch or not Path(args.kill_switch).is_dir(),
          f"--kill_switch {args.kill_switch} is a directory: name a file (the run stops when it appears)")
-
 
 def check_world_size(args: Hyperparameters, world_size: int) -> int:
     """Gradient-accumulation steps (micro-batches per rank) for this world size, --tp and --pp; refuses a layout
@@ -916,12 +835,11 @@ def check_world_size(args: Hyperparameters, world_size: int) -> int:
                        ("the padded vocabulary", next_multiple_of_n(args.vocab_size, n=128))):
         if size % tp:
             raise UserError(f"--tp {tp} does not divide {what} ({size}): tensor parallelism splits it evenly")
-    if args.sp:
-        if tp == 1:
-            raise UserError("--sp shards the sequence over the tensor-parallel ranks: it needs --tp 2 or more")
-        for flag in ("train_seq_len", "val_seq_len"):
-            if getattr(args, flag) % tp:
-                raise UserError(f"--sp splits --{flag} {getattr(args, flag)} over --tp {tp} ranks: it must divide")
+    if args.sp and tp == 1:
+        raise UserError("--sp shards the sequence over the tensor-parallel ranks: it needs --tp 2 or more")
+    for flag in ("train_seq_len", "val_seq_len") if args.sp else ():
+        if getattr(args, flag) % tp:
+            raise UserError(f"--sp splits --{flag} {getattr(args, flag)} over --tp {tp} ranks: it must divide")
     dp = world_size // (tp * pp)
     name = f"world size {world_size}" if tp * pp == 1 else \
         f"data-parallel size {dp} (world size {world_size} / (--tp {tp} x --pp {pp}))"
@@ -940,7 +858,6 @@ def check_world_size(args: Hyperparameters, world_size: int) -> int:
                         "--seqs_per_step or lower the data-parallel size or --pp")
     return micro_batches
 
-
 # ----------------------------------------------------------------------------------------------------
 # Schedules: learning rate, sliding window, Muon momentum (all functions of the step)
 
@@ -952,17 +869,19 @@ def lr_multiplier(step: int, args: Hyperparameters) -> float:
     w = (1 - x) / args.cooldown_frac
     return w * 1.0 + (1 - w) * 0.1
 
-
 def window_size_blocks(step: int, args: Hyperparameters) -> int:
     """Sliding window in 128-token blocks, growing linearly with progress from 1 block to window_max_tokens."""
     x = step / args.num_iterations
     return next_multiple_of_n(args.window_max_tokens * x, n=ATTENTION_BLOCK_SIZE) // ATTENTION_BLOCK_SIZE
 
+@functools.lru_cache(maxsize=8)
+def window_tensor(blocks: int, device: torch.device) -> Tensor:
+    # a tensor, not an int, so torch.compile(dynamic=False) does not recompile as the window grows
+    return torch.tensor(blocks, dtype=torch.int32, device=device)
 
 def muon_momentum(step: int, args: Hyperparameters) -> float:
     frac = min(step / args.muon_momentum_warmup_steps, 1) if args.muon_momentum_warmup_steps > 0 else 1
     return (1 - frac) * 0.85 + frac * 0.95
-
 
 def set_schedules(optimizers: list[torch.optim.Optimizer], step: int, args: Hyperparameters) -> None:
     for opt in optimizers:
@@ -971,14 +890,13 @@ def set_schedules(optimizers: list[torch.optim.Optimizer], step: int, args: Hype
     for group in optimizers[1].param_groups:
         group["momentum"] = muon_momentum(step, args)
 
-
 # ----------------------------------------------------------------------------------------------------
 # Training: the model and optimizers this rank trains, one step, evaluation, and the loop
 
 def build_model(args: Hyperparameters, device: torch.device, cuda_dtypes: bool | None = None) -> GPT:
-    """The one-process model on device, the same on every rank (built on the CPU from the seed, then moved; on
-    the meta device for the plan, allocating nothing). cuda_dtypes (default: on CUDA) gives it the CUDA run's
-    dtypes. `full_shapes` records the parameter shapes, which checkpoints hold."""
+    """The one-process model on device, the same on every rank (built on the CPU from the seed, then moved; on the
+    meta device for the plan, allocating nothing), with the CUDA run's dtypes when cuda_dtypes (default: on CUDA).
+    `full_shapes` records the parameter shapes, which checkpoints hold."""
     with torch.device("meta" if device.type == "meta" else "cpu"):
         model = GPT(vocab_size=args.vocab_size, num_layers=args.num_layers, num_heads=args.num_heads,
                     head_dim=args.head_dim, model_dim=args.model_dim,
@@ -993,21 +911,13 @@ def build_model(args: Hyperparameters, device: torch.device, cuda_dtypes: bool |
                 m.bfloat16()
     return model
 
-
-def compute_dtype(cuda: bool) -> torch.dtype:
-    """Of activations and Newton-Schulz: bf16 on CUDA, fp32 on CPU (where bf16 matmuls are slow)."""
-    return torch.bfloat16 if cuda else torch.float32
-
-
 def is_head(module: nn.Module, vocab_size: int) -> bool:
     """A head is a linear layer with an output per vocabulary entry, whatever its name."""
     return isinstance(module, (CastedLinear, nn.Linear)) and full_shape(module.weight)[-2] >= vocab_size
 
-
 # Each parameter goes to one group, by the kind of module that holds it; where two modules hold it (tied
 # weights), the first kind in this order wins
 OPTIMIZER_GROUPS = ("scalar", "head", "embed", "muon")
-
 
 def optimizer_param_groups(model: nn.Module, vocab_size: int) -> dict[str, list[Tensor]]:
     """Adam takes vectors and scalars (lr_scalar), the heads' matrices (lr_head) and the embeddings' (lr_embed);
@@ -1028,30 +938,21 @@ def optimizer_param_groups(model: nn.Module, vocab_size: int) -> dict[str, list[
         groups[kind].append(p)
     return groups
 
-
 def build_optimizers(groups: dict[str, list[Tensor]], args: Hyperparameters, ctx: "ParallelContext",
                      cuda_dtypes: bool, exchange_updates: bool = True) -> list[torch.optim.Optimizer]:
     adam_groups = [dict(params=groups["head"], lr=args.lr_head), dict(params=groups["embed"], lr=args.lr_embed),
                    dict(params=groups["scalar"], lr=args.lr_scalar)]
     adam = torch.optim.Adam([group for group in adam_groups if group["params"]],  # (pipeline stages lack some)
                             betas=(0.8, 0.95), eps=1e-10, fused=ctx.device.type != "meta")  # (meta: the plan)
-    on_cuda = ctx.device.type == "cuda"
+    orthogonalize = torch.compile(zeropower_via_newtonschulz5) if ctx.device.type == "cuda" else \
+        zeropower_via_newtonschulz5
     muon = Muon(groups["muon"], lr=args.lr_muon, momentum=0.95, rank=ctx.dp.rank, world_size=ctx.dp.size,
-                group=ctx.dp.group,
-                orthogonalize=torch.compile(zeropower_via_newtonschulz5) if on_cuda else zeropower_via_newtonschulz5,
-                ns_dtype=compute_dtype(cuda_dtypes), exchange_updates=exchange_updates)
-    optimizers = [adam, muon]
-    for opt in optimizers:
+                group=ctx.dp.group, orthogonalize=orthogonalize, exchange_updates=exchange_updates,
+                ns_dtype=torch.bfloat16 if cuda_dtypes else torch.float32)  # (bf16 matmuls are slow on a CPU)
+    for opt in (adam, muon):
         for group in opt.param_groups:
             group["initial_lr"] = group["lr"]
-    return optimizers
-
-
-@functools.lru_cache(maxsize=8)
-def window_tensor(blocks: int, device: torch.device) -> Tensor:
-    # a tensor, not an int, so torch.compile(dynamic=False) does not recompile as the window grows
-    return torch.tensor(blocks, dtype=torch.int32, device=device)
-
+    return [adam, muon]
 
 @dataclass
 class Trainer:
@@ -1062,7 +963,7 @@ class Trainer:
     model: GPT  # this rank's part (tensor-parallel slices, a pipeline stage); compiled in place with --compile
     optimizers: list[torch.optim.Optimizer]
     micro_batches: int
-    gradients: "GradientBuckets | LocalGradients"  # the data-parallel average
+    gradients: "GradientBuckets"  # the data-parallel average
     zero: "Zero"  # who owns (updates) each parameter
     pipeline: "PipelineStage | None"
     norm_params: list[Tensor]  # the gradients this rank counts in the global norm (each counted once)
@@ -1080,18 +981,17 @@ class Trainer:
                                            torch.full((), float(stop), device=self.ctx.device)]))
 
     def loss_share(self, loss: Tensor) -> Tensor:
-        """This rank's part of the mean loss over the data-parallel ranks: only the last pipeline stage computes
-        it, and tensor-parallel ranks compute it alike, so one of them counts."""
+        """This rank's part of the mean loss over the data-parallel ranks: only the last pipeline stage computes it,
+        and tensor-parallel ranks compute it alike, so one of them counts."""
         counts = self.ctx.pp.rank == self.ctx.pp.size - 1 and self.ctx.tp.rank == 0
         return loss.float() / self.ctx.dp.size if counts else torch.zeros((), device=self.ctx.device)
 
-
 def build_trainer(args: Hyperparameters, ctx: "ParallelContext", cuda_dtypes: bool | None = None,
                   stream_specs: dict | None = None, nonzero_init: bool = False) -> Trainer:
-    """This rank's model, optimizers and layout parts. The one-process model is built first on every rank, then
-    cut to this rank's part: tensor-parallel slices, then a pipeline stage. cuda_dtypes and stream_specs: for the
-    plan, which runs this on the meta device. nonzero_init (the layout check): the zero-initialised layers get
-    small random values, so that no gradient is zero, or mere rounding, from the first step on."""
+    """This rank's model, optimizers and layout parts: the one-process model is built on every rank, then cut to this
+    rank's part (tensor-parallel slices, then a pipeline stage). cuda_dtypes and stream_specs: for the plan, on the
+    meta device. nonzero_init (the layout check): zero-initialised layers get small random values, so that no
+    gradient is zero, or mere rounding, from the first step on."""
     cuda_dtypes = ctx.device.type == "cuda" if cuda_dtypes is None else cuda_dtypes
     torch.manual_seed(args.seed)
     model = build_model(args, ctx.device, cuda_dtypes)
@@ -1106,46 +1006,41 @@ def build_trainer(args: Hyperparameters, ctx: "ParallelContext", cuda_dtypes: bo
     if ctx.tp.size > 1:
         tensor_parallelize(model, ctx.tp, args, trace)
     pipeline = PipelineStage(model, ctx, args.pp_schedule, trace, stream_specs) if ctx.pp.size > 1 else None
-    broadcast_parameters(model, ctx.dp)
+    if ctx.dp.size > 1:
+        for p in model.parameters():
+            dist.broadcast(p.detach(), ctx.dp.global_rank(0), group=ctx.dp.group)
     groups = optimizer_param_groups(model, args.vocab_size)
     zero = Zero.build(args.zero, groups, ctx.dp)
     optimizers = build_optimizers(groups, args, ctx, cuda_dtypes, exchange_updates=zero.stage < 3)
-    summed_over_stages = pipeline.shared if pipeline is not None else {}
-    gradients = LocalGradients()
-    if ctx.dp.size > 1 or args.fp64_grad_sum or summed_over_stages:
-        gradients = GradientBuckets(model.parameters(), sum_dtype=torch.float64 if args.fp64_grad_sum else None,
-                                    dp=ctx.dp, owner_of=zero.gradient_owners(), reduce_to_owner=zero.stage >= 2,
-                                    summed_first=summed_over_stages)
+    shared = pipeline.shared if pipeline is not None else {}
+    gradients = GradientBuckets(model.parameters(), sum_dtype=torch.float64 if args.fp64_grad_sum else None,
+                                dp=ctx.dp, owner_of=zero.gradient_owners(), reduce_to_owner=zero.stage >= 2,
+                                summed_first=shared)
     # the float64 sums take an embedding's few rows from a sparse gradient, for less work (the plan's meta tensors
     # have no values to find those rows in; torch.compile does not lower sparse embeddings)
-    if args.fp64_grad_sum and ctx.device.type != "meta" and not args.compile:
-        for module in model.modules():
-            if isinstance(module, nn.Embedding):
-                module.sparse = True
+    for module in model.modules() if args.fp64_grad_sum and ctx.device.type != "meta" and not args.compile else ():
+        if isinstance(module, nn.Embedding):
+            module.sparse = True
     if zero.stage >= 3 and ctx.dp.size > 1:
         zero.shard_parameters(model, trace)
     if args.compile:
         model.compile(dynamic=False)
-    counted_on_this_stage = {p for p, (_, stages) in summed_over_stages.items() if stages[0] != ctx.pp.rank}
-    norm_params = [p for p in model.parameters() if zero.owns(p) and p not in counted_on_this_stage
+    counted_elsewhere = {p for p, (_, stages) in shared.items() if stages[0] != ctx.pp.rank}
+    norm_params = [p for p in model.parameters() if zero.owns(p) and p not in counted_elsewhere
                    and (hasattr(p, "slice_of") or ctx.tp.rank == 0)]
     return Trainer(args, ctx, model, optimizers, args.seqs_per_step // ctx.dp.size, gradients, zero, pipeline,
                    norm_params)
-
 
 def compiles_by_default(args: Hyperparameters, device: torch.device) -> bool:
     """Whether --compile unset means compiled: on CUDA, in the layouts proven under torch.compile (the collectives
     that tensor and pipeline parallelism run inside autograd functions, and ZeRO 3's hooks, run eager)."""
     return device.type == "cuda" and args.zero < 3 and args.tp == 1 and args.pp == 1
 
-
-FP8_CAPABILITY = (8, 9)  # FP8 matmul on the tensor cores: Ada, Hopper and newer
-
-
 def settle_fp8(args: Hyperparameters, capability: tuple[int, int], device_name: str) -> str | None:
-    """On a GPU without FP8 matmul: the FP8 head of the preset is turned off, and the line saying so returned for the
-    log; --fp8_head true given on the command line is refused."""
-    if not args.fp8_head or tuple(capability) >= FP8_CAPABILITY:
+    """On a GPU without FP8 matmul (compute capability below 8.9: Ada, Hopper and newer have it), the FP8 head of the
+    preset is turned off and the line saying so returned for the log; --fp8_head true on the command line is
+    refused."""
+    if not args.fp8_head or tuple(capability) >= (8, 9):
         return None
     has = f"{device_name} (compute capability {capability[0]}.{capability[1]}) has no FP8 matmul"
     if "fp8_head" in getattr(args, "given", ()):
@@ -1154,20 +1049,17 @@ def settle_fp8(args: Hyperparameters, capability: tuple[int, int], device_name: 
     args.fp8_head = False
     return f"fp8: off: {has}; the head multiplies in bf16 (fp8_head false)"
 
-
 def sum_over_ranks(value: Tensor) -> Tensor:
     if dist.is_initialized():
         count_comm("all_reduce", value)
         dist.all_reduce(value)
     return value
 
-
 def random_batches(args: Hyperparameters, device: torch.device):
     """Endless random (inputs, targets) micro-batches: the compile warm-up's data."""
     while True:
         tokens = torch.randint(0, args.vocab_size, (args.train_seq_len + 1,), device=device)
         yield tokens[:-1].to(torch.int32), tokens[1:]
-
 
 def warmup_and_restore(trainer: Trainer, steps: int) -> None:
     """Run `steps` training steps on random tokens (to trigger compilation), then put the model and the optimizers
@@ -1182,7 +1074,6 @@ def warmup_and_restore(trainer: Trainer, steps: int) -> None:
     for opt, state in zip(trainer.optimizers, initial["optimizers"]):
         opt.load_state_dict(state)
     trainer.model.zero_grad(set_to_none=True)
-
 
 def evaluate(trainer: Trainer, step: int) -> float:
     """Mean val loss over val_tokens, the same for every world size (each rank averages equal shares)."""
@@ -1199,7 +1090,6 @@ def evaluate(trainer: Trainer, step: int) -> float:
             total += forward(*next(loader), window).float()
     trainer.model.train()
     return sum_over_ranks(trainer.loss_share(total / (val_seqs // ctx.dp.size))).item()
-
 
 def forward_backward(trainer: Trainer, batches, step: int) -> Tensor:
     """Forward and backward over this rank's micro-batches of one step; returns their summed loss. Afterwards each
@@ -1219,14 +1109,12 @@ def forward_backward(trainer: Trainer, batches, step: int) -> Tensor:
     t.gradients.wait()  # every gradient averaged over the data-parallel ranks
     return loss_sum
 
-
 def optimizer_step(trainer: Trainer, step: int) -> None:
     set_schedules(trainer.optimizers, step, trainer.args)
     for opt in trainer.optimizers:
         opt.step()  # (a parameter without a gradient here is another rank's to update)
     trainer.zero.send_updated_parameters()  # ZeRO: each owner's updated parameters to the other ranks
     trainer.model.zero_grad(set_to_none=True)
-
 
 def train(args: Hyperparameters, ctx: "ParallelContext") -> float:
     """Train this rank's part to --num_iterations; returns the final validation loss."""
@@ -1246,7 +1134,7 @@ def train(args: Hyperparameters, ctx: "ParallelContext") -> float:
         train_loader = DistributedDataLoader(args.train_files, args.train_seq_len, args.seqs_per_step, ctx.dp.rank,
                                              ctx.dp.size, ctx.device, position=progress.data_position)
         val_loss = float("nan")
-        with StopRequests(kill_switch_path(args)) as stop_requests, lost_ranks_end_the_run(progress) as watchdog:
+        with StopRequests(kill_switch_path(args)) as stop_requests, RankWatchdog(progress) as watchdog:
             progress.start(train_loader, stop_requests)
             for step in range(progress.start_step, args.num_iterations + 1):
                 watchdog.beat(step)
@@ -1269,22 +1157,6 @@ def train(args: Hyperparameters, ctx: "ParallelContext") -> float:
         progress.log(peak_memory_line(ctx.device), console=True)
     return val_loss
 
-
-@contextlib.contextmanager
-def lost_ranks_end_the_run(progress: "Progress"):
-    """A RankWatchdog over the training loop; a collective that fails there because a rank died ends the run with
-    the watchdog's message."""
-    watchdog = RankWatchdog(progress, progress.args.collective_timeout)
-    try:
-        yield watchdog
-    except RuntimeError as error:  # (gloo and NCCL report a lost peer as RuntimeError or its subclass DistError)
-        if progress.trainer.ctx.world_size == 1:
-            raise
-        raise watchdog.lost(error) from None
-    finally:
-        watchdog.stop()
-
-
 def keep_freed_memory_for_reuse() -> None:
     """The allocators' settings for a training loop that frees and allocates the same sizes every step. CUDA's
     segments grow in place instead of fragmenting. glibc hands each freed block above 32 MB (a micro-batch's
@@ -1299,10 +1171,8 @@ def keep_freed_memory_for_reuse() -> None:
     libc.mallopt(m_mmap_max, 0)
     libc.mallopt(m_trim_threshold, 2**30)
 
-
 def main(argv=None) -> float | None:
-    """Train and return the final validation loss; with --plan, print the plan instead; with --check_layout, check
-    the layouts."""
+    """Train and return the final validation loss; with --plan, --check_layout or --sample, do that instead."""
     keep_freed_memory_for_reuse()
     args = parse_args(argv)
     if args.check_layout:
@@ -1328,7 +1198,6 @@ def main(argv=None) -> float | None:
         if dist.is_initialized():
             dist.destroy_process_group()
 
-
 # ----------------------------------------------------------------------------------------------------
 # Checkpoints and stopping: full tensors keyed by parameter name, so a run resumes under any world size
 
@@ -1338,14 +1207,12 @@ EXIT_DIVERGED = 4  # non-finite training loss or gradient norm
 EXIT_LOST = 5  # a rank stopped answering or died: no stop checkpoint; continue from the last one
 EXIT_INTERRUPTED = 130  # a second signal: stopped at once, without a stop checkpoint
 
-
 class RunEnded(Exception):
     """The run ended before its last step on purpose; exit_status tells the launcher why."""
 
     def __init__(self, message: str, exit_status: int):
         super().__init__(message)
         self.exit_status = exit_status
-
 
 def from_master(value):
     """Rank 0's `value`, on every rank: decisions that all ranks must take alike (paths, files, ids)."""
@@ -1354,6 +1221,22 @@ def from_master(value):
         dist.broadcast_object_list(box, 0)
     return box[0]
 
+def on_master(check, *args) -> None:
+    """check(*args) on rank 0, its UserError raised on every rank so that all stop alike (any other failure too:
+    rank 0 raises it and the others say so, rather than wait for rank 0 forever)."""
+    error, failure = None, None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            check(*args)
+        except UserError as e:
+            error = (True, str(e))
+        except Exception as e:
+            failure, error = e, (False, f"{check.__name__} failed on rank 0: {type(e).__name__}: {e}")
+    error = from_master(error)
+    if failure is not None:
+        raise failure
+    if error is not None:
+        raise UserError(error[1]) if error[0] else RuntimeError(error[1])
 
 def agree_on_run_id(args: Hyperparameters, ctx: "ParallelContext") -> None:
     """--run_id, else torchrun's rendezvous id (the same after an elastic restart), else a fresh uuid."""
@@ -1364,28 +1247,20 @@ def agree_on_run_id(args: Hyperparameters, ctx: "ParallelContext") -> None:
                             "or --rdzv-id, whose id the restarts share)")
         args.run_id = from_master(rendezvous_id if rendezvous_id != "none" else str(uuid.uuid4()))
 
-
 def checkpoint_dir(args: Hyperparameters) -> Path:
     return Path(args.log_dir) / args.run_id
-
-
-def checkpoint_path(args: Hyperparameters, step: int) -> Path:
-    return checkpoint_dir(args) / f"step{step:06d}.pt"
-
 
 def saved_checkpoints(args: Hyperparameters) -> dict[int, Path]:
     """This run id's checkpoints by step, oldest first (by number: step1000000.pt comes after step999999.pt)."""
     named = ((path, path.name[len("step"):-len(".pt")]) for path in checkpoint_dir(args).glob("step*.pt"))
     return dict(sorted((int(number), path) for path, number in named if number.isdigit()))
 
-
 def find_checkpoint(args: Hyperparameters, ctx: "ParallelContext") -> Path | None:
     """The file --resume names; with "latest", this run id's newest checkpoint, or None when there is none yet.
     Rank 0 looks and tells the others (ranks on other nodes need to see the same file system)."""
     found = None
     if ctx.is_master and args.resume == "latest":
-        saved = list(saved_checkpoints(args).values())
-        found = str(saved[-1]) if saved else None
+        found = str(list(saved_checkpoints(args).values())[-1]) if saved_checkpoints(args) else None
     elif ctx.is_master and args.resume:
         found = args.resume if Path(args.resume).is_file() else ""
     found = from_master(found)
@@ -1393,7 +1268,6 @@ def find_checkpoint(args: Hyperparameters, ctx: "ParallelContext") -> Path | Non
         raise UserError(f"--resume {args.resume}: no such file; name a checkpoint (<log_dir>/<run_id>/stepNNNNNN.pt) "
                         "or use 'latest'")
     return Path(found) if found else None
-
 
 def optimizer_state_owners(trainer: "Trainer") -> list[dict]:
     """Per optimizer, the data-parallel rank holding each parameter's state (None: every rank): Muon's owner; Adam's
@@ -1403,25 +1277,19 @@ def optimizer_state_owners(trainer: "Trainer") -> list[dict]:
                    for group in adam.param_groups for p in group["params"]}
     return [adam_owners, dict(muon.param_owners())]
 
-
-OPTIMIZER_STATE_KEYS = {torch.optim.Adam: ("step", "exp_avg", "exp_avg_sq"), Muon: ("momentum_buffer",)}
-CHECKPOINT_KEYS = ("model", "adam", "muon", "rng", "step", "run_id", "data", "training_time_ms", "log_bytes",
-                   "log_sha256", "hyperparameters")
-
-
 def gather_training_state(trainer: "Trainer", weights_only: bool = False) -> dict | None:
     """What training changes, as one-process CPU tensors keyed by parameter name, on rank 0 (None elsewhere): the
-    weights, and unless weights_only Adam's state and Muon's momentum, each sent by the one rank that holds it (from data-parallel rank 0, or
-    the owner of the state; tensor-parallel slices joined first). Under ZeRO 3, call it within whole_parameters()."""
+    weights and, unless weights_only, Adam's state and Muon's momentum, each sent by the one rank that holds it
+    (data-parallel rank 0, or the owner of the state; tensor-parallel slices joined first). Under ZeRO 3, call it
+    within whole_parameters()."""
     ctx, (adam, muon) = trainer.ctx, trainer.optimizers
-    owners = dict(zip(("adam", "muon"), optimizer_state_owners(trainer)))
+    adam_owners, muon_owners = optimizer_state_owners(trainer)
     part = dict(model={}, adam={}, muon={})
     for name, p in trainer.model.named_parameters():  # (every rank of a tensor-parallel group joins each whole())
         held = dict(model=whole(p, p.detach())) if ctx.dp.rank == 0 else {}
-        states = not weights_only
-        if states and p in owners["adam"] and ctx.dp.rank == (owners["adam"][p] or 0):  # moments shaped like p
+        if not weights_only and p in adam_owners and ctx.dp.rank == (adam_owners[p] or 0):  # moments shaped like p
             held["adam"] = {k: whole(p, v) if k.startswith("exp_avg") else v for k, v in adam.state[p].items()}
-        if states and ctx.dp.rank == owners["muon"].get(p):  # Muon keeps whole matrices
+        if not weights_only and ctx.dp.rank == muon_owners.get(p):  # Muon keeps whole matrices
             held["muon"] = muon.state[p]["momentum_buffer"]
         for kind, value in held.items() if ctx.tp.rank == 0 else ():
             part[kind][name] = pytree.tree_map(lambda t: t.cpu(), value)
@@ -1432,7 +1300,6 @@ def gather_training_state(trainer: "Trainer", weights_only: bool = False) -> dic
     return {kind: {k: v for rank_part in parts for k, v in rank_part[kind].items()} for kind in part} \
         if ctx.is_master else None
 
-
 def save_checkpoint(path: Path, trainer: "Trainer", on_written: Callable[[], None] = lambda: None,
                     **run_state) -> None:
     """Rank 0 writes the training state and run_state, then calls on_written (the log line, before anything else
@@ -1441,9 +1308,8 @@ def save_checkpoint(path: Path, trainer: "Trainer", on_written: Callable[[], Non
     with trainer.zero.whole_parameters():  # (until written: rank 0 saves its parameters from where they live)
         state = gather_training_state(trainer)
         if ctx.is_master:
-            state.update(format=CHECKPOINT_FORMAT,
-                         rng=dict(cpu=torch.get_rng_state(),
-                                  cuda=torch.cuda.get_rng_state(ctx.device) if ctx.device.type == "cuda" else None),
+            cuda_rng = torch.cuda.get_rng_state(ctx.device) if ctx.device.type == "cuda" else None
+            state.update(format=CHECKPOINT_FORMAT, rng=dict(cpu=torch.get_rng_state(), cuda=cuda_rng),
                          code=Path(__file__).read_text(), **run_state)
             failure = write_atomically(path, state)
             if failure is None:
@@ -1452,10 +1318,9 @@ def save_checkpoint(path: Path, trainer: "Trainer", on_written: Callable[[], Non
     if failure is not None:
         raise UserError(failure)
 
-
 def write_atomically(path: Path, state: dict) -> str | None:
-    """torch.save to a temporary name, then renamed: a crash mid-write leaves the previous file intact. On a
-    failed write the temporary file is removed and the reason returned (None: written)."""
+    """torch.save to a temporary name, then renamed: a crash mid-write leaves the previous file intact. On a failed
+    write the temporary file is removed and the reason returned (None: written)."""
     tmp = path.with_name(path.name + ".tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -1477,8 +1342,31 @@ def write_atomically(path: Path, state: dict) -> str | None:
         return f"cannot write checkpoint {path}: {cause}; the earlier checkpoints are intact"
     return None
 
+def _is_count(value) -> bool:
+    return type(value) is int and value >= 0
+
+def _tensors_by_name(value, depth: int = 1) -> bool:
+    return isinstance(value, dict) and all(isinstance(k, str) and (
+        isinstance(v, Tensor) if depth == 1 else _tensors_by_name(v, depth - 1)) for k, v in value.items())
+
+# what a checkpoint holds: field -> (what it is, whether a value is that)
+CHECKPOINT_FIELDS = {
+    "model": ("tensors by name", _tensors_by_name),
+    "adam": ("tensors by name and state", lambda v: _tensors_by_name(v, depth=2)),
+    "muon": ("tensors by name", _tensors_by_name),
+    "rng": ("{'cpu': tensor, 'cuda': ...}", lambda v: isinstance(v, dict) and isinstance(v.get("cpu"), Tensor)),
+    "step": ("a step count >= 0", _is_count),
+    "run_id": ("text", lambda v: isinstance(v, str)),
+    "data": ("{'shard': file name, 'offset': token count >= 0}",
+             lambda v: isinstance(v, dict) and isinstance(v.get("shard"), str) and _is_count(v.get("offset"))),
+    "training_time_ms": ("a number >= 0", lambda v: type(v) in (int, float) and v >= 0),
+    "log_bytes": ("a byte count >= 0", _is_count),
+    "log_sha256": ("a hex digest", lambda v: isinstance(v, str)),
+    "hyperparameters": ("the run's flags", lambda v: isinstance(v, dict) and _is_count(v.get("num_iterations"))),
+}
 
 def load_checkpoint(path: Path) -> dict:
+    """A checkpoint of this trainer, every field checked and every weight finite."""
     try:  # weights_only: tensors and plain containers only, no code runs; mmap: no copy in memory until used
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
@@ -1486,11 +1374,11 @@ def load_checkpoint(path: Path) -> dict:
                         "the file is damaged or not a checkpoint; resume from an earlier one") from None
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         raise UserError(f"{path} is not a checkpoint of this trainer (format {CHECKPOINT_FORMAT})")
-    missing = [key for key in CHECKPOINT_KEYS if key not in state]
+    missing = [field for field in CHECKPOINT_FIELDS if field not in state]
     if missing:
         raise UserError(f"checkpoint {path} lacks {', '.join(missing)}: it is incomplete; resume from another one")
-    for field, expected, ok in checkpoint_field_checks(state):
-        if not ok:
+    for field, (expected, ok) in CHECKPOINT_FIELDS.items():
+        if not ok(state[field]):
             value = state[field]
             shown = f" {value!r}"[:60] if isinstance(value, (str, int, float, type(None))) else ""
             raise UserError(f"checkpoint {path} has a bad {field} field{shown} (expected {expected}): it is damaged or "
@@ -1501,38 +1389,11 @@ def load_checkpoint(path: Path) -> dict:
                             "diverge at once; resume from an earlier one")
     return state
 
-
-def checkpoint_field_checks(state: dict):
-    """(field, what a checkpoint holds there, whether this one does)."""
-    def count(value):
-        return type(value) is int and value >= 0
-
-    def tensors(value, depth=1):
-        return isinstance(value, dict) and all(isinstance(k, str) and (isinstance(v, Tensor) if depth == 1 else
-                                                                       tensors(v, depth - 1)) for k, v in value.items())
-    data, hyperparameters = state["data"], state["hyperparameters"]
-    yield "step", "a step count >= 0", count(state["step"])
-    yield "run_id", "text", isinstance(state["run_id"], str)
-    yield "data", "{'shard': file name, 'offset': token count >= 0}", \
-        isinstance(data, dict) and isinstance(data.get("shard"), str) and count(data.get("offset"))
-    yield "training_time_ms", "a number >= 0", \
-        type(state["training_time_ms"]) in (int, float) and state["training_time_ms"] >= 0
-    yield "log_bytes", "a byte count >= 0", count(state["log_bytes"])
-    yield "log_sha256", "a hex digest", isinstance(state["log_sha256"], str)
-    yield "hyperparameters", "the run's flags", \
-        isinstance(hyperparameters, dict) and count(hyperparameters.get("num_iterations"))
-    yield "model", "tensors by name", tensors(state["model"])
-    yield "adam", "tensors by name and state", tensors(state["adam"], depth=2)
-    yield "muon", "tensors by name", tensors(state["muon"])
-    yield "rng", "{'cpu': tensor, 'cuda': ...}", isinstance(state["rng"], dict) and \
-        isinstance(state["rng"].get("cpu"), Tensor)
-
-
 def restore_checkpoint(state: dict, path: Path, trainer: "Trainer") -> None:
     """Load weights, the optimizer state this rank holds, and the RNG; refuse another model's shapes."""
     def shape(t):
         return "absent" if t is None else f"of shape {tuple(t if isinstance(t, tuple) else t.shape)}"
-    model, ctx = trainer.model, trainer.ctx
+    model, ctx, (adam, muon) = trainer.model, trainer.ctx, trainer.optimizers
     current = model.full_shapes  # every pipeline stage's, so a checkpoint of another model is caught on each
     for name in [*current, *(n for n in state["model"] if n not in current)]:
         here, there = current.get(name), state["model"].get(name)
@@ -1540,11 +1401,10 @@ def restore_checkpoint(state: dict, path: Path, trainer: "Trainer") -> None:
             raise UserError(f"checkpoint {path} does not fit this model: tensor {name} is {shape(there)} there and "
                             f"{shape(here)} here; resume with the model flags it was saved with (its "
                             "'hyperparameters' entry lists them)")
-    adam, muon = trainer.optimizers
     adam_owners, muon_owners = optimizer_state_owners(trainer)
     names = {p: name for name, p in model.named_parameters()}
-    for opt, owners, saved in ((adam, adam_owners, state["adam"]), (muon, muon_owners, state["muon"])):
-        keys = OPTIMIZER_STATE_KEYS[type(opt)] if opt is adam else ()
+    for opt, owners, saved, keys in ((adam, adam_owners, state["adam"], ("step", "exp_avg", "exp_avg_sq")),
+                                     (muon, muon_owners, state["muon"], ())):
         gaps = [f"{names[p]}{'.' + missing if missing else ''}" for p in owners
                 for missing in ([None] if names[p] not in saved else [k for k in keys if k not in saved[names[p]]])]
         if gaps:
@@ -1564,17 +1424,13 @@ def restore_checkpoint(state: dict, path: Path, trainer: "Trainer") -> None:
     if ctx.device.type == "cuda" and state["rng"]["cuda"] is not None:
         torch.cuda.set_rng_state(state["rng"]["cuda"], ctx.device)
 
-
 class StopRequests:
     """Whether to stop after this step: the kill-switch file appeared, or SIGTERM, SIGINT or SIGHUP (a closed
     terminal) arrived. A second signal stops the run at once, unless a checkpoint is being written: that finishes
     first."""
 
     def __init__(self, kill_switch: Path):
-        self.kill_switch = kill_switch
-        self.reason: str | None = None
-        self.previous_handlers = {}
-        self.writing_checkpoint = False
+        self.kill_switch, self.reason, self.previous_handlers, self.writing_checkpoint = kill_switch, None, {}, False
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
@@ -1609,31 +1465,37 @@ class StopRequests:
             self.reason = f"kill switch {self.kill_switch}"
         return self.reason
 
-
 class RankWatchdog:
-    """Ends the run with a message naming the lost ranks, the step and the last checkpoint, when a rank stops
-    answering (a step outlasts --collective_timeout: the others wait for it inside a collective, where no Python
-    runs, hence a thread) or dies (a collective fails). The lost ranks are those that miss a roll call in the
+    """Around the training loop: ends the run with a message naming the lost ranks, the step and the last checkpoint
+    when a rank stops answering (a step outlasts --collective_timeout: the others wait inside a collective, where no
+    Python runs, hence a thread) or dies (a collective fails). The lost ranks are those that miss a roll call in the
     launch's store."""
 
-
-    def __init__(self, progress: "Progress", timeout_s: float):
-        self.progress, self.ctx, self.timeout_s = progress, progress.trainer.ctx, timeout_s
+    def __init__(self, progress: "Progress"):
+        self.progress, self.ctx, self.timeout_s = progress, progress.trainer.ctx, progress.args.collective_timeout
         self.step, self.beat_at, self.armed, self.done = progress.start_step, time.monotonic(), False, threading.Event()
         self.thread = threading.Thread(target=self._watch, daemon=True, name="rank watchdog")
+
+    def __enter__(self):
         if self.ctx.world_size > 1:
             self.thread.start()
+        return self
+
+    def __exit__(self, kind, error, traceback):
+        self.armed = False
+        self.done.set()  # the thread ends now: nothing it holds (the store) outlives the run into shutdown
+        if self.thread.is_alive():
+            self.thread.join()
+        # gloo and NCCL report a lost peer as RuntimeError (or its subclass DistError)
+        if isinstance(error, RuntimeError) and self.ctx.world_size > 1:
+            cause = str(error).split("] ", 1)[-1].split(". ")[0]  # (after the source location gloo puts first)
+            message = self._report(f"saw a collective fail in step {self.step + 1} ({' '.join(cause.split())[:120]})")
+            if message:
+                raise RunEnded(message, EXIT_LOST) from None
 
     def beat(self, step: int) -> None:
         """Step `step` starts (armed from the second: the first may compile)."""
         self.armed, self.step, self.beat_at = step > self.progress.start_step, step, time.monotonic()
-
-    def stop(self) -> None:
-        """Ends the thread now, so that nothing it holds (the store) outlives the run into interpreter shutdown."""
-        self.armed = False
-        self.done.set()
-        if self.thread.is_alive():
-            self.thread.join()
 
     def _watch(self) -> None:
         while not self.done.wait(min(1.0, self.timeout_s / 10)):
@@ -1645,44 +1507,36 @@ class RankWatchdog:
                     os._exit(EXIT_LOST)  # (the main thread waits inside a collective: it is writing nothing)
                 self.beat_at = time.monotonic()  # every rank answered: a slow step, not a lost rank
 
-    def lost(self, error: Exception) -> Exception:
-        """The exception to end the run with, after a collective failed: RunEnded when ranks are lost, else
-        error itself (a failure of this rank's own)."""
-        cause = str(error).split("] ", 1)[-1].split(". ")[0]  # (after the source location gloo puts first)
-        message = self._report(f"saw a collective fail in step {self.step + 1} ({' '.join(cause.split())[:120]})")
-        return RunEnded(message, EXIT_LOST) if message else error
-
     def _report(self, what: str) -> str | None:
-        """Log and print which ranks are lost, and return that message (None: every rank answered)."""
+        """Log which ranks are lost, and return that message (None: every rank answered)."""
         lost = self._roll_call()
         if lost == []:
             return None
         who = "another rank stopped answering" if self.ctx.store is None else \
             f"rank{'s' * (len(lost) > 1)} {', '.join(map(str, lost))} stopped answering" if lost else \
             "rank 0, which holds the run's store, stopped answering"
-        last = self.progress.last_checkpoint
+        last, progress = self.progress.last_checkpoint, self.progress
         message = (f"{who}: rank {self.ctx.rank} {what}; " + (f"the last checkpoint is {last} (step "
-                   f"{self.progress.last_checkpoint_step}); " if last else "no checkpoint was saved; ")
-                   + f"once every rank is up, continue with --run_id {self.progress.args.run_id} --resume latest")
-        self.progress.log(f"lost: {message}")
+                   f"{progress.last_checkpoint_step}); " if last else "no checkpoint was saved; ")
+                   + f"once every rank is up, continue with --run_id {progress.args.run_id} --resume latest")
+        progress.log(f"lost: {message}")
         return message
 
     def _roll_call(self) -> list[int] | None:
         """The ranks that do not answer (None: no store, or it does not answer)."""
-        store, ranks, call = self.ctx.store, range(self.ctx.world_size), f"roll_call/step{self.step}"
+        store, call = self.ctx.store, f"roll_call/step{self.step}"
         if store is None:
             return None
         try:
             store.set(f"{call}/{self.ctx.rank}", "here")
             deadline = time.monotonic() + min(5.0, self.timeout_s / 2)  # for the other live ranks to answer
             while True:
-                missing = [r for r in ranks if not store.check([f"{call}/{r}"])]
+                missing = [r for r in range(self.ctx.world_size) if not store.check([f"{call}/{r}"])]
                 if not missing or time.monotonic() > deadline:
                     return missing
                 time.sleep(0.1)
         except dist.DistError:
             return None
-
 
 class TrainingClock:
     """Milliseconds of training so far; what runs under paused() (validation, checkpoints) is not counted."""
@@ -1703,12 +1557,8 @@ class TrainingClock:
         device_synchronize(self.device)
         self.t0 = time.perf_counter()
 
-
 def stats_read_a_step_late(device: torch.device) -> bool:
-    """Whether a step's loss, gradient norm and stop votes are read a step late: on CUDA, so that reading them does
-    not stop the host from queueing the next step; elsewhere (the host does the work itself) at once."""
-    return device.type == "cuda"
-
+    return device.type == "cuda"  # where the host queues the next step meanwhile; a CPU does the work itself
 
 def start_copy_to_host(stats: Tensor) -> Callable[[], list[float]]:
     """A way to read stats later: on CUDA from a copy queued behind the step and waited for only when read."""
@@ -1719,25 +1569,13 @@ def start_copy_to_host(stats: Tensor) -> Callable[[], list[float]]:
     host.copy_(stats, non_blocking=True)
     copied = torch.cuda.Event()
     copied.record()
-
-    def read() -> list[float]:
-        copied.synchronize()
-        return host.tolist()
-    return read
-
-
-@dataclass
-class PendingStep:
-    done: int  # the steps done with it
-    read: Callable[[], list[float]]  # its [train loss, squared gradient norm, stop votes]
-    comm: collections.Counter  # the bytes it handed to collectives
-
+    return lambda: copied.synchronize() or host.tolist()
 
 class Progress:
     """Where the run is: the step it starts from (a restored checkpoint, or 0), its log and clock, its last
-    checkpoint; and what follows each step: the log line, the divergence guard, checkpoints and stopping. On CUDA
-    a step is finished when the next one has been queued (stats_read_a_step_late), unless a checkpoint is due or
-    a stop was asked for."""
+    checkpoint; and what follows each step: the log line, the divergence guard, checkpoints and stopping. On CUDA a
+    step's stats are read a step late, so that reading them does not keep the host from queueing the next step,
+    unless a checkpoint is due or a stop was asked for."""
 
     def __init__(self, args: Hyperparameters, trainer: "Trainer", checkpoint: dict | None, resume_path: Path | None):
         self.args, self.trainer = args, trainer
@@ -1764,10 +1602,7 @@ class Progress:
         elif args.resume:
             self.log(f"no checkpoint of run {args.run_id} yet: starting from step 0", console=True)
         self.last_checkpoint, self.last_checkpoint_step = resume_path, self.start_step
-        self.last_comm_bytes = collections.Counter()
-        self.read_late = stats_read_a_step_late(trainer.ctx.device)
-        self.pending: PendingStep | None = None
-        self.stop_seen = False  # a stop vote read a step late: stop after the step in flight
+        self.last_comm_bytes, self.pending, self.stop_seen = collections.Counter(), None, False
 
     def start(self, train_loader: DistributedDataLoader, stop_requests: StopRequests) -> None:
         self.train_loader, self.stop_requests = train_loader, stop_requests
@@ -1782,27 +1617,27 @@ class Progress:
         return self.args.save_every > 0 and (done % self.args.save_every == 0 or done == self.args.num_iterations)
 
     def after_step(self, done: int, stats: Tensor) -> None:
-        previous, self.pending = self.pending, PendingStep(done, start_copy_to_host(stats),
-                                                           collections.Counter(comm_bytes))
+        """Take a step's stats and finish the step before it; finish this one too, unless it is read a step late:
+        then a stop vote it holds stops the run after the next step (stop_seen)."""
+        previous, self.pending = self.pending, (done, start_copy_to_host(stats), collections.Counter(comm_bytes))
         if previous is not None:
-            self._finish(previous)
-        if not self.read_late or self.stop_seen or self.checkpoint_due(done):
+            self._finish(*previous)
+        if not stats_read_a_step_late(stats.device) or self.stop_seen or self.checkpoint_due(done):
             self.finish_pending_step()
 
     def finish_pending_step(self) -> None:
         """Finish the step in flight now (before a validation, a checkpoint or the end)."""
         if self.pending is not None:
             pending, self.pending = self.pending, None
-            self._finish(pending)
+            self._finish(*pending)
 
-    def _finish(self, step: PendingStep) -> None:
+    def _finish(self, done: int, read_stats: Callable[[], list[float]], comm: collections.Counter) -> None:
         """Log the step, stop if it diverged, save a checkpoint when one is due, stop when asked."""
-        args, done, clock = self.args, step.done, self.clock
-        train_loss, grad_squares, stop_votes = step.read()
-        if step.comm != self.last_comm_bytes:  # the same every step: logged when it first appears or changes
-            self.last_comm_bytes = step.comm
-            self.log(f"comm: step:{done} bytes per rank "
-                     + " ".join(f"{op}:{n}" for op, n in sorted(step.comm.items())))
+        args, clock = self.args, self.clock
+        train_loss, grad_squares, stop_votes = read_stats()
+        if comm != self.last_comm_bytes:  # the same every step: logged when it first appears or changes
+            self.last_comm_bytes = comm
+            self.log(f"comm: step:{done} bytes per rank " + " ".join(f"{op}:{n}" for op, n in sorted(comm.items())))
         self.log(f"step:{done}/{args.num_iterations} train_loss:{train_loss:.4f} train_time:{clock.ms():.0f}ms "
                  f"step_avg:{clock.ms() / done:.2f}ms", console=True)
         grad_norm = grad_squares ** 0.5
@@ -1819,16 +1654,16 @@ class Progress:
             return
         if stop or self.checkpoint_due(done):
             with clock.paused(), self.stop_requests.writing():  # checkpoints are not timed
-                path = checkpoint_path(args, done)
+                path = checkpoint_dir(args) / f"step{done:06d}.pt"
 
-                def written():  # on rank 0, as soon as the file is complete
+                def written():  # on rank 0, as soon as the file is complete (a lost rank's message names it)
                     self.last_checkpoint, self.last_checkpoint_step = path, done
                     self.log(f"checkpoint: {path}", console=True)
                 save_checkpoint(path, self.trainer, written, step=done, run_id=args.run_id,
                                 data=self.train_loader.position(), training_time_ms=clock.ms(),
                                 log_bytes=self.log.num_bytes(), log_sha256=self.log.digest(),
                                 hyperparameters=dataclasses.asdict(args))
-                self.last_checkpoint, self.last_checkpoint_step = path, done  # (on every rank)
+                self.last_checkpoint, self.last_checkpoint_step = path, done
                 if self.trainer.ctx.is_master and args.keep_last:
                     for old in list(saved_checkpoints(args).values())[:-args.keep_last]:
                         old.unlink()
@@ -1838,36 +1673,14 @@ class Progress:
             raise RunEnded(f"stopped after step {done} ({reason}); to continue, remove the kill switch if it is "
                            f"there and run again with --run_id {args.run_id} --resume latest", EXIT_STOPPED)
 
-
 # ----------------------------------------------------------------------------------------------------
 # Run inputs: the run id, the log directory, the checkpoint and the data, refused before any work rather than mid-run
-
-def on_master(check, *args) -> None:
-    """check(*args) on rank 0; its UserError raised on every rank, so that all ranks stop alike (any other failure
-    too: rank 0 raises it and the others say so, rather than wait for rank 0 forever)."""
-    error, failure = None, None
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        try:
-            check(*args)
-        except UserError as e:
-            error = (True, str(e))
-        except Exception as e:
-            failure, error = e, (False, f"{check.__name__} failed on rank 0: {type(e).__name__}: {e}")
-    error = from_master(error)
-    if failure is not None:
-        raise failure
-    if error is not None:
-        user_error, message = error
-        raise UserError(message) if user_error else RuntimeError(message)
-
 
 def kill_switch_path(args: Hyperparameters) -> Path:
     return Path(args.kill_switch or Path(args.log_dir) / f"{args.run_id}.stop")
 
-
 def run_log_path(args: Hyperparameters) -> Path:
     return Path(args.log_dir) / f"{args.run_id}.txt"
-
 
 def check_log_dir(args: Hyperparameters) -> None:
     """--log_dir exists or can be made, is a writable folder, and <log_dir>/<run_id> is not a file."""
@@ -1900,7 +1713,6 @@ def check_log_dir(args: Hyperparameters) -> None:
         raise UserError(f"{checkpoint_dir(args)} is a file, but this run's checkpoints go into a folder of that "
                         "name: move the file, or pick another --run_id")
 
-
 class RunIdLock:
     """Rank 0 holds an exclusive lock on the run's own folder, <log_dir>/<run_id>, while the run lasts, so a second
     run started with the same id is refused at once (the processes of an elastic restart are new, and the dead
@@ -1908,8 +1720,8 @@ class RunIdLock:
     removed at the end."""
 
     def __init__(self, args: Hyperparameters, ctx: "ParallelContext"):
-        self.path = checkpoint_dir(args)
-        self.run_id, self.master, self.fd, self.made = args.run_id, ctx.is_master, None, False
+        self.path, self.run_id, self.master, self.fd, self.made = checkpoint_dir(args), args.run_id, ctx.is_master, \
+            None, False
 
     def __enter__(self):
         error = None
@@ -1938,7 +1750,6 @@ class RunIdLock:
             os.close(self.fd)  # (releases the lock)
             self.fd = None
 
-
 def check_run_inputs(args: Hyperparameters, ctx: "ParallelContext") -> tuple[Path | None, dict | None]:
     """The checkpoint to resume from (or none) once everything the run will need has been checked: the kill switch
     is absent, the checkpoint is whole and not past --num_iterations, a new log does not replace another run's,
@@ -1957,7 +1768,6 @@ def check_run_inputs(args: Hyperparameters, ctx: "ParallelContext") -> tuple[Pat
     on_master(check_room_for_the_run, args, checkpoint["step"] if checkpoint is not None else 0)
     return resume_path, checkpoint
 
-
 def check_run_id_is_free(args: Hyperparameters, checkpoint: dict | None) -> None:
     """A run that will start a log of its own must not find another run's there: only a resume of this run id's
     own checkpoint continues its log. After an elastic restart that found no checkpoint, the dead attempt's log is
@@ -1970,71 +1780,56 @@ def check_run_id_is_free(args: Hyperparameters, checkpoint: dict | None) -> None
                             f"{checkpoint['log_bytes']} bytes differ): it is another run's with the id {args.run_id}; "
                             "resume with the --log_dir the checkpoint was saved in, or pick another --run_id")
         return
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0 and args.resume == "latest" and log.exists() \
-            and not saved:
-        aside = move_aside(log, f"attempt{os.environ['TORCHELASTIC_RESTART_COUNT']}")
-        print(f"no checkpoint of run {args.run_id} to resume: its earlier attempt's log moved to {aside}",
-              flush=True)
-        return
-    if log.exists() or saved:
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if restart != "0" and args.resume == "latest" and log.exists() and not saved:
+        print(f"no checkpoint of run {args.run_id} to resume: its earlier attempt's log moved to "
+              f"{keep_aside(log, f'attempt{restart}')}", flush=True)
+    elif log.exists() or saved:
         held = " and ".join([f"a log {log}"] * log.exists() + [f"{len(saved)} checkpoint(s) in {checkpoint_dir(args)}"]
                             * bool(saved))
         advice = f"resume it with --run_id {args.run_id} --resume latest, or " if saved else ""
         raise UserError(f"run id {args.run_id} is taken: {held} exist; {advice}pick another --run_id (a new run "
                         "never overwrites another's log or checkpoints)")
 
-
-def free_name(path: Path, tag: str) -> Path:
-    """<path>.<tag>, or <path>.<tag>.2, ... when that is taken."""
+def keep_aside(path: Path, tag: str, copy: bool = False) -> Path:
+    """Rename (or copy) path to <path>.<tag>, or <path>.<tag>.2, ... when that is taken: kept, never overwritten."""
     aside, n = path.with_name(f"{path.name}.{tag}"), 1
     while aside.exists():
         n += 1
         aside = path.with_name(f"{path.name}.{tag}.{n}")
+    if copy:
+        shutil.copyfile(path, aside)
+    else:
+        path.rename(aside)
     return aside
-
-
-def move_aside(path: Path, tag: str) -> Path:
-    """Rename path to a free name (free_name): kept, never overwritten."""
-    aside = free_name(path, tag)
-    path.rename(aside)
-    return aside
-
 
 def file_digest(path: Path, num_bytes: int) -> str:
     """sha256 of the file's first num_bytes bytes."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
-        while num_bytes > 0:
-            chunk = f.read(min(num_bytes, 2**20))
-            if not chunk:
-                break
+        while num_bytes > 0 and (chunk := f.read(min(num_bytes, 2**20))):
             digest.update(chunk)
             num_bytes -= len(chunk)
     return digest.hexdigest()
-
 
 def move_aside_later_checkpoints(args: Hyperparameters, start_step: int) -> None:
     """A run resumed from an older checkpoint than its newest would write over the later ones as it reaches their
     steps, and --resume latest would find them: they are renamed, kept, and the run says so."""
     later = [path for step, path in saved_checkpoints(args).items() if step > start_step]
     if later:
-        kept = [move_aside(path, f"before_resume_from_{start_step}").name for path in later]
+        kept = [keep_aside(path, f"before_resume_from_{start_step}").name for path in later]
         print(f"resuming run {args.run_id} from step {start_step}, before its later checkpoints: kept in "
               f"{checkpoint_dir(args)} as {', '.join(kept)}", flush=True)
-
 
 def check_room_for_the_run(args: Hyperparameters, start_step: int) -> None:
     """The log folder's free space holds the log and every checkpoint --save_every will write from start_step on,
     and one more a stop writes (with --keep_last N, at most N + 1: the newest is complete before the oldest goes):
-    each a full one-process copy of the parameters and both optimizers' states, at most 16 bytes a parameter,
-    counted on the meta device."""
-    free = shutil.disk_usage(args.log_dir).free
-    log_bytes = len(Path(__file__).read_bytes()) + 200 * (args.num_iterations + 10)
-    checkpoint_bytes = 16 * parameter_count(args) + len(Path(__file__).read_bytes())
+    each a full one-process copy of the parameters and both optimizers' states, at most 16 bytes a parameter."""
+    free, source = shutil.disk_usage(args.log_dir).free, len(Path(__file__).read_bytes())
+    log_bytes, checkpoint_bytes = source + 200 * (args.num_iterations + 10), 16 * parameter_count(args) + source
     end, every = args.num_iterations, args.save_every
     saves = 1 + (end // every - start_step // every + (end % every != 0) if every > 0 and start_step < end else 0)
-    if args.keep_last:
-        saves = min(saves, args.keep_last + 1)
+    saves = min(saves, args.keep_last + 1) if args.keep_last else saves
     if free < log_bytes + saves * checkpoint_bytes:
         what = f"its log and {saves} checkpoint(s) of {checkpoint_bytes / 2**20:.0f} MiB (--save_every {every}, " \
                "and one for a stop; " + (f"--keep_last {args.keep_last})" if args.keep_last else "none is deleted)")
@@ -2043,25 +1838,19 @@ def check_room_for_the_run(args: Hyperparameters, start_step: int) -> None:
                         + ("raise --save_every or set --keep_last, " if saves > 1 else "")
                         + "or point --log_dir at another disk")
 
-
 def parameter_count(args: Hyperparameters) -> int:
     return sum(math.prod(shape) for shape in build_model(args, torch.device("meta")).full_shapes.values())
-
-
-def available_host_memory() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return None  # (not Linux: unchecked)
-
 
 def check_host_memory(args: Hyperparameters, device: torch.device) -> None:
     """Each process on this machine builds the whole model in fp32 on the CPU before placing it, and on the CPU
     trains it there with its gradients and optimizer states (16 bytes a parameter, activations aside)."""
-    available = available_host_memory()
-    if not args.memory_check or available is None:
+    if not args.memory_check:
         return
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return  # (not Linux: unchecked)
     params, processes = parameter_count(args), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     need = params * (16 if device.type == "cpu" else 4) * processes
     if need > available:
@@ -2070,11 +1859,10 @@ def check_host_memory(args: Hyperparameters, device: torch.device) -> None:
                         f"this machine's memory for {processes} process(es), and {available / 2**30:.1f} GiB are "
                         "available: make the model smaller; --memory_check false runs it anyway")
 
-
 def check_data(args: Hyperparameters, dp: int, checkpoint: dict | None) -> None:
     """The validation sequences fit one shard, the training shards hold every remaining step's batch (a batch never
-    straddles shards) from the checkpoint's position on, and every shard the run reads has ids below
-    --vocab_size. From the shard headers, and a max over each shard read, before any model is built."""
+    straddles shards) from the checkpoint's position on, and every shard the run reads has ids below --vocab_size.
+    From the shard headers, and a max over each shard read, before any model is built."""
     val_files = list_shards(args.val_files, "val_files")
     val_sizes = [read_shard_header(f) for f in val_files]
     fits = [f for f, n in zip(val_files, val_sizes) if n >= args.val_tokens + 1]
@@ -2108,18 +1896,12 @@ def check_data(args: Hyperparameters, dp: int, checkpoint: dict | None) -> None:
                         f"them up to step {needed}: fetch more shards, or "
                         + (f"set --num_iterations {steps}" if steps > start else
                            "lower --seqs_per_step or --train_seq_len"))
-    for path in read + fits[:1]:
-        check_token_ids(path, args.vocab_size)
-
-
-def check_token_ids(path: Path, vocab_size: int) -> None:
-    tokens = np.memmap(path, dtype="<u2", mode="r", offset=SHARD_HEADER_BYTES)
-    largest = int(tokens.max())
-    if largest >= vocab_size:
-        where = int(np.argmax(tokens >= vocab_size))
-        raise UserError(f"data shard {path} holds token id {largest} (the first at token {where}), not below "
-                        f"--vocab_size {vocab_size}: rebuild the shard with the GPT-2 tokenizer, or raise --vocab_size")
-
+    for path in read + fits[:1]:  # token ids below --vocab_size
+        tokens = np.memmap(path, dtype="<u2", mode="r", offset=SHARD_HEADER_BYTES)
+        if int(tokens.max()) >= args.vocab_size:
+            raise UserError(f"data shard {path} holds token id {int(tokens.max())} (the first at token "
+                            f"{int(np.argmax(tokens >= args.vocab_size))}), not below --vocab_size {args.vocab_size}: "
+                            "rebuild the shard with the GPT-2 tokenizer, or raise --vocab_size")
 
 # ----------------------------------------------------------------------------------------------------
 # Logging: the log file starts with this file's source, so a run is reproducible from its log alone
@@ -2131,11 +1913,9 @@ def print_if_possible(line: str, file=None) -> None:
     except OSError:
         pass
 
-
 def device_synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # CPU ops are synchronous: nothing to wait for
-
 
 def device_description(device: torch.device) -> str:
     if device.type == "cuda":
@@ -2151,7 +1931,6 @@ def device_description(device: torch.device) -> str:
         pass
     return f"CPU: {model_name} ({os.cpu_count()} cores)"
 
-
 def peak_memory_line(device: torch.device) -> str:
     if device.type == "cuda":
         return (f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
@@ -2159,27 +1938,23 @@ def peak_memory_line(device: torch.device) -> str:
     import resource
     return f"peak memory rss: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MiB"
 
-
 class RunLog:
     """Writes the log file on the master rank; other ranks' calls do nothing."""
 
     def __init__(self, args: Hyperparameters, ctx: "ParallelContext"):
         self.path = run_log_path(args) if ctx.is_master else None
 
-    def __call__(self, line: str, console: bool = False) -> None:
+    def __call__(self, line: str, console: bool = False, mode: str = "a") -> None:
         if self.path is None:
             return
-        self._write("a", line + "\n")
-        if console:
-            print_if_possible(line)
-
-    def _write(self, mode: str, text: str) -> None:
         try:
             with open(self.path, mode) as f:
-                f.write(text)
+                f.write(line + "\n")
         except OSError as e:
             raise UserError(f"cannot write the log {self.path} ({e.strerror}): make room on its disk, then continue "
                             "from the last checkpoint, if there is one, with --resume latest") from None
+        if console:
+            print_if_possible(line)
 
     def num_bytes(self) -> int:
         return self.path.stat().st_size if self.path is not None else 0
@@ -2196,10 +1971,8 @@ class RunLog:
             f.seek(num_bytes)
             replayed = b"\nstep:" in b"\n" + f.read()
         if replayed:
-            copy = free_name(self.path, "replayed")
-            shutil.copyfile(self.path, copy)
-            print(f"{self.path}: its steps after the checkpoint are replayed; the log as it was is kept as {copy}",
-                  flush=True)
+            print(f"{self.path}: its steps after the checkpoint are replayed; the log as it was is kept as "
+                  f"{keep_aside(self.path, 'replayed', copy=True)}", flush=True)
         os.truncate(self.path, num_bytes)
         return True
 
@@ -2210,9 +1983,8 @@ class RunLog:
             return
         if self.path.exists():
             print(f"{self.path} does not reach the checkpoint's position in it: kept as "
-                  f"{move_aside(self.path, 'earlier')}; a new log starts", flush=True)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._write("x", Path(__file__).read_text().rstrip("\n") + "\n")  # the source, byte for byte
+                  f"{keep_aside(self.path, 'earlier')}; a new log starts", flush=True)
+        self(Path(__file__).read_text().rstrip("\n"), mode="x")  # the source, byte for byte
         self("=" * 100)
         self(f"Running Python {sys.version}")
         self(f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda}")
@@ -2221,7 +1993,6 @@ class RunLog:
         self("hyperparameters: " + json.dumps(dataclasses.asdict(args)))
         self(f"run: id={args.run_id} device={ctx.device.type} world_size={ctx.world_size} dp={ctx.dp.size} "
              f"tp={ctx.tp.size} pp={ctx.pp.size} zero={args.zero} grad_accum_steps={grad_accum_steps}", console=True)
-
 
 # ----------------------------------------------------------------------------------------------------
 # Sampling: text from the model, through the training forward itself
@@ -2241,7 +2012,6 @@ def gpt2_encoding():
         return get_gpt2_encoding()
     except Exception as e:  # (data's own UserError: the ranks file is missing and cannot be fetched)
         raise UserError(str(e)) from None
-
 
 @torch.no_grad()
 def generate(model: GPT, prompt: list[int], new_tokens: int, temperature: float, top_k: int, window_blocks: int,
@@ -2265,7 +2035,6 @@ def generate(model: GPT, prompt: list[int], new_tokens: int, temperature: float,
             break
     return tokens[len(prompt):]
 
-
 def sampling_prompt(args: Hyperparameters, encoding, context: int) -> list[int]:
     """--prompt's tokens after the end-of-text token that starts every document."""
     prompt = [EOT_TOKEN] + encoding.encode(args.prompt)
@@ -2273,7 +2042,6 @@ def sampling_prompt(args: Hyperparameters, encoding, context: int) -> list[int]:
         raise UserError(f"--prompt is {len(prompt)} tokens with the document start, longer than the model's context "
                         f"of {context} (max(train_seq_len, val_seq_len) of its run): shorten it")
     return prompt
-
 
 def sample_from_checkpoint(args: Hyperparameters) -> list[str]:
     """--sample: the checkpoint's model, built from this file with the hyperparameters of its run, continues the
@@ -2304,7 +2072,6 @@ def sample_from_checkpoint(args: Hyperparameters) -> list[str]:
           f"tokens/s on {device.type}", flush=True)
     return texts
 
-
 def print_sample(trainer: "Trainer", step: int) -> None:
     """--sample_every: a short sample from the model as it is now, on rank 0, from a one-process copy on the CPU (so
     that any layout can give it, and the timed run's compiled model and memory are left alone)."""
@@ -2320,21 +2087,17 @@ def print_sample(trainer: "Trainer", step: int) -> None:
                       window_size_blocks(step, args), context, args.vocab_size, torch.Generator().manual_seed(step))
     print(f"sample: step:{step} {encoding.decode(tokens)!r}", flush=True)
 
-
 # ----------------------------------------------------------------------------------------------------
-# Parallel machinery: the rank grid, its process groups, and the bytes handed to each collective
+# Parallel machinery: the rank grid, its process groups, the bytes handed to each collective, the model's trace
 
 comm_bytes: collections.Counter = collections.Counter()  # collective name -> bytes since the last clear()
-
 
 def count_comm(op: str, *tensors: Tensor) -> None:
     """Bytes of the tensors handed to a collective on this rank: what a run logs and --plan predicts."""
     comm_bytes[op] += sum(nbytes(t) for t in tensors)
 
-
 def nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
-
 
 @dataclass(frozen=True)
 class Axis:
@@ -2348,10 +2111,8 @@ class Axis:
     def global_rank(self, axis_rank: int) -> int:
         return self.ranks[axis_rank]
 
-
 def world_axis(rank: int, size: int) -> Axis:
     return Axis(rank, size, None, tuple(range(size)))
-
 
 @dataclass
 class ParallelContext:
@@ -2374,34 +2135,32 @@ class ParallelContext:
     def is_master(self) -> bool:
         return self.rank == 0
 
-    def grid_rank(self, dp_rank: int, tp_rank: int, pp_rank: int | None = None) -> int:
-        """The global rank at these coordinates (pp_rank None: this rank's stage)."""
-        pp_rank = self.pp.rank if pp_rank is None else pp_rank
+    def grid_rank(self, dp_rank: int, tp_rank: int, pp_rank: int) -> int:
         return (pp_rank * self.dp.size + dp_rank) * self.tp.size + tp_rank
 
+def grid_coordinates(rank: int, world_size: int, tp: int, pp: int) -> tuple[int, int, int]:
+    """(pipeline stage, data-parallel rank, tensor-parallel rank) of a rank: the inverse of grid_rank."""
+    dp = world_size // (tp * pp)
+    return rank // (dp * tp), rank // tp % dp, rank % tp
 
 def build_parallel_context(rank: int, world_size: int, device: torch.device, tp: int = 1,
                            pp: int = 1) -> ParallelContext:
     """(check_world_size has refused a layout that does not factor world_size.)"""
-    sizes = dict(pp=pp, dp=world_size // (tp * pp), tp=tp)  # outermost first: rank = (pp * dp + dp) * tp + tp
-    strides = dict(pp=sizes["dp"] * tp, dp=tp, tp=1)
+    dp = world_size // (tp * pp)
+    coordinates = [grid_coordinates(r, world_size, tp, pp) for r in range(world_size)]
     axes = {}
-    for name, size in sizes.items():
-        if size == world_size:
-            axes[name] = world_axis(rank, world_size)  # the default group: nothing to create
+    for axis, (name, size) in enumerate((("pp", pp), ("dp", dp), ("tp", tp))):
+        if size in (1, world_size):  # one rank, or the default group: nothing to create
+            axes[name] = Axis(ranks=(rank,)) if size == 1 else world_axis(rank, world_size)
             continue
-        if size == 1:
-            axes[name] = Axis(ranks=(rank,))
-            continue
-        starts = sorted({r - (r // strides[name] % size) * strides[name] for r in range(world_size)})
-        for start in starts:  # every rank creates every group, in the same order
-            ranks = tuple(start + i * strides[name] for i in range(size))
+        others = lambda r: coordinates[r][:axis] + coordinates[r][axis + 1:]
+        for key in sorted({others(r) for r in range(world_size)}):  # every rank creates every group, in order
+            ranks = tuple(r for r in range(world_size) if others(r) == key)
             group = dist.new_group(list(ranks))
             if rank in ranks:
                 axes[name] = Axis(ranks.index(rank), size, group, ranks)
     host_group = dist.new_group(backend="gloo") if device.type == "cuda" and world_size > 1 else None
-    return ParallelContext(rank, world_size, device, **axes, host_group=host_group)
-
+    return ParallelContext(rank, world_size, device, axes["dp"], axes["tp"], axes["pp"], host_group=host_group)
 
 def launch_environment() -> tuple[int, int, int]:
     """RANK, WORLD_SIZE and LOCAL_RANK as torchrun sets them (unset: one process), refused when malformed, and
@@ -2425,17 +2184,14 @@ def launch_environment() -> tuple[int, int, int]:
         read("MASTER_PORT", 0, 1, 65535)
     return rank, world_size, local_rank
 
-
 def setup_distributed(tp: int = 1, pp: int = 1, timeout_s: float = 600.0) -> ParallelContext:
     """torchrun's environment (or none: one process); NCCL on CUDA, gloo on CPU. A rank that never joins ends the
     start after timeout_s with a message; a collective's own timeout is a minute longer, so that the watchdog
     (RankWatchdog) names a stalled rank first."""
     rank, world_size, local_rank = launch_environment()
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
     store = None
     if world_size > 1 and not dist.is_initialized():  # (tests start the group themselves)
         store = rendezvous_store(rank, world_size, timedelta(seconds=timeout_s))
@@ -2444,7 +2200,6 @@ def setup_distributed(tp: int = 1, pp: int = 1, timeout_s: float = 600.0) -> Par
                                 timeout=timedelta(seconds=timeout_s + 60))
         dist.barrier()
     return dataclasses.replace(build_parallel_context(rank, world_size, device, tp, pp), store=store)
-
 
 def rendezvous_store(rank: int, world_size: int, timeout: timedelta) -> "dist.Store":
     """The store where the ranks meet: rank 0's at MASTER_ADDR:MASTER_PORT, or under torchrun's agent its shared
@@ -2465,39 +2220,12 @@ def rendezvous_store(rank: int, world_size: int, timeout: timedelta) -> "dist.St
                         + ": start every rank (torchrun --nproc_per_node=N starts them all), or check WORLD_SIZE, "
                         "MASTER_ADDR and MASTER_PORT") from None
 
-
-def broadcast_parameters(model: nn.Module, dp: Axis) -> None:
-    if dp.size > 1:
-        for param in model.parameters():
-            dist.broadcast(param.detach(), dp.global_rank(0), group=dp.group)
-
-
-@dataclass
-class TracedOp:
-    """One torch function the traced forward ran: its name, the step of GPT.forward and the layer it ran in, the
-    names of the modules whose forward was running (outermost first), and the tensors it read."""
-    name: str
-    step: str
-    layer: int | None
-    modules: tuple
-    inputs: list
-    index: object = None  # what a __getitem__ took
-
-
-@dataclass
-class ModuleCall:
-    """One module call the traced forward made: the module, its name and those of the calls around it (outermost
-    first, itself last), its positional arguments and output, and the layer it ran in."""
-    modules: tuple
-    module: nn.Module
-    args: tuple
-    output: object
-    layer: int | None
-
-    @property
-    def name(self) -> str:
-        return self.modules[-1]
-
+# One torch function the traced forward ran: its name, GPT.forward's step and the layer it ran in, the names of the
+# module calls around it (outermost first), the tensors it read, and what a __getitem__ took
+TracedOp = collections.namedtuple("TracedOp", "name step layer modules inputs index")
+# One module call: its name and those of the calls around it (outermost first), the module, its positional
+# arguments and output, and the layer it ran in
+ModuleCall = collections.namedtuple("ModuleCall", "name modules module args output layer")
 
 class ModelTrace(torch.overrides.TorchFunctionMode):
     """One forward of the one-process model on a probe sequence, run through GPT.forward's steps, recording every
@@ -2516,30 +2244,27 @@ class ModelTrace(torch.overrides.TorchFunctionMode):
         self.stack, self.step, self.layer = [], None, None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if self.step is not None and getattr(func, "__name__", "") != "__get__":
+        kwargs, name = kwargs or {}, getattr(func, "__name__", str(func))
+        if self.step is not None and name != "__get__":
             inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
-            index = args[1] if getattr(func, "__name__", "") == "__getitem__" and len(args) > 1 else None
-            op = TracedOp(getattr(func, "__name__", str(func)), self.step, self.layer, tuple(self.stack), inputs,
-                          index)
+            op = TracedOp(name, self.step, self.layer, tuple(self.stack), inputs,
+                          args[1] if name == "__getitem__" and len(args) > 1 else None)
             for t in inputs:
                 self.readers[id(t)].append(op)
         return func(*args, **kwargs)
-
-    def _enter(self, module, args):
-        self.stack.append(self.module_names.get(id(module), "?"))
-
-    def _leave(self, module, args, output):
-        self.calls.append(ModuleCall(tuple(self.stack), module, args, output, self.layer))
-        self.stack.pop()
 
     def run(self) -> "ModelTrace":
         model = self.model
         tokens = torch.arange(self.seq_len + 1, device=next(model.parameters()).device) % EOT_TOKEN
         tokens[0] = EOT_TOKEN
         inputs, targets, window = tokens[:-1].to(torch.int32), tokens[1:], window_tensor(1, tokens.device)
-        hooks = [nn.modules.module.register_module_forward_pre_hook(self._enter),
-                 nn.modules.module.register_module_forward_hook(self._leave)]
+
+        def leave(module, args, output):
+            self.calls.append(ModuleCall(self.stack[-1], tuple(self.stack), module, args, output, self.layer))
+            self.stack.pop()
+        hooks = [nn.modules.module.register_module_forward_pre_hook(
+                     lambda module, args: self.stack.append(self.module_names.get(id(module), "?"))),
+                 nn.modules.module.register_module_forward_hook(leave)]
         use_flex, model.use_flex = model.use_flex, False  # (the dense twin: FlexAttention has no CPU backward)
         try:
             with torch.no_grad(), self:
@@ -2567,19 +2292,8 @@ class ModelTrace(torch.overrides.TorchFunctionMode):
         """The ops that read the parameter of this name (by name: a layout may replace the parameter itself)."""
         return self.readers[self.param_ids[name]]
 
-
 # ----------------------------------------------------------------------------------------------------
 # Data parallel: gradients averaged over the data-parallel ranks in buckets, while backward still runs
-
-class LocalGradients:
-    """One rank and no float64 sums: backward's own accumulation is all there is."""
-
-    def micro_batch(self, last: bool):
-        return contextlib.nullcontext()
-
-    def wait(self) -> None:
-        pass
-
 
 class GradientBuckets:
     """Average gradients over the data-parallel ranks in ~bucket_mb buckets, as soon as a bucket's gradients are final.
@@ -2588,7 +2302,7 @@ class GradientBuckets:
     Buckets follow reverse registration order (roughly the order backward produces gradients) and never mix
     dtypes. Gradient accumulation wraps each micro-batch's backward in micro_batch(last): only the last reduces.
     Gradients are all-reduced where they are; a bucket is copied into one flat tensor only for a reduce to one
-    owner (which takes one tensor) or into the float64 sums.
+    owner (which takes one tensor) or into the float64 sums. On one rank without float64 sums, nothing happens.
 
     owner_of (ZeRO 1 and up) names the rank that updates each parameter; the other ranks drop its gradient once
     reduced. With reduce_to_owner (ZeRO 2 and 3) a bucket holds one owner's parameters and is reduced to that rank
@@ -2610,17 +2324,13 @@ class GradientBuckets:
         self.dp, self.owner_of, self.sum_dtype = dp, owner_of, sum_dtype
         self.reduce_to_owner, self.summed_first = reduce_to_owner and owner_of is not None, summed_first or {}
         self.buckets: list[list[Tensor]] = []
-        sizes: list[float] = []
         for param in reversed([p for p in params if p.requires_grad]):
-            mb = param.numel() * param.element_size() / 2**20
             last = self.buckets[-1] if self.buckets else None
-            if (last is None or sizes[-1] + mb > bucket_mb or last[0].dtype != param.dtype
-                    or self.owner(last[0]) != self.owner(param) or param in self.summed_first
-                    or last[0] in self.summed_first):
+            if last is None or sum(map(nbytes, last)) + nbytes(param) > bucket_mb * 2**20 or \
+                    last[0].dtype != param.dtype or self.owner(last[0]) != self.owner(param) or \
+                    param in self.summed_first or last[0] in self.summed_first:
                 self.buckets.append([])
-                sizes.append(0.0)
             self.buckets[-1].append(param)
-            sizes[-1] += mb
         self.bucket_of = {param: i for i, bucket in enumerate(self.buckets) for param in bucket}
         self.sums = None if sum_dtype is None else [
             torch.zeros(sum(p.numel() for p in bucket), dtype=sum_dtype, device=bucket[0].device)
@@ -2628,12 +2338,9 @@ class GradientBuckets:
         self.sum_of = {}  # parameter -> its part of its bucket's sums, shaped like it
         self.rows_summed = {}  # parameter -> the rows added to its sum this step (a mask), or None: any row
         for bucket, sums in zip(self.buckets, self.sums or []):
-            self.sum_of.update(zip(bucket, (part.view_as(p) for part, p in
-                                            zip(sums.split([p.numel() for p in bucket]), bucket))))
+            self.sum_of.update((p, part.view_as(p)) for p, part in zip(bucket, sums.split([p.numel() for p in bucket])))
         self.reduced: list[list[Tensor] | None] = [None] * len(self.buckets)  # what each reduction works on
-        self.ready = [0] * len(self.buckets)
-        self.handles: list[list] = [[] for _ in self.buckets]
-        self.sync = True
+        self.ready, self.handles, self.sync = [0] * len(self.buckets), [[] for _ in self.buckets], True
         for param in self.bucket_of:
             if param not in self.summed_first:  # (those are reduced in wait(), once every stage is done)
                 param.register_post_accumulate_grad_hook(self._hook)
@@ -2647,17 +2354,15 @@ class GradientBuckets:
         """Around one micro-batch's backward: the last reduces; the others' gradients go to the float64 sums."""
         self.sync = last
         yield
-        if not last and self.sums is not None:
-            for i in range(len(self.buckets)):
-                self._add_to_sum(i)
+        for i in range(len(self.buckets)) if not last and self.sums is not None else ():
+            self._add_to_sum(i)
 
     def _hook(self, param: Tensor) -> None:
-        if not self.sync:
-            return
-        i = self.bucket_of[param]
-        self.ready[i] += 1
-        if self.ready[i] == len(self.buckets[i]):
-            self._launch(i)
+        if self.sync:
+            i = self.bucket_of[param]
+            self.ready[i] += 1
+            if self.ready[i] == len(self.buckets[i]):
+                self._launch(i)
 
     def _launch(self, i: int) -> None:
         bucket, owner = self.buckets[i], self.owner(self.buckets[i][0])
@@ -2687,7 +2392,7 @@ class GradientBuckets:
                                            group=self.dp.group, async_op=True)]
 
     def _add_to_sum(self, i: int) -> None:
-        """Move each gradient of bucket i into its float64 sum. A sparse gradient (an embedding's, see build_run)
+        """Move each gradient of bucket i into its float64 sum. A sparse gradient (an embedding's, see build_trainer)
         adds only the rows of the micro-batch's tokens, each first summed in the parameter's dtype in token order
         as the dense backward sums it: adding zero changes no sum, so the result is the dense one's."""
         for p in self.buckets[i]:
@@ -2703,10 +2408,13 @@ class GradientBuckets:
                 added = torch.zeros(len(p), dtype=torch.bool, device=p.device).index_fill_(0, rows, True)
                 self.rows_summed[p] = added | self.rows_summed[p] if p in self.rows_summed else added
 
-    def _take_sum(self, p: Tensor) -> Tensor:
-        """p's float64 sum rounded once to p's dtype, and cleared for the next step. On one rank, where only some
-        rows were added to, only those are rounded and cleared: the rest is zero."""
+    def _take_sum(self, p: Tensor, keep: bool) -> Tensor | None:
+        """p's float64 sum rounded once to p's dtype (when kept), and cleared for the next step. On one rank, where
+        only some rows were added to, only those are rounded and cleared: the rest is zero."""
         total, rows = self.sum_of[p], self.rows_summed.pop(p, None)
+        if not keep:
+            total.zero_()
+            return None
         if rows is None or self.dp.size > 1 or p in self.summed_first:  # (a reduction may have filled any row)
             grad = total.to(p.dtype)
             total.zero_()
@@ -2716,10 +2424,6 @@ class GradientBuckets:
         grad[rows] = total[rows].to(p.dtype)
         total[rows] = 0
         return grad
-
-    def _clear_sum(self, p: Tensor) -> None:
-        self.rows_summed.pop(p, None)
-        self.sum_of[p].zero_()
 
     def wait(self) -> None:
         """Wait for every bucket's reduction and hand each parameter its averaged gradient (under ZeRO, the
@@ -2735,24 +2439,21 @@ class GradientBuckets:
         for bucket, reduced, handles in zip(self.buckets, self.reduced, self.handles):
             for handle in handles:
                 handle.wait()
-            owner = self.owner(bucket[0])
-            if owner is not None and owner == self.dp.rank and self.dp.size > 1:
+            if self.owner(bucket[0]) == self.dp.rank and self.dp.size > 1:
                 reduced[0].div_(self.dp.size)
             flat = self.sums is None and reduced[0] is not bucket[0].grad  # a copy: each gradient a view of it
             offset = 0
             for p in bucket:  # each parameter's average, where this rank keeps it (another's: dropped)
                 keep = self.owner_of is None or self.owner_of[p] == self.dp.rank
                 if self.sums is not None:
-                    p.grad = self._take_sum(p) if keep else self._clear_sum(p)
+                    p.grad = self._take_sum(p, keep)
                 elif not keep:
                     p.grad = None
                 elif flat:
                     p.grad = reduced[0][offset:offset + p.numel()].view_as(p)
                 offset += p.numel()
-        self.ready = [0] * len(self.buckets)
-        self.reduced = [None] * len(self.buckets)
+        self.ready, self.reduced = [0] * len(self.buckets), [None] * len(self.buckets)
         self.handles = [[] for _ in self.buckets]
-
 
 # ----------------------------------------------------------------------------------------------------
 # ZeRO (Rajbhandari et al. 2020): optimizer states, gradients and parameters sharded over data-parallel ranks
@@ -2779,13 +2480,11 @@ class Zero:
 
     @staticmethod
     def build(stage: int, groups: dict[str, list[Tensor]], dp: Axis) -> "Zero":
-        owner_of = Muon.owners(groups["muon"], dp.size)
-        load = [0] * dp.size
+        owner_of, load = Muon.owners(groups["muon"], dp.size), [0] * dp.size
         adam_params = groups["head"] + groups["embed"] + groups["scalar"]
         for p in sorted(adam_params, key=lambda p: -p.numel()):  # largest first, to the least loaded rank
-            owner = load.index(min(load))
-            owner_of[p] = owner
-            load[owner] += p.numel()
+            owner_of[p] = load.index(min(load))
+            load[owner_of[p]] += p.numel()
         return Zero(stage, dp, owner_of, adam_params if stage in (1, 2) and dp.size > 1 else [])
 
     def owns(self, param: Tensor) -> bool:
@@ -2813,19 +2512,18 @@ class Zero:
     @contextlib.contextmanager
     def whole_parameters(self):
         """Every parameter's values on every rank for a while (to save or load a checkpoint)."""
-        if self.sharded is not None:
-            self.sharded.gather_all()
+        for u in range(len(self.sharded.units)) if self.sharded is not None else ():
+            self.sharded.gather(u)
         try:
             yield
         finally:
-            if self.sharded is not None:
-                self.sharded.drop_all()
+            for u in range(len(self.sharded.units)) if self.sharded is not None else ():
+                self.sharded.drop(u)
 
     def peak_parameter_bytes(self, model: nn.Module) -> int:
         """The most parameter bytes this rank held at once (ZeRO 3 gathers them for a while)."""
         held = sum(p.untyped_storage().nbytes() for p in model.parameters())
         return max(held, self.sharded.peak_bytes) if self.sharded is not None else held
-
 
 class ShardedParameters:
     """ZeRO 3: a parameter's values live on its owner alone except while a forward or backward needs them.
@@ -2859,13 +2557,14 @@ class ShardedParameters:
         self.peak_bytes = 0
         for u, (_, module) in enumerate(blocks + others):
             # a block prefetches its neighbour: the next one going forward, the one before going backward
-            neighbours = (u + 1 if u + 1 < len(blocks) else None, u - 1 if 0 < u < len(blocks) else None)
-            module.register_forward_pre_hook(lambda module, args, u=u, after=neighbours[0]: self._enter(u, after))
-            module.register_forward_hook(lambda module, args, out, u=u, before=neighbours[1]:
+            after, before = u + 1 if u + 1 < len(blocks) else None, u - 1 if 0 < u < len(blocks) else None
+            module.register_forward_pre_hook(lambda module, args, u=u, after=after: self._enter(u, after))
+            module.register_forward_hook(lambda module, args, out, u=u, before=before:
                                          self._after_forward(u, module, out, before))
         for p in self.unit_of:
             p.register_post_accumulate_grad_hook(self._gradient_in)
-        self.drop_all()
+        for u in range(len(self.units)):
+            self.drop(u)
         self.peak_bytes = self.bytes  # from here on: what a step gathers
 
     def _resize(self, p: Tensor, size: int) -> None:
@@ -2898,14 +2597,6 @@ class ShardedParameters:
                 self._resize(p, 0)
         self.resident.discard(u)
 
-    def gather_all(self) -> None:
-        for u in range(len(self.units)):
-            self.gather(u)
-
-    def drop_all(self) -> None:
-        for u in range(len(self.units)):
-            self.drop(u)
-
     def _enter(self, u: int, prefetch: int | None) -> None:
         self.gather(u)
         self._start(prefetch)
@@ -2926,7 +2617,6 @@ class ShardedParameters:
             self.grads_in[u] = 0
             self.drop(u)
 
-
 # ----------------------------------------------------------------------------------------------------
 # Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) and sequence parallelism (Korthikanti et al. 2022),
 # applied to a built one-process model
@@ -2944,10 +2634,8 @@ class _Conjugate(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         return ctx.backward_op(grad, ctx.tp), None, None, None
 
-
 def identity(x: Tensor, tp: Axis) -> Tensor:
     return x.view_as(x)
-
 
 def all_reduce_sum(x: Tensor, tp: Axis) -> Tensor:
     out = x.contiguous().clone()
@@ -2955,14 +2643,12 @@ def all_reduce_sum(x: Tensor, tp: Axis) -> Tensor:
     dist.all_reduce(out, group=tp.group)
     return out
 
-
 def gather_sequence_shards(x: Tensor, tp: Axis, async_op: bool = False):
     """(..., T / tp, d) shards -> (..., T, d) in rank order along the sequence (dims before it have size 1)."""
     full = x.new_empty(*x.shape[:-2], tp.size * x.size(-2), x.size(-1))
     count_comm("all_gather_single", full)
     handle = dist.all_gather_single(full.view(-1), x.contiguous().view(-1), group=tp.group, async_op=async_op)
     return (full, handle) if async_op else full
-
 
 def reduce_scatter_sequence_shards(x: Tensor, tp: Axis) -> Tensor:
     """(..., T, d) partial sums -> this rank's (..., T / tp, d) shard of their sum."""
@@ -2972,12 +2658,10 @@ def reduce_scatter_sequence_shards(x: Tensor, tp: Axis) -> Tensor:
     dist.reduce_scatter_single(shard.view(-1), x.view(-1), group=tp.group)
     return shard
 
-
 def own_sequence_shard(x: Tensor, tp: Axis) -> Tensor:
     """(..., T, d), the same on every rank -> this rank's (..., T / tp, d) part of it."""
     n = x.size(-2) // tp.size
     return x.narrow(-2, tp.rank * n, n).clone()
-
 
 def enter_region(x: Tensor, tp: Axis, sp: bool) -> Tensor:
     """The whole activation for a tensor-parallel region: f (identity forward; backward all-reduces the ranks'
@@ -2986,14 +2670,12 @@ def enter_region(x: Tensor, tp: Axis, sp: bool) -> Tensor:
         return _Conjugate.apply(x, tp, gather_sequence_shards, reduce_scatter_sequence_shards)
     return _Conjugate.apply(x, tp, identity, all_reduce_sum)
 
-
 def leave_region(x: Tensor, tp: Axis, sp: bool) -> Tensor:
     """The sum of the ranks' partial outputs: g (all-reduce forward, identity backward), or under sequence
     parallelism this rank's shard of it (reduce-scatter; backward all-gathers)."""
     if sp:
         return _Conjugate.apply(x, tp, reduce_scatter_sequence_shards, gather_sequence_shards)
     return _Conjugate.apply(x, tp, all_reduce_sum, identity)
-
 
 class _GatherThenLinear(torch.autograd.Function):
     """Asynchronous tensor parallelism (Wang et al. 2023, overlapping communication with dependent computation):
@@ -3020,7 +2702,6 @@ class _GatherThenLinear(torch.autograd.Function):
         grad_weight = grad.flatten(end_dim=-2).t() @ full.flatten(end_dim=-2)
         return reduce_scatter_sequence_shards(grad @ weight, ctx.tp), grad_weight, None
 
-
 @dataclass(frozen=True)
 class TensorParallelSlice:
     """How a parameter is split over the tensor-parallel ranks: along `dim`, zero-padded to a multiple of them,
@@ -3031,11 +2712,9 @@ class TensorParallelSlice:
 
     def cut(self, whole: Tensor) -> Tensor:
         n = -(-self.size // self.axis.size)
-        pad = n * self.axis.size - self.size
-        if pad:
-            shape = list(whole.shape)
-            shape[self.dim] = pad
-            whole = torch.cat([whole, whole.new_zeros(shape)], self.dim)
+        pad = list(whole.shape)
+        pad[self.dim] = n * self.axis.size - self.size
+        whole = torch.cat([whole, whole.new_zeros(pad)], self.dim) if pad[self.dim] else whole
         return whole.narrow(self.dim, self.axis.rank * n, n).contiguous()
 
     def gather(self, local: Tensor) -> Tensor:
@@ -3045,10 +2724,7 @@ class TensorParallelSlice:
         return torch.cat(parts, self.dim).narrow(self.dim, 0, self.size)
 
     def full_shape(self, local: Tensor) -> tuple:
-        shape = list(local.shape)
-        shape[self.dim] = self.size
-        return tuple(shape)
-
+        return tuple(self.size if d == self.dim else n for d, n in enumerate(local.shape))
 
 def split_parameter(model: nn.Module, p: nn.Parameter, dim: int, tp: Axis) -> None:
     """Replace p, in every module that holds it, by this rank's slice of it along dim."""
@@ -3061,13 +2737,6 @@ def split_parameter(model: nn.Module, p: nn.Parameter, dim: int, tp: Axis) -> No
             if held is p:
                 setattr(module, name, part)
 
-
-def gather_then_linear(linear: CastedLinear, tp: Axis) -> None:
-    """Async TP: this column-parallel layer, not its region, gathers its sequence-sharded input, overlapped with
-    the matmul of its own shard."""
-    linear.forward = lambda x: _GatherThenLinear.apply(x, linear.weight.flatten(end_dim=-2).type_as(x), tp)
-
-
 def vocab_parallel_embedding(embedding: nn.Embedding, tp: Axis) -> None:
     """Rows split by vocabulary: each rank looks up the tokens in its rows (zero for the others) and the partial
     lookups are summed."""
@@ -3078,14 +2747,6 @@ def vocab_parallel_embedding(embedding: nn.Embedding, tp: Axis) -> None:
         found = F.embedding(local.clamp(0, rows - 1), embedding.weight) * inside[:, None].to(embedding.weight.dtype)
         return leave_region(found, tp, sp=False)
     embedding.forward = lookup
-
-
-def vocab_parallel_head(head: LMHead, tp: Axis) -> None:
-    """Output rows split by vocabulary: the whole input enters the head through f, the logits stay split, and the
-    soft cap (element-wise) and a vocabulary-parallel cross-entropy work on the shards."""
-    head.register_forward_pre_hook(lambda m, args: (enter_region(args[0], tp, sp=False), *args[1:]))
-    head.cross_entropy = functools.partial(vocab_parallel_cross_entropy, tp=tp)
-
 
 def vocab_parallel_cross_entropy(logits: Tensor, targets: Tensor, tp: Axis) -> Tensor:
     """Cross-entropy summed over tokens, of logits split by vocabulary across tp: (T, V / tp) here, full (T, V)
@@ -3103,7 +2764,6 @@ def vocab_parallel_cross_entropy(logits: Tensor, targets: Tensor, tp: Axis) -> T
     losses = sum_exp.log() - leave_region(target_logit, tp, sp=False)
     return losses.sum()
 
-
 # The kinds of module tensor parallelism splits, each a region: attention by head, the MLP by its width. A linear
 # layer reading a region's input is column-parallel (output features split), the one writing its output
 # row-parallel (input features split); f or an all-gather enters a region, g or a reduce-scatter leaves it.
@@ -3111,7 +2771,6 @@ TENSOR_PARALLEL_REGIONS = {CausalSelfAttention: "heads", MLP: "width"}
 # A fork's linear layer inside a region that these rules do not place: (region class, its attribute name in the
 # region) -> "column", "row" or "whole" (replicated: it acts on the region's whole input)
 TENSOR_PARALLEL_PLAN: dict[tuple[type, str], str] = {}
-
 
 def tensor_parallelize(model: GPT, tp: Axis, args: Hyperparameters, trace: ModelTrace) -> None:
     """Split the one-process model over the tensor-parallel ranks by the rules above, found on one traced forward.
@@ -3125,7 +2784,7 @@ def tensor_parallelize(model: GPT, tp: Axis, args: Hyperparameters, trace: Model
     regions = {call.name: call for call in trace.calls if split_by(call.module)}
     splits, roles = tensor_parallel_splits(model, trace, regions, args.num_heads)
     if args.sp:
-        cut = sequence_parallel_cut(model, trace, regions)
+        cut = sequence_parallel_cut(trace, regions)
         if next(model.parameters()).device.type != "meta":  # (the plan has no values to check)
             refuse_sequence_mixing(model, trace, regions, cut, tp.size)
     names = {p: name for name, p in model.named_parameters()}
@@ -3142,33 +2801,33 @@ def tensor_parallelize(model: GPT, tp: Axis, args: Hyperparameters, trace: Model
     for p, dim in splits.items():
         split_parameter(model, p, dim, tp)
     for name, call in regions.items():
-        # async TP when only column-parallel layers read the region's input: each gathers it itself
-        overlapped = args.async_tp and all(roles.get(op.modules[-1]) == "column" for op in trace.reads(call.args[0]))
-        if overlapped:
-            for linear, role in roles.items():
-                if role == "column" and linear.startswith(name + "."):
-                    gather_then_linear(model.get_submodule(linear), tp)
+        # async TP when only column-parallel layers read the region's input: each gathers it itself, overlapped with
+        # the matmul of its own shard
+        columns = [model.get_submodule(linear) for linear, role in roles.items()
+                   if role == "column" and linear.startswith(name + ".")]
+        if args.async_tp and all(roles.get(op.modules[-1]) == "column" for op in trace.reads(call.args[0])):
+            for linear in columns:
+                linear.forward = lambda x, linear=linear: _GatherThenLinear.apply(
+                    x, linear.weight.flatten(end_dim=-2).type_as(x), tp)
         else:
             call.module.register_forward_pre_hook(lambda m, a: (enter_region(a[0], tp, args.sp), *a[1:]))
         call.module.register_forward_hook(lambda m, a, out: leave_region(out, tp, args.sp))
     for module in model.modules():
         if isinstance(module, nn.Embedding) and module.weight.slice_of.dim == 0:
             vocab_parallel_embedding(module, tp)
-        if isinstance(module, LMHead):
-            vocab_parallel_head(module, tp)
+        if isinstance(module, LMHead):  # the whole input enters through f; the logits stay split by vocabulary
+            module.register_forward_pre_hook(lambda m, args: (enter_region(args[0], tp, sp=False), *args[1:]))
+            module.cross_entropy = functools.partial(vocab_parallel_cross_entropy, tp=tp)
     if args.sp:
-        cut_stream_between_embedding_and_head(model, trace, cut, tp)
-
+        cut_stream_between_embedding_and_head(model, cut, tp)
 
 def split_by(module: nn.Module) -> str | None:
     """How tensor parallelism splits a module of this kind: "heads", "width", or None (not a region)."""
     return next((how for kind, how in TENSOR_PARALLEL_REGIONS.items() if isinstance(module, kind)), None)
 
-
 def region_of(modules: tuple, regions: dict) -> str | None:
     """The innermost tensor-parallel region among these module calls."""
     return next((name for name in reversed(modules) if name in regions), None)
-
 
 def tensor_parallel_splits(model: GPT, trace: ModelTrace, regions: dict, num_heads: int) -> tuple[dict, dict]:
     """The dimension tensor parallelism splits each parameter along (param -> dim), and the role of each linear
@@ -3218,12 +2877,11 @@ def tensor_parallel_splits(model: GPT, trace: ModelTrace, regions: dict, num_hea
                                 f"'{module_name[len(region) + 1:]}')] = 'column', 'row' or 'whole'")
     return splits, roles
 
-
 # Sequence parallelism cuts the stream along the sequence after the embedding and makes it whole again before the
 # head, so GPT's own code around the blocks (the embedding, token shifts, extra heads and losses) sees whole
 # sequences; the code between, outside attention and the MLP, must work position by position (checked).
 
-def sequence_parallel_cut(model: GPT, trace: ModelTrace, regions: dict) -> list[int]:
+def sequence_parallel_cut(trace: ModelTrace, regions: dict) -> list[int]:
     """The stream tensors, by their place in the embedding's output, that the blocks read outside the regions:
     these are cut; those read only inside the regions (the value embeddings) stay whole."""
     paths_and_leaves = pytree.tree_flatten_with_path(trace.streams[0])[0]
@@ -3237,8 +2895,7 @@ def sequence_parallel_cut(model: GPT, trace: ModelTrace, regions: dict) -> list[
                             "of its own")
     return cut
 
-
-def cut_stream_between_embedding_and_head(model: GPT, trace: ModelTrace, cut: list[int], tp: Axis) -> None:
+def cut_stream_between_embedding_and_head(model: GPT, cut: list[int], tp: Axis) -> None:
     embed_tokens, head_loss = model.embed_tokens, model.head_loss
 
     def embed_and_cut(input_seq: Tensor) -> dict:
@@ -3254,75 +2911,47 @@ def cut_stream_between_embedding_and_head(model: GPT, trace: ModelTrace, cut: li
                                          stream), target_seq)
     model.embed_tokens, model.head_loss = embed_and_cut, join_then_head
 
-
 def refuse_sequence_mixing(model: GPT, trace: ModelTrace, regions: dict, cut: list[int], tp: int) -> None:
     """Each layer (GPT.run_block) run on every shard of its stream, its regions given their one-process inputs
     and outputs, must give that shard of its one-process output; else it mixes positions outside the regions."""
     whole = {id(t) for i, t in enumerate(pytree.tree_leaves(trace.streams[0])) if i not in cut}
-    length = trace.seq_len
 
     def shard(t, r):
-        is_shard = isinstance(t, Tensor) and id(t) not in whole and t.ndim >= 2 and t.size(-2) == length
+        is_shard = isinstance(t, Tensor) and id(t) not in whole and t.ndim >= 2 and t.size(-2) == trace.seq_len
         return t.chunk(tp, -2)[r] if is_shard else t
-    for layer in range(len(model.blocks)):
-        for r in range(tp):
-            calls = [call for call in trace.calls if call.layer == layer and call.name in regions]
-            fed, hooks = [], []
+    for layer, r in itertools.product(range(len(model.blocks)), range(tp)):
+        calls = [call for call in trace.calls if call.layer == layer and call.name in regions]
+        fed, hooks = [], []
 
-            def enter(module, args):
-                fed.append(torch.allclose(args[0], shard(calls[0].args[0], r), rtol=1e-4, atol=1e-5))
-                return (calls[0].args[0], *args[1:])
+        def enter(module, args):
+            fed.append(torch.allclose(args[0], shard(calls[0].args[0], r), rtol=1e-4, atol=1e-5))
+            return (calls[0].args[0], *args[1:])
 
-            def leave(module, args, output):
-                return shard(calls.pop(0).output, r)
-            for call in {id(c.module): c for c in calls}.values():
-                hooks += [call.module.register_forward_pre_hook(enter), call.module.register_forward_hook(leave)]
-            try:
-                with torch.no_grad():
-                    out = model.run_block(layer, pytree.tree_map(lambda t: shard(t, r), trace.streams[layer]),
-                                          trace.masks)
-            finally:
-                for hook in hooks:
-                    hook.remove()
-            expected = pytree.tree_leaves(pytree.tree_map(lambda t: shard(t, r), trace.streams[layer + 1]))
-            if not all(fed) or not all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in
-                                       zip(pytree.tree_leaves(out), expected) if isinstance(a, Tensor)):
-                raise UserError(f"sequence parallelism: layer {layer} mixes positions outside attention and the MLP "
-                                f"(run on a part of the sequence, blocks.{layer} or GPT.run_block gives another result "
-                                "than on the whole): --sp cuts the stream there; move the mixing into "
-                                "GPT.embed_tokens or GPT.head_loss, or into attention or the MLP, or train without --sp")
-
+        def leave(module, args, output):
+            return shard(calls.pop(0).output, r)
+        for call in {id(c.module): c for c in calls}.values():
+            hooks += [call.module.register_forward_pre_hook(enter), call.module.register_forward_hook(leave)]
+        try:
+            with torch.no_grad():
+                out = model.run_block(layer, pytree.tree_map(lambda t: shard(t, r), trace.streams[layer]), trace.masks)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        expected = pytree.tree_leaves(pytree.tree_map(lambda t: shard(t, r), trace.streams[layer + 1]))
+        if not all(fed) or not all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in
+                                   zip(pytree.tree_leaves(out), expected) if isinstance(a, Tensor)):
+            raise UserError(f"sequence parallelism: layer {layer} mixes positions outside attention and the MLP (run on "
+                            f"a part of the sequence, blocks.{layer} or GPT.run_block gives another result than on the "
+                            "whole): --sp cuts the stream there; move the mixing into GPT.embed_tokens or "
+                            "GPT.head_loss, or into attention or the MLP, or train without --sp")
 
 # ----------------------------------------------------------------------------------------------------
 # Pipeline parallelism: GPipe's all-forwards-then-all-backwards (Huang et al. 2019) and one-forward-one-backward
 # (PipeDream-Flush, Narayanan et al. 2021) over stages cut from a built one-process model
 
-PIPELINE_SCHEDULES = ("afab", "1f1b")
-
-
 def stage_layers(num_layers: int, stages: int, stage: int) -> range:
     """Stage `stage`'s contiguous share of the blocks; shares differ by at most one block."""
     return range(stage * num_layers // stages, (stage + 1) * num_layers // stages)
-
-
-def run_layers(model: GPT, layers: range, inputs: Tensor, targets: Tensor, window: Tensor,
-               stream: dict | None) -> Tensor | dict:
-    """GPT.forward's steps for a run of its layers: embedding the tokens first when the run starts at the first
-    block, the head and loss last when it ends at the last block; otherwise the stream goes in or comes out."""
-    masks = model.attention_masks(inputs, window)
-    if layers.start == 0:
-        stream = model.embed_tokens(inputs)
-    for i in layers:
-        stream = model.run_block(i, stream, masks)
-    return model.head_loss(stream, targets) if layers.stop == len(model.blocks) else stream
-
-
-def stages_reading_each_parameter(model: GPT, trace: ModelTrace, stages: int) -> dict[Tensor, set[int]]:
-    """Parameter -> the pipeline stages whose steps read it in the traced forward (one no step reads: the first)."""
-    stage_of_layer = {i: s for s in range(stages) for i in stage_layers(len(model.blocks), stages, s)}
-    return {p: {0 if op.step in ("masks", "embed") else stages - 1 if op.step == "head" else stage_of_layer[op.layer]
-                for op in trace.parameter_reads(name)} or {0} for name, p in model.named_parameters()}
-
 
 def keep_only_parameters(module: nn.Module, keep: set[Tensor]) -> None:
     """Drop every parameter not in keep; a submodule left with none becomes None, so names stay the model's."""
@@ -3334,20 +2963,6 @@ def keep_only_parameters(module: nn.Module, keep: set[Tensor]) -> None:
             setattr(module, name, None)
         else:
             keep_only_parameters(child, keep)
-
-
-def run_point_to_point(ops: list) -> None:
-    """Start the isends and irecvs as one batch, so two neighbours that each send and receive cannot wait on each
-    other, then wait for them. (The plan's meta tensors have no batched form; its fake sends cannot block.)"""
-    if not ops:
-        return
-    if ops[0].tensor.device.type == "meta":
-        works = [op.op(op.tensor, op.peer, op.group) for op in ops]
-    else:
-        works = dist.batch_isend_irecv(ops)
-    for work in works:
-        work.wait()
-
 
 class PipelineStage:
     """This rank's pipeline stage: a contiguous run of the blocks and the parameters its steps read, the exchange of
@@ -3370,58 +2985,67 @@ class PipelineStage:
         self.model, self.pp, self.schedule = model, pp, schedule
         self.layers = stage_layers(len(model.blocks), pp.size, pp.rank)
         self.first, self.last = pp.rank == 0, pp.rank == pp.size - 1
-        readers = stages_reading_each_parameter(model, trace, pp.size)
+        # parameter -> the stages whose steps read it in the traced forward (one no step reads: the first)
+        stage_of_layer = {i: s for s in range(pp.size) for i in stage_layers(len(model.blocks), pp.size, s)}
+        readers = {p: {0 if op.step in ("masks", "embed") else pp.size - 1 if op.step == "head" else
+                       stage_of_layer[op.layer] for op in trace.parameter_reads(name)} or {0}
+                   for name, p in model.named_parameters()}
         self.shared = {}  # parameter -> (the group of its copies on the stages that read it, those stages)
         for stages in sorted({tuple(sorted(s)) for s in readers.values() if len(s) > 1}):
-            for dp_rank in range(ctx.dp.size):  # every rank creates every group, in the same order
-                for tp_rank in range(ctx.tp.size):
-                    ranks = [ctx.grid_rank(dp_rank, tp_rank, stage) for stage in stages]
-                    group = dist.new_group(ranks)
-                    if ctx.rank in ranks:
-                        self.shared.update({p: (Axis(ranks.index(ctx.rank), len(ranks), group, tuple(ranks)), stages)
-                                            for p, s in readers.items() if tuple(sorted(s)) == stages})
+            for dp_rank, tp_rank in itertools.product(range(ctx.dp.size), range(ctx.tp.size)):
+                ranks = [ctx.grid_rank(dp_rank, tp_rank, stage) for stage in stages]
+                group = dist.new_group(ranks)  # (every rank creates every group, in the same order)
+                if ctx.rank in ranks:
+                    self.shared.update({p: (Axis(ranks.index(ctx.rank), len(ranks), group, tuple(ranks)), stages)
+                                        for p, s in readers.items() if tuple(sorted(s)) == stages})
         keep_only_parameters(model, {p for p, s in readers.items() if pp.rank in s})
         # (boundary layer, sequence length, grad enabled) -> the stream's structure there; the plan shares one
         self.stream_specs = {} if stream_specs is None else stream_specs
         dist.barrier(group=pp.group)  # NCCL wants a group's first call to involve all its ranks
 
     def forward(self, inputs: Tensor, targets: Tensor, window: Tensor, stream: dict | None) -> Tensor | dict:
-        """This stage's layers: the loss on the last stage, the stream elsewhere."""
-        return run_layers(self.model, self.layers, inputs, targets, window, stream)
+        """GPT.forward's steps for this stage's layers: the embedding first on the first stage, the head and loss
+        last on the last; otherwise the stream comes in or goes out."""
+        masks = self.model.attention_masks(inputs, window)
+        stream = self.model.embed_tokens(inputs) if self.first else stream
+        for i in self.layers:
+            stream = self.model.run_block(i, stream, masks)
+        return self.model.head_loss(stream, targets) if self.last else stream
 
     def exchange(self, seq_len: int, to_next: dict | None = None, to_prev: list[Tensor] | None = None,
                  from_prev: bool = False, from_next: bool = False) -> tuple[dict | None, list[Tensor] | None]:
         """Send a stream (forward) or the gradient of one (backward) and receive them, in one batch; returns what
         came (the stream from the stage before, the gradient from the stage after). Requests toward a missing
         neighbour are ignored."""
-        ops, mode = [], torch.is_grad_enabled()
+        ops, mode, device = [], torch.is_grad_enabled(), next(self.model.parameters()).device
         prev, nxt = self.pp.rank - 1, self.pp.rank + 1
         if to_next is not None and not self.last:
-            tensors = self._announce(to_next, (self.layers.stop, seq_len, mode), nxt)
-            ops += self._sends(tensors, nxt)
+            ops += self._sends(self._announce(to_next, (self.layers.stop, seq_len, mode), nxt), nxt)
         if to_prev is not None and not self.first:
             ops += self._sends(to_prev, prev)
         stream = grads = None
         if from_prev and not self.first:
             spec, shapes = self._structure((self.layers.start, seq_len, mode), prev)
-            tensors = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in shapes]
-            ops += self._receives(tensors, prev)
-            stream = pytree.tree_unflatten(tensors, spec)
+            tensors = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in shapes]
+            ops += [dist.P2POp(dist.irecv, t, self.pp.global_rank(prev), self.pp.group) for t in tensors]
+            stream = pytree.tree_unflatten(tensors, pytree.treespec_loads(spec))
         if from_next and not self.last:
             _, shapes = self.stream_specs[(self.layers.stop, seq_len, mode)]
-            grads = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in shapes
+            grads = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in shapes
                      if dtype.is_floating_point]
-            ops += self._receives(grads, nxt)
-        run_point_to_point(ops)
-        if stream is not None and mode:
-            for t in pytree.tree_leaves(stream):
-                if t.is_floating_point():
-                    t.requires_grad_()  # its gradient goes back to the stage before
+            ops += [dist.P2POp(dist.irecv, t, self.pp.global_rank(nxt), self.pp.group) for t in grads]
+        # one batch, so two neighbours that each send and receive cannot wait on each other (the plan's meta
+        # tensors have no batched form; its fake sends cannot block)
+        if device.type == "meta":
+            works = [op.op(op.tensor, op.peer, op.group) for op in ops]
+        else:
+            works = dist.batch_isend_irecv(ops) if ops else []
+        for work in works:
+            work.wait()
+        for t in pytree.tree_leaves(stream) if stream is not None and mode else ():
+            if t.is_floating_point():
+                t.requires_grad_()  # its gradient goes back to the stage before
         return stream, grads
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
 
     def _announce(self, stream: dict, key: tuple, peer: int) -> list[Tensor]:
         """The stream's tensors, its structure sent ahead the first time one crosses at key."""
@@ -3444,15 +3068,11 @@ class PipelineStage:
             box = [None]
             dist.recv_object_list(box, self.pp.global_rank(peer), group=self.pp.group)
             self.stream_specs[key] = box[0]
-        spec, shapes = self.stream_specs[key]
-        return pytree.treespec_loads(spec), shapes
+        return self.stream_specs[key]
 
     def _sends(self, tensors: list[Tensor], peer: int) -> list:
         count_comm("send", *tensors)
         return [dist.P2POp(dist.isend, t.contiguous(), self.pp.global_rank(peer), self.pp.group) for t in tensors]
-
-    def _receives(self, tensors: list[Tensor], peer: int) -> list:
-        return [dist.P2POp(dist.irecv, t, self.pp.global_rank(peer), self.pp.group) for t in tensors]
 
     def run_schedule(self, batches, window: Tensor, micro_batches: int, gradients) -> Tensor:
         """Forward and backward of the step's micro-batches in the schedule; returns their summed loss on the last
@@ -3517,7 +3137,6 @@ class PipelineStage:
         self.exchange(len(inputs), to_next=out)
         return torch.zeros((), device=inputs.device)
 
-
 # ----------------------------------------------------------------------------------------------------
 # Plan: each rank's memory and each collective's bytes per step, from one step of the real code on the meta device
 
@@ -3527,28 +3146,19 @@ class _Saved:
     def __init__(self, tensor: Tensor):
         self.tensor = tensor
 
-
-class SavedActivations:
+class SavedActivations(torch.autograd.graph.saved_tensors_hooks):
     """The peak bytes of tensors autograd keeps for backward (the activations), each storage counted once and
     parameters left out. The dense attention twin's (T, T) scores are left out too: FlexAttention keeps none."""
 
     def __init__(self, model: nn.Module, seq_len: int):
+        super().__init__(self._pack, lambda held: held.tensor)
         self.param_storages = {p.untyped_storage()._cdata for p in model.parameters()}
         self.seq_len = seq_len
         self.live: collections.Counter = collections.Counter()  # storage -> tensors saved from it, still held
         self.bytes = self.peak = 0
 
-    def __enter__(self):
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda held: held.tensor)
-        self.hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc_info):
-        self.hooks.__exit__(*exc_info)
-
     def _pack(self, t: Tensor):
-        held = _Saved(t)
-        storage = t.untyped_storage()
+        held, storage = _Saved(t), t.untyped_storage()
         key = storage._cdata
         if key in self.param_storages or (t.dim() >= 2 and t.size(-1) == t.size(-2) == self.seq_len):
             return held
@@ -3564,17 +3174,16 @@ class SavedActivations:
         if self.live[key] == 0:
             self.bytes -= size
 
-
 def account_step(trainer: Trainer, batches, step: int = 0) -> dict:
-    """One training step of the trainer with what this rank held and handed to collectives, in bytes: parameters (between
-    steps, and at the peak within one), gradients after backward, float64 gradient sums, optimizer states after
-    the step, activations at the peak, and each collective's bytes."""
+    """One training step of the trainer with what this rank held and handed to collectives, in bytes: parameters
+    (between steps, and at the peak within one), gradients after backward, float64 gradient sums, optimizer states
+    after the step, activations at the peak, and each collective's bytes."""
     comm_bytes.clear()
-    with SavedActivations(trainer.model, trainer.args.train_seq_len) as saved:
+    saved = SavedActivations(trainer.model, trainer.args.train_seq_len)
+    with saved:
         loss_sum = forward_backward(trainer, batches, step)
     held = dict(gradients=sum(nbytes(p.grad) for p in trainer.model.parameters() if p.grad is not None),
-                gradient_sums=sum(map(nbytes, getattr(trainer.gradients, "sums", None) or [])),
-                activations=saved.peak)
+                gradient_sums=sum(map(nbytes, trainer.gradients.sums or [])), activations=saved.peak)
     trainer.step_stats(loss_sum, trainer.gradient_squares(), stop=False)
     optimizer_step(trainer, step)
     held.update(parameters=sum(p.untyped_storage().nbytes() for p in trainer.model.parameters()),
@@ -3583,7 +3192,6 @@ def account_step(trainer: Trainer, batches, step: int = 0) -> dict:
                                      for t in state.values()),
                 comm=dict(comm_bytes), loss_sum=loss_sum)
     return held
-
 
 @contextlib.contextmanager
 def simulated_rank(rank: int, world_size: int):
@@ -3599,20 +3207,12 @@ def simulated_rank(rank: int, world_size: int):
     finally:
         dist.destroy_process_group()
 
-
-def grid_coordinates(rank: int, world_size: int, tp: int, pp: int) -> tuple[int, int, int]:
-    """(pipeline stage, data-parallel rank, tensor-parallel rank) of a rank: build_parallel_context's grid."""
-    dp = world_size // (tp * pp)
-    return rank // (dp * tp), rank // tp % dp, rank % tp
-
-
 def rank_role(rank: int, stage: int, dp_rank: int, tp_rank: int, owners: list[dict] | None) -> tuple:
-    """What makes ranks plan alike: their stage and tensor-parallel slice, and the optimizer states (and under
-    ZeRO 3 the parameters) their data-parallel rank owns. Until a stage's owners are known, the rank itself."""
+    """What makes ranks plan alike: their stage and tensor-parallel slice, and the optimizer states (and under ZeRO 3
+    the parameters) their data-parallel rank owns. Until a stage's owners are known, the rank itself."""
     if owners is None:
         return (rank,)
     return stage, tp_rank, *(frozenset(name for name, owner in owned.items() if owner == dp_rank) for owned in owners)
-
 
 def plan_layout(args: Hyperparameters, world_size: int, cuda: bool) -> dict:
     """What each rank of a run of args on world_size processes holds and sends per training step, in bytes.
@@ -3626,27 +3226,26 @@ def plan_layout(args: Hyperparameters, world_size: int, cuda: bool) -> dict:
         raise UserError("--plan runs in one process, not under torchrun: give the process count with --nproc")
     compiled = args.compile if args.compile is not None else compiles_by_default(args, torch.device(
         "cuda" if cuda else "cpu"))
-    args = dataclasses.replace(args, compile=False)
-    meta = torch.device("meta")
+    args, meta = dataclasses.replace(args, compile=False), torch.device("meta")
     tokens = torch.empty(args.train_seq_len + 1, dtype=torch.int64, device=meta)
     batches = iter(lambda: (tokens[:-1].to(torch.int32), tokens[1:]), None)
     stream_specs, ranks, planned, owners_by_stage, shown = {}, [], {}, {}, time.monotonic()
+    role = lambda rank, stage, dp_rank, tp_rank: rank_role(rank, stage, dp_rank, tp_rank, owners_by_stage.get(stage))
     with torch.random.fork_rng(devices=[]):
         for rank in range(world_size):
             stage, dp_rank, tp_rank = grid_coordinates(rank, world_size, args.tp, args.pp)
-            role = rank_role(rank, stage, dp_rank, tp_rank, owners_by_stage.get(stage))
-            if role not in planned:
+            if role(rank, stage, dp_rank, tp_rank) not in planned:
                 with simulated_rank(rank, world_size):
-                    ctx = build_parallel_context(rank, world_size, meta, args.tp, args.pp)
-                    trainer = build_trainer(args, ctx, cuda_dtypes=cuda, stream_specs=stream_specs)
+                    trainer = build_trainer(args, build_parallel_context(rank, world_size, meta, args.tp, args.pp),
+                                            cuda_dtypes=cuda, stream_specs=stream_specs)
                     held = account_step(trainer, batches)
                 del held["loss_sum"]
                 held["activations"] = int(held["activations"] * (COMPILED_ACTIVATIONS if compiled else 1))
                 names = {p: name for name, p in trainer.model.named_parameters()}
                 owners_by_stage.setdefault(stage, [{names[p]: owner for p, owner in owned.items()}
                                                    for owned in optimizer_state_owners(trainer)])
-                planned[rank_role(rank, stage, dp_rank, tp_rank, owners_by_stage[stage])] = dict(held, stage=stage)
-            ranks.append(planned[rank_role(rank, stage, dp_rank, tp_rank, owners_by_stage[stage])])
+                planned[role(rank, stage, dp_rank, tp_rank)] = dict(held, stage=stage)
+            ranks.append(planned[role(rank, stage, dp_rank, tp_rank)])
             if time.monotonic() - shown > 5:
                 print(f"planning: {rank + 1} of {world_size} ranks, {len(planned)} distinct", file=sys.stderr,
                       flush=True)
@@ -3654,7 +3253,6 @@ def plan_layout(args: Hyperparameters, world_size: int, cuda: bool) -> dict:
     return dict(preset=args.preset, world_size=world_size, dp=world_size // (args.tp * args.pp), tp=args.tp,
                 pp=args.pp, grad_accum_steps=trainer.micro_batches, zero=args.zero, ranks=ranks, compiled=compiled,
                 num_params=sum(math.prod(shape) for shape in trainer.model.full_shapes.values()))
-
 
 # What a compiled step keeps for backward, against an eager one's saved tensors (SavedActivations): Inductor recomputes
 # cheap element-wise results instead of keeping them. Calibrated on the one GPU measurement of this model at the
@@ -3664,13 +3262,11 @@ def plan_layout(args: Hyperparameters, world_size: int, cuda: bool) -> dict:
 COMPILED_ACTIVATIONS = 0.58
 MEMORY_HEADROOM = 0.95  # of the free memory a plan may fill: the allocator's fragmentation and workspaces
 
-
 def planned_peak(args: Hyperparameters, world_size: int) -> int:
     """The largest per-rank bytes of the plan of a CUDA run: parameters at their peak, gradients, optimizer states,
     float64 sums, activations."""
     kinds = ("peak_parameters", "gradients", "optimizer_states", "gradient_sums", "activations")
     return max(sum(rank[kind] for kind in kinds) for rank in plan_layout(args, world_size, cuda=True)["ranks"])
-
 
 def check_memory(args: Hyperparameters, world_size: int, free_bytes: int) -> None:
     """Refuse a run whose plan does not fit the GPU's free memory, naming what would: a shorter sequence, ZeRO 3, or
@@ -3678,10 +3274,9 @@ def check_memory(args: Hyperparameters, world_size: int, free_bytes: int) -> Non
     need, room = planned_peak(args, world_size), MEMORY_HEADROOM * free_bytes
     if need <= room:
         return
-    unit = math.lcm(ATTENTION_BLOCK_SIZE, args.tp if args.sp else 1)
+    unit, dp = math.lcm(ATTENTION_BLOCK_SIZE, args.tp if args.sp else 1), world_size // (args.tp * args.pp)
     options = [(f"--train_seq_len {n}", dict(train_seq_len=n), world_size) for n in
                (args.train_seq_len // 2, args.train_seq_len // 4, args.train_seq_len // 8) if n % unit == 0 and n]
-    dp = world_size // (args.tp * args.pp)
     if args.zero < 3 and dp > 1:
         options.append(("--zero 3", dict(zero=3, compile=False), world_size))
     if args.seqs_per_step % (2 * dp) == 0:
@@ -3697,10 +3292,8 @@ def check_memory(args: Hyperparameters, world_size: int, free_bytes: int) -> Non
                        else "no shorter sequence, --zero 3 or twice the processes makes it fit")
                     + "; --memory_check false runs it anyway")
 
-
 def format_plan(plan: dict) -> str:
-    mib = 2 ** 20
-    psi = plan["num_params"]
+    mib, psi = 2 ** 20, plan["num_params"]
     memory = ("parameters", "peak_parameters", "gradients", "optimizer_states", "gradient_sums", "activations")
     lines = [f"plan: preset {plan['preset']}, {plan['world_size']} processes = pipeline {plan['pp']} x data parallel "
              f"{plan['dp']} x tensor parallel {plan['tp']}, ZeRO stage {plan['zero']}, {plan['grad_accum_steps']} "
@@ -3721,7 +3314,6 @@ def format_plan(plan: dict) -> str:
                  f"gradients, fp32 Adam states, K=12; tensor and pipeline parallelism divide it further): "
                  f"{formula / mib:.1f} MiB per rank")
     return "\n".join(lines)
-
 
 # ----------------------------------------------------------------------------------------------------
 # Layout check (--check_layout): the tiny model trained under each layout on gloo processes, against one process
@@ -3750,7 +3342,6 @@ CHECKED_LAYOUTS = ("dp2", "dp2_zero1", "dp2_zero2", "dp2_zero3", "tp2", "tp2_sp"
 # the tiny preset at the tests' size: 3 steps of 4 sequences of 128 tokens
 LAYOUT_CHECK_FLAGS = dict(preset="tiny", train_seq_len=128, seqs_per_step=4, val_seq_len=128, val_tokens=512)
 
-
 def layout_tolerance(layout: dict) -> float:
     """How far, relative to its norm, a tensor after a few steps may be from the one-process run's. Float64
     gradient sums make data-parallel, ZeRO and pipeline runs equal to within rounding of float64 sums (0 for the
@@ -3760,17 +3351,16 @@ def layout_tolerance(layout: dict) -> float:
     summed over too few ranks: 0.5; a token shift cut at a shard's edge: 0.13)."""
     return 3e-3 if layout.get("tp", 1) > 1 else 1e-5
 
-
 def train_steps(rank: int, world_size: int, flags: list[str], steps: int, device_type: str = "cpu") -> dict:
     """`steps` training steps of the run flags describe (its zero-initialised layers made non-zero), as this rank of
     world_size: the losses, what the first step held and sent (account_step), the names of the parameters it holds,
     and on rank 0 the training state after the last step, as one-process tensors (gather_training_state)."""
     args = parse_args(flags, cuda=False)
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
-    ctx = build_parallel_context(rank, world_size, device, args.tp, args.pp)
-    trainer = build_trainer(args, ctx, nonzero_init=True)
-    batches = DistributedDataLoader(args.train_files, args.train_seq_len, args.seqs_per_step, ctx.dp.rank,
-                                    ctx.dp.size, device)
+    trainer = build_trainer(args, build_parallel_context(rank, world_size, device, args.tp, args.pp),
+                            nonzero_init=True)
+    batches = DistributedDataLoader(args.train_files, args.train_seq_len, args.seqs_per_step, trainer.ctx.dp.rank,
+                                    trainer.ctx.dp.size, device)
     losses, no_gradient = [], torch.zeros((), device=device)
     for step in range(steps):
         if step == 0:
@@ -3784,20 +3374,17 @@ def train_steps(rank: int, world_size: int, flags: list[str], steps: int, device
         state = pytree.tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, gather_training_state(trainer))
     return dict(losses=losses, first_step=first, state=state, held=[name for name, _ in trainer.model.named_parameters()])
 
-
 def flat_state(state: dict) -> dict[str, Tensor]:
     """A training state as {"model/embed.weight": tensor, "adam/embed.weight/exp_avg": tensor, ...}."""
     return {f"{part}/{name}" + (f"/{key}" if key else ""): value for part in ("model", "adam", "muon")
             for name, entry in state[part].items()
             for key, value in (entry.items() if isinstance(entry, dict) else [("", entry)])}
 
-
 def worst_difference(state: dict, reference: dict) -> tuple[float, str]:
     """The largest ||a - b|| / ||b|| over the tensors of two training states, and which tensor it is."""
     ours, theirs = flat_state(state), flat_state(reference)
     if ours.keys() != theirs.keys():
-        missing = sorted(ours.keys() ^ theirs.keys())
-        return math.inf, f"{missing[0]} (held by one run only)"
+        return math.inf, f"{sorted(ours.keys() ^ theirs.keys())[0]} (held by one run only)"
     worst = (0.0, "")
     for name, expected in theirs.items():
         got, expected = torch.as_tensor(ours[name]).double(), torch.as_tensor(expected).double()
@@ -3805,7 +3392,6 @@ def worst_difference(state: dict, reference: dict) -> tuple[float, str]:
         scale = expected.norm().item()
         worst = max(worst, (error / scale if scale else (0.0 if error == 0 else math.inf), name))
     return worst
-
 
 def check_layouts(args: Hyperparameters) -> None:
     """Train the tiny configuration of this file's model for 3 steps in one process and under each layout on gloo
@@ -3844,24 +3430,10 @@ def check_layouts(args: Hyperparameters) -> None:
     if failed:
         raise RunEnded(f"{failed} layout(s) do not train the one-process model: see the lines above", 1)
 
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _to_numpy(value):
-    """Tensors as numpy arrays (a shared-memory tensor would not outlive its worker); bfloat16 as float32."""
-    if isinstance(value, Tensor):
-        value = value.detach().cpu()
-        return (value.float() if value.dtype == torch.bfloat16 else value).numpy()
-    if isinstance(value, dict):
-        return {k: _to_numpy(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_numpy(v) for v in value)
-    return value
-
 
 def _rank_worker(rank, world_size, port, fn, args, results, backend):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
@@ -3873,7 +3445,10 @@ def _rank_worker(rank, world_size, port, fn, args, results, backend):
             dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=torch.device("cuda", rank))
         elif world_size > 1:
             dist.init_process_group(backend, rank=rank, world_size=world_size)
-        results.put((rank, "ok", _to_numpy(fn(rank, world_size, *args))))
+        # tensors as numpy arrays (a shared-memory tensor would not outlive its worker), bfloat16 as float32
+        result = pytree.tree_map(lambda t: (t.float() if t.dtype == torch.bfloat16 else t).detach().cpu().numpy()
+                                 if isinstance(t, Tensor) else t, fn(rank, world_size, *args))
+        results.put((rank, "ok", result))
     except UserError as e:
         results.put((rank, "refused", str(e)))
     except BaseException:
@@ -3882,21 +3457,19 @@ def _rank_worker(rank, world_size, port, fn, args, results, backend):
         if dist.is_initialized():
             dist.destroy_process_group()
 
-
 def run_on_ranks(fn, world_size: int, *args, timeout: float = 300.0, backend: str = "gloo",
                  start_method: str = "forkserver") -> list:
     """fn(rank, world_size, *args) on world_size processes (backend "nccl": one GPU each); the results by rank.
 
     The processes fork from a server that has imported torch, this file and fn's module once (importing takes
-    seconds; they must be on PYTHONPATH), so they start clean and fast, fn a module-level function; or ("fork") from this process, which must not have
-    run torch's thread pools yet. A rank's UserError is raised here; any other failure, or no answer within
-    `timeout` seconds, raises RuntimeError with that rank's traceback.
+    seconds; they must be on PYTHONPATH), so they start clean and fast, fn a module-level function; or ("fork") from
+    this process, which must not have run torch's thread pools yet. A rank's UserError is raised here; any other
+    failure, or no answer within `timeout` seconds, raises RuntimeError with that rank's traceback.
     """
     context = multiprocessing.get_context(start_method)
     if start_method == "forkserver":
         context.set_forkserver_preload(["torch", "torch.distributed", "train_gpt", fn.__module__])
-    results = context.Queue()
-    port = free_port()
+    results, port = context.Queue(), free_port()
     procs = [context.Process(target=_rank_worker, args=(r, world_size, port, fn, args, results, backend), daemon=True)
              for r in range(world_size)]
     for p in procs:
@@ -3920,7 +3493,6 @@ def run_on_ranks(fn, world_size: int, *args, timeout: float = 300.0, backend: st
             if p.is_alive():
                 p.kill()
     return [collected[r] for r in range(world_size)]
-
 
 if __name__ == "__main__":
     try:
