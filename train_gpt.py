@@ -6,13 +6,11 @@
     torchrun --nnodes=2 --nproc_per_node=4 --rdzv_endpoint=HOST:29500 train_gpt.py   # across nodes
     python train_gpt.py --check_layout                        # after a model edit: every layout trains it alike
 
-Every hyperparameter is a flag (`--num_iterations 50`); `--preset cpu|record|tiny` picks a base.
-`import train_gpt` has no side effects: `main()` trains.
-
-The first half is the record's path, written for one device: FP8 matmul, optimizers, model, data, hyperparameters,
-schedules, the training loop. Checkpoints and logging follow. The second half is the machinery for bigger jobs
-(data, tensor, sequence and pipeline parallelism, ZeRO, the plan, the layout check), applied to the built model
-behind flags by rules about kinds of modules, so a model edit needs no change there.
+Every hyperparameter is a flag (`--num_iterations 50`); `--preset cpu|record|tiny` picks a base. `import train_gpt`
+has no side effects: `main()` trains. The first half is the record's path, written for one device: FP8 matmul,
+optimizers, model, data, hyperparameters, schedules, the training loop; checkpoints and logging follow. The second
+half is the machinery for bigger jobs (data, tensor, sequence and pipeline parallelism, ZeRO, the plan, the layout
+check), applied to the built model by rules about kinds of modules, so a model edit needs no change there.
 """
 import argparse
 import collections
@@ -59,6 +57,11 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 class UserError(Exception):
     """A mistake in the run's inputs (flags, files, layout): reported as one sentence, no traceback."""
 
+def need(ok: bool, message: str) -> None:
+    """Refuse the run's inputs, in one sentence, unless ok."""
+    if not ok:
+        raise UserError(message)
+
 # ----------------------------------------------------------------------------------------------------
 # FP8 matmul: a custom op so torch.compile sees one opaque node with a fake (shape-only) implementation
 
@@ -85,8 +88,8 @@ def fp8_mm_backward_body(grad: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w
                               scale_a=_scale(grad_s, grad), scale_b=_scale(x_s, grad), use_fast_accum=False)
     return grad_x, grad_w
 
-# the bodies compiled on CUDA, where each scale-and-cast becomes one kernel instead of first writing the scaled
-# tensor (the backward's grad / grad_s is 4.9 GB a step on the record config); eager elsewhere, computing the same
+# compiled on CUDA: each scale-and-cast becomes one kernel instead of first writing the scaled tensor (4.9 GB a step
+# for the backward's grad / grad_s on the record config); eager elsewhere, computing the same
 compiled_fp8_mm_body = torch.compile(fp8_mm_body, dynamic=False)
 compiled_fp8_mm_backward_body = torch.compile(fp8_mm_backward_body, dynamic=False)
 
@@ -126,8 +129,7 @@ fp8_mm.register_autograd(_fp8_mm_backward, setup_context=_fp8_mm_setup_context)
 
 def zeropower_via_newtonschulz5(G: Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """Approximately orthogonalise G (batched over leading dims): U S' V^T with S' roughly in [0.5, 1.5]. The
-    quintic's coefficients maximise the slope at zero, so 5 steps suffice; it trades exact convergence to U V^T for
-    speed, which does not hurt training. bf16 on GPU, fp32 on CPU (bf16 is slow there)."""
+    quintic's coefficients maximise the slope at zero, so 5 steps suffice; inexact convergence does not hurt."""
     a, b, c = 3.4445, -4.7750, 2.0315
     X = G.to(dtype)
     tall = G.size(-2) > G.size(-1)
@@ -153,13 +155,9 @@ def full_shape(p: Tensor) -> tuple:
     return p.slice_of.full_shape(p) if hasattr(p, "slice_of") else tuple(p.shape)
 
 class Muon(torch.optim.Optimizer):
-    """MomentUm Orthogonalized by Newton-Schulz, sharded across the data-parallel ranks.
-
-    Parameters are grouped by size; within a group rank r orthogonalises parameters r, r+W, r+2W, ... (so it alone
-    keeps their momentum) and the flattened updates travel by async all-gather while the next ones are computed:
-    every rank applies every update. Gradients arrive averaged. A tensor-parallel slice is orthogonalised whole.
-    exchange_updates=False (ZeRO 3, where a parameter lives on its owner alone): each owner applies its own.
-    """
+    """MomentUm Orthogonalized by Newton-Schulz, sharded over the data-parallel ranks: rank r orthogonalises
+    parameters r, r+W, ... of each size (it alone keeps their momentum) and the updates travel by async all-gather
+    while the next are computed (under ZeRO 3 each owner applies its own). A tensor-parallel slice is made whole."""
 
     def __init__(self, params, lr=0.05, momentum=0.95, nesterov=True, ns_steps=5, rank=0, world_size=1, group=None,
                  orthogonalize=zeropower_via_newtonschulz5, ns_dtype=torch.bfloat16, exchange_updates=True):
@@ -237,9 +235,8 @@ def norm(x: Tensor) -> Tensor:
     return F.rms_norm(x, (x.size(-1),))  # no learnable scale
 
 class CastedLinear(nn.Module):
-    """Bias-free linear whose fp32 weight is cast to the activations' dtype; optionally an FP8 matmul in training.
-    `stacked` independent matrices (weight (stacked, out, in), such as q, k and v) multiply as one (stacked * out, in)
-    matrix, while Muon orthogonalises each."""
+    """Bias-free linear, its fp32 weight cast to the activations' dtype; optionally an FP8 matmul in training. `stacked`
+    matrices (weight (stacked, out, in): q, k, v) multiply as one, while Muon orthogonalises each."""
 
     def __init__(self, in_features: int, out_features: int, stacked: int | None = None, use_fp8=False, x_s=1.0,
                  w_s=1.0, grad_s=1.0):
@@ -276,10 +273,8 @@ ATTENTION_BLOCK_SIZE = 128  # FlexAttention's block granularity, and the unit of
 
 @dataclass
 class AttentionMask:
-    """Document-causal sliding-window mask as FlexAttention block lists, with a dense twin for the CPU. Per query
-    block, kv blocks are listed nearest-first: `full` ones (causal and same document throughout) need no per-token
-    check; `partial` ones get the document-causal mask_mod. The window keeps the nearest window-1 full blocks and
-    enough partial blocks to make up the window (at least the diagonal one)."""
+    """Document-causal sliding-window mask as FlexAttention block lists nearest-first (`full` blocks need no mask_mod,
+    `partial` ones do; the window keeps window-1 full blocks and partial ones up to it), and its dense twin."""
     docs: Tensor  # (T,) document id of each token
     partial_num: Tensor  # (1, 1, NB) after the window clamp
     partial_idx: Tensor  # (1, 1, NB, NB)
@@ -335,8 +330,7 @@ def document_causal_masks(input_seq: Tensor, window_blocks: Tensor) -> tuple[Att
 compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask | Tensor) -> Tensor:
-    """FlexAttention under a block mask; under its dense twin (CPU, where FlexAttention has no backward) the same
-    function through a boolean mask. q, k, v: (B, H, T, D)."""
+    """q, k, v: (B, H, T, D). FlexAttention, or its dense twin's boolean mask (CPU: FlexAttention has no backward)."""
     if isinstance(mask, BlockMask):
         return compiled_flex_attention(q, k, v, block_mask=mask, scale=0.12)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.12)
@@ -390,9 +384,8 @@ class Block(nn.Module):
         return x + self.mlp(norm(x))
 
 class SoftCap(torch.autograd.Function):
-    """30 * sigmoid(logits / scale), element-wise into (0, 30), and its gradient: the kernels autograd would run for
-    that expression, with two fewer (tokens x vocabulary) tensors written (on a CPU the head's element-wise passes
-    are a third of a step)."""
+    """30 * sigmoid(logits / scale) and its gradient, writing two fewer (tokens x vocabulary) tensors than autograd
+    would (on a CPU the head's element-wise passes are a third of a step)."""
 
     @staticmethod
     def forward(ctx, logits: Tensor, scale: float) -> Tensor:
@@ -407,12 +400,10 @@ class SoftCap(torch.autograd.Function):
         return torch.ops.aten.sigmoid_backward(grad * 30, capped).div_(ctx.scale), None
 
 class LMHead(CastedLinear):
-    """The output layer and the loss: soft-capped logits, cross-entropy summed over tokens (no targets: the logits).
-    Evaluation runs over EVAL_ROWS tokens at a time: a 262K-token validation sequence's fp32 logits are 53 GB."""
-    EVAL_ROWS = 16384
+    """The output layer and the loss: soft-capped logits, cross-entropy summed over tokens (no targets: the logits)."""
+    EVAL_ROWS = 16384  # evaluated this many tokens at a time: a 262K-token sequence's fp32 logits are 53 GB
 
     def forward(self, x: Tensor, targets: Tensor | None) -> Tensor:
-        """x: (T, D), targets: (T,) or None."""
         if targets is None:
             return self.logits(x)
         rows = len(x) if self.training else self.EVAL_ROWS
@@ -429,20 +420,14 @@ class LMHead(CastedLinear):
         return F.cross_entropy(logits, targets, reduction="sum")
 
 def value_embedding_of_layers(num_layers: int, num_value_embeds: int) -> list[int | None]:
-    """Per layer, the value embedding added to its values: embedding k feeds layer k and layer num_layers - n + k
-    (the first of the two where they meet); the middle layers get none."""
+    """Per layer, the value embedding added to its values: k feeds layers k and num_layers - n + k; the middle none."""
     n = num_value_embeds
     return [i if i < n else i - (num_layers - n) if i >= num_layers - n else None for i in range(num_layers)]
 
 class GPT(nn.Module):
-    """U-Net GPT: encoder-half outputs feed the mirrored decoder half through learnable skip weights; the value
-    embeddings feed the first and last layers' values (value_embedding_of_layers); window_pattern says which
-    layers use the long ('L') or short ('S') sliding window.
-
-    The forward is four steps: masks, embedding, each block on the stream, head. The layouts work on these steps
-    (pipeline stages run them split by layer, sequence parallelism shards the stream between embedding and head),
-    so new computation belongs inside one of them.
-    """
+    """U-Net GPT: encoder outputs feed the mirrored decoder blocks through learnable skip weights, value embeddings
+    the first and last layers' values. The forward is four steps (masks, embedding, each block on the stream,
+    head), which the layouts split by layer or shard between embedding and head: new computation goes in one."""
     NUM_VALUE_EMBEDS = 3
 
     def __init__(self, vocab_size: int, num_layers: int, num_heads: int, head_dim: int, model_dim: int,
@@ -464,8 +449,7 @@ class GPT(nn.Module):
         self.lm_head.weight.detach().zero_()
 
     def forward(self, input_seq: Tensor, target_seq: Tensor | None, window_blocks: Tensor) -> Tensor:
-        """input_seq, target_seq: (T,). Loss summed over tokens in training, averaged in evaluation; without targets,
-        the logits (T, padded vocabulary)."""
+        """(T,) tokens: the loss, summed over tokens in training and averaged in evaluation; no targets: the logits."""
         masks = self.attention_masks(input_seq, window_blocks)
         stream = self.embed_tokens(input_seq)
         for i in range(len(self.blocks)):
@@ -473,14 +457,12 @@ class GPT(nn.Module):
         return self.head_loss(stream, target_seq)
 
     def attention_masks(self, input_seq: Tensor, window_blocks: Tensor) -> dict[str, BlockMask | Tensor]:
-        """The long ('L') and short ('S') window masks, built once per forward."""
         long_mask, short_mask = document_causal_masks(input_seq, window_blocks)
         return {letter: mask.flex() if self.use_flex else mask.dense()
                 for letter, mask in (("L", long_mask), ("S", short_mask))}
 
     def embed_tokens(self, input_seq: Tensor) -> dict:
-        """The stream that flows from block to block: the residual x, the normed embedding x0 every block mixes
-        back in, the value embeddings, and the encoder outputs the decoder has yet to take as U-Net skips."""
+        """The stream from block to block: residual x, normed embedding x0, value embeddings, pending U-Net skips."""
         x = norm(self.embed(input_seq)[None])  # (1, T, D)
         return dict(x=x, x0=x, ve=[value_embed(input_seq) for value_embed in self.value_embeds], skips=[])
 
@@ -510,25 +492,20 @@ def read_shard_header(path) -> int:
     """Check a shard's header and size; return its token count. Raises UserError naming the file."""
     path, again = Path(path), "fetch or build it again"
     try:
-        if not path.is_file():
-            raise UserError(f"data shard {path} is not a file: point the flag's pattern at .bin shards only")
+        need(path.is_file(), f"data shard {path} is not a file: point the flag's pattern at .bin shards only")
         size = path.stat().st_size
-        if size < SHARD_HEADER_BYTES:
-            raise UserError(f"data shard {path} is {size} bytes, shorter than its {SHARD_HEADER_BYTES}-byte header: "
-                            f"the file is truncated or not a shard; {again}")
+        need(size >= SHARD_HEADER_BYTES, f"data shard {path} is {size} bytes, shorter than its "
+             f"{SHARD_HEADER_BYTES}-byte header: the file is truncated or not a shard; {again}")
         header = np.fromfile(path, dtype="<i4", count=SHARD_HEADER_INTS)
     except OSError as e:
         raise UserError(f"cannot read data shard {path}: {e.strerror}") from None
-    if header[0] != SHARD_MAGIC:
-        raise UserError(f"data shard {path} has magic number {header[0]}, expected {SHARD_MAGIC}: not a .bin token "
-                        f"shard (or corrupt); {again}")
-    if header[1] != SHARD_VERSION:
-        raise UserError(f"data shard {path} has format version {header[1]}, this trainer reads version "
-                        f"{SHARD_VERSION}; rebuild it with data/fineweb.py")
+    need(header[0] == SHARD_MAGIC, f"data shard {path} has magic number {header[0]}, expected {SHARD_MAGIC}: not a "
+         f".bin token shard (or corrupt); {again}")
+    need(header[1] == SHARD_VERSION, f"data shard {path} has format version {header[1]}, this trainer reads version "
+         f"{SHARD_VERSION}; rebuild it with data/fineweb.py")
     num_tokens, expected = int(header[2]), SHARD_HEADER_BYTES + 2 * int(header[2])
-    if num_tokens <= 0 or size != expected:
-        raise UserError(f"data shard {path} header says {num_tokens} tokens ({expected} bytes) but the file is "
-                        f"{size} bytes: truncated or corrupt; {again}")
+    need(num_tokens > 0 and size == expected, f"data shard {path} header says {num_tokens} tokens ({expected} bytes) "
+         f"but the file is {size} bytes: truncated or corrupt; {again}")
     return num_tokens
 
 def load_data_shard(path, pin_memory: bool = False) -> Tensor:
@@ -538,8 +515,8 @@ def load_data_shard(path, pin_memory: bool = False) -> Tensor:
     with open(path, "rb", buffering=0) as f:  # unbuffered: read straight into the tensor
         f.seek(SHARD_HEADER_BYTES)
         nbytes = f.readinto(tokens.numpy())
-    if nbytes != 2 * num_tokens:
-        raise UserError(f"data shard {path}: read {nbytes} bytes of tokens, header promised {2 * num_tokens}")
+    need(nbytes == 2 * num_tokens, f"data shard {path}: read {nbytes} bytes of tokens, header promised "
+         f"{2 * num_tokens}")
     return tokens
 
 def write_data_shard(path, tokens) -> None:
@@ -555,27 +532,21 @@ def write_data_shard(path, tokens) -> None:
 
 def list_shards(pattern: str, flag: str) -> list[Path]:
     files = [Path(f) for f in sorted(glob.glob(pattern))]
-    if not files:
-        raise UserError(f"--{flag} {pattern!r} matches no file; fetch FineWeb with `python data/cached_fineweb10B.py` "
-                        "or point the flag at existing .bin shards")
+    need(files, f"--{flag} {pattern!r} matches no file; fetch FineWeb with `python data/cached_fineweb10B.py` "
+         "or point the flag at existing .bin shards")
     return files
 
 def shard_index(files: list[Path], position: dict, pattern: str) -> int:
     """The index in files of the shard a checkpoint's data position names."""
     names = [f.name for f in files]
-    if position["shard"] not in names:
-        raise UserError(f"the checkpoint's data position is in shard {position['shard']}, which --train_files "
-                        f"{pattern!r} does not match: resume with the data the run was started on")
+    need(position["shard"] in names, f"the checkpoint's data position is in shard {position['shard']}, which "
+         f"--train_files {pattern!r} does not match: resume with the data the run was started on")
     return names.index(position["shard"])
 
 class DistributedDataLoader:
-    """This rank's (inputs, targets) micro-batches, one sequence of seq_len tokens each, resumable from a position.
-
-    A global batch is seqs_per_batch consecutive sequences. Sequence j goes to rank j % world_size as its
-    micro-step j // world_size, so every world size dividing seqs_per_batch sees the same global batch.
-    A batch never straddles shards: when the current shard cannot hold the next one, move to the next shard.
-    Between global batches, `position()` names the shard and token offset where the next one starts.
-    """
+    """This rank's (inputs, targets) micro-batches of seq_len tokens, resumable from a position(). Sequence j of a
+    global batch goes to rank j % world_size, so every world size dividing seqs_per_batch sees the same batches;
+    a batch never straddles shards."""
 
     def __init__(self, pattern: str, seq_len: int, seqs_per_batch: int, rank: int, world_size: int,
                  device: torch.device, flag: str = "train_files", position: dict | None = None):
@@ -614,10 +585,9 @@ class DistributedDataLoader:
         if self.tokens is None:
             self.tokens = load_data_shard(self.files[self.shard_index], pin_memory=pin)
         while self.offset + self.batch_tokens + 1 > len(self.tokens):
-            if self.shard_index + 1 == len(self.files):
-                raise UserError(f"--{self.flag} {self.pattern!r}: out of data after {len(self.files)} shard(s); a "
-                                f"batch needs {self.batch_tokens + 1} tokens in one shard. Fetch more shards or "
-                                "train fewer steps")
+            need(self.shard_index + 1 < len(self.files), f"--{self.flag} {self.pattern!r}: out of data after "
+                 f"{len(self.files)} shard(s); a batch needs {self.batch_tokens + 1} tokens in one shard. Fetch more "
+                 "shards or train fewer steps")
             self.shard_index, self.offset = self.shard_index + 1, 0
             self.tokens = load_data_shard(self.files[self.shard_index], pin_memory=pin)
 
@@ -625,8 +595,7 @@ class DistributedDataLoader:
 # Hyperparameters: the record's values are the defaults; presets and flags override them
 
 def flag(default, help: str, group: str = "", choices: tuple = ()):
-    """A hyperparameter: its record default, its --help line, the values it may take (none: any in range); `group`
-    titles the flags from this one on."""
+    """A hyperparameter: its record default, its --help line, its allowed values; `group` titles the next flags."""
     return dataclasses.field(default=default, metadata=dict(help=help, group=group, choices=choices))
 
 @dataclass
@@ -724,8 +693,8 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true/false or 1/0, got {text!r}")
 
 def parse_args(argv=None, cuda: bool | None = None) -> Hyperparameters:
-    """Flags named after the fields (a bare boolean flag means true); `--preset` sets the base values, by default
-    record with CUDA or when planning (--plan: a plan is for GPUs), else cpu."""
+    """Flags named after the fields (a bare boolean flag means true) over the --preset's values (unset: record with
+    CUDA or --plan, else cpu)."""
     cuda = torch.cuda.is_available() if cuda is None else cuda
     parser = argparse.ArgumentParser(description="GPT-2 speedrun trainer: every flag's default is the record's, "
                                      "then the preset's", allow_abbrev=False)
@@ -733,7 +702,7 @@ def parse_args(argv=None, cuda: bool | None = None) -> Hyperparameters:
     for field in dataclasses.fields(Hyperparameters):
         help, choices = field.metadata["help"], field.metadata["choices"]
         group = parser.add_argument_group(field.metadata["group"]) if field.metadata["group"] else group
-        presets = "".join(f", {name} {values[field.name]!r}" for name, values in PRESETS.items() if field.name in values)
+        presets = "".join(f", {name} {base[field.name]!r}" for name, base in PRESETS.items() if field.name in base)
         kwargs = dict(default=None, help=f"{help} [default {field.default!r}{presets}]")
         if field.name == "preset":
             kwargs.update(choices=choices, help=help)
@@ -768,9 +737,6 @@ POSITIVE = {"num_layers", "num_heads", "head_dim", "model_dim", "vocab_size", "w
 
 def check_hyperparameters(args: Hyperparameters) -> None:
     """Refuse values the run cannot use, before any model is built."""
-    def need(ok: bool, message: str):
-        if not ok:
-            raise UserError(message)
     for field in dataclasses.fields(Hyperparameters):
         name, value, choices = field.name, getattr(args, field.name), field.metadata["choices"]
         low = "> 0" if name in POSITIVE else ">= 0"
@@ -823,23 +789,19 @@ def check_hyperparameters(args: Hyperparameters) -> None:
          f"--kill_switch {args.kill_switch} is a directory: name a file (the run stops when it appears)")
 
 def check_world_size(args: Hyperparameters, world_size: int) -> int:
-    """Gradient-accumulation steps (micro-batches per rank) for this world size, --tp and --pp; refuses a layout
-    that does not fit, before any process group or model is built."""
+    """Micro-batches per rank for this world size, --tp and --pp; a layout that does not fit is refused."""
     tp, pp = args.tp, args.pp
-    if world_size % (tp * pp):
-        raise UserError(f"--tp {tp} x --pp {pp} = {tp * pp} does not divide the world size {world_size}: the ranks "
-                        f"form a grid of pipeline {pp} x data parallel x tensor parallel {tp}; launch a multiple of "
-                        f"{tp * pp} processes")
+    need(not world_size % (tp * pp), f"--tp {tp} x --pp {pp} = {tp * pp} does not divide the world size {world_size}: "
+         f"the ranks form a grid of pipeline {pp} x data parallel x tensor parallel {tp}; launch a multiple of "
+         f"{tp * pp} processes")
     for what, size in (("--num_heads", args.num_heads), ("--model_dim", args.model_dim),
                        ("the MLP width (4 x --model_dim)", 4 * args.model_dim),
                        ("the padded vocabulary", next_multiple_of_n(args.vocab_size, n=128))):
-        if size % tp:
-            raise UserError(f"--tp {tp} does not divide {what} ({size}): tensor parallelism splits it evenly")
-    if args.sp and tp == 1:
-        raise UserError("--sp shards the sequence over the tensor-parallel ranks: it needs --tp 2 or more")
+        need(not size % tp, f"--tp {tp} does not divide {what} ({size}): tensor parallelism splits it evenly")
+    need(not (args.sp and tp == 1), "--sp shards the sequence over the tensor-parallel ranks: it needs --tp 2 or more")
     for flag in ("train_seq_len", "val_seq_len") if args.sp else ():
-        if getattr(args, flag) % tp:
-            raise UserError(f"--sp splits --{flag} {getattr(args, flag)} over --tp {tp} ranks: it must divide")
+        need(not getattr(args, flag) % tp, f"--sp splits --{flag} {getattr(args, flag)} over --tp {tp} ranks: it must "
+             "divide")
     dp = world_size // (tp * pp)
     name = f"world size {world_size}" if tp * pp == 1 else \
         f"data-parallel size {dp} (world size {world_size} / (--tp {tp} x --pp {pp}))"
@@ -848,14 +810,12 @@ def check_world_size(args: Hyperparameters, world_size: int) -> int:
         raise UserError(f"{name} does not divide --seqs_per_step {args.seqs_per_step}: run on "
                         f"{divisors} processes, or change --seqs_per_step")
     val_seqs = args.val_tokens // args.val_seq_len
-    if val_seqs % dp:
-        raise UserError(f"--val_tokens {args.val_tokens} is {val_seqs} sequences of --val_seq_len "
-                        f"{args.val_seq_len}, which {name} does not divide")
+    need(not val_seqs % dp, f"--val_tokens {args.val_tokens} is {val_seqs} sequences of --val_seq_len "
+         f"{args.val_seq_len}, which {name} does not divide")
     micro_batches = args.seqs_per_step // dp
-    if micro_batches < pp:
-        raise UserError(f"--pp {pp} stages need at least {pp} micro-batches per step to keep each stage busy, but "
-                        f"--seqs_per_step {args.seqs_per_step} over {name} gives {micro_batches}: raise "
-                        "--seqs_per_step or lower the data-parallel size or --pp")
+    need(micro_batches >= pp, f"--pp {pp} stages need at least {pp} micro-batches per step to keep each stage busy, "
+         f"but --seqs_per_step {args.seqs_per_step} over {name} gives {micro_batches}: raise --seqs_per_step or lower "
+         "the data-parallel size or --pp")
     return micro_batches
 
 # ----------------------------------------------------------------------------------------------------
@@ -894,9 +854,8 @@ def set_schedules(optimizers: list[torch.optim.Optimizer], step: int, args: Hype
 # Training: the model and optimizers this rank trains, one step, evaluation, and the loop
 
 def build_model(args: Hyperparameters, device: torch.device, cuda_dtypes: bool | None = None) -> GPT:
-    """The one-process model on device, the same on every rank (built on the CPU from the seed, then moved; on the
-    meta device for the plan, allocating nothing), with the CUDA run's dtypes when cuda_dtypes (default: on CUDA).
-    `full_shapes` records the parameter shapes, which checkpoints hold."""
+    """The one-process model, the same on every rank (built on the CPU from the seed, then moved; on meta for the
+    plan), with a CUDA run's dtypes when cuda_dtypes (default: on CUDA). `full_shapes` are what checkpoints hold."""
     with torch.device("meta" if device.type == "meta" else "cpu"):
         model = GPT(vocab_size=args.vocab_size, num_layers=args.num_layers, num_heads=args.num_heads,
                     head_dim=args.head_dim, model_dim=args.model_dim,
@@ -920,8 +879,7 @@ def is_head(module: nn.Module, vocab_size: int) -> bool:
 OPTIMIZER_GROUPS = ("scalar", "head", "embed", "muon")
 
 def optimizer_param_groups(model: nn.Module, vocab_size: int) -> dict[str, list[Tensor]]:
-    """Adam takes vectors and scalars (lr_scalar), the heads' matrices (lr_head) and the embeddings' (lr_embed);
-    Muon the matrices of every other linear layer. A matrix no rule places is refused by name."""
+    """Each parameter's optimizer group, by the kind of module holding it; a matrix no rule places is refused."""
     kinds = collections.defaultdict(set)
     for module in model.modules():
         linear = isinstance(module, (CastedLinear, nn.Linear))
@@ -931,10 +889,9 @@ def optimizer_param_groups(model: nn.Module, vocab_size: int) -> dict[str, list[
     groups = {kind: [] for kind in OPTIMIZER_GROUPS}
     for name, p in model.named_parameters():
         kind = next((kind for kind in OPTIMIZER_GROUPS if kind in kinds[p]), None)
-        if kind is None:
-            raise UserError(f"{name} is a {p.ndim}-D parameter of no linear layer, embedding or head, so no optimizer "
-                            "rule places it: hold it in a CastedLinear (Muon) or an nn.Embedding (Adam), or make it "
-                            "a vector (Adam)")
+        need(kind is not None, f"{name} is a {p.ndim}-D parameter of no linear layer, embedding or head, so no "
+             "optimizer rule places it: hold it in a CastedLinear (Muon) or an nn.Embedding (Adam), or make it a "
+             "vector (Adam)")
         groups[kind].append(p)
     return groups
 
@@ -956,8 +913,7 @@ def build_optimizers(groups: dict[str, list[Tensor]], args: Hyperparameters, ctx
 
 @dataclass
 class Trainer:
-    """What this rank trains under its layout: its part of the model, its optimizers, and the layout's parts, each
-    of which does nothing in a one-process run (see build_trainer)."""
+    """What this rank trains under its layout: its part of the model, its optimizers, and the layout's parts."""
     args: Hyperparameters
     ctx: "ParallelContext"
     model: GPT  # this rank's part (tensor-parallel slices, a pipeline stage); compiled in place with --compile
@@ -974,24 +930,21 @@ class Trainer:
         return torch.nn.utils.get_total_norm(grads).square() if grads else torch.zeros((), device=self.ctx.device)
 
     def step_stats(self, loss_sum: Tensor, grad_squares: Tensor, stop: bool) -> Tensor:
-        """[mean train loss per token, squared gradient norm, ranks asking to stop], summed over the ranks in one
-        all-reduce."""
+        """[mean train loss per token, squared gradient norm, stop votes], summed over the ranks in one all-reduce."""
         loss = self.loss_share(loss_sum / (self.micro_batches * self.args.train_seq_len))
         return sum_over_ranks(torch.stack([loss, grad_squares.float(),
                                            torch.full((), float(stop), device=self.ctx.device)]))
 
     def loss_share(self, loss: Tensor) -> Tensor:
-        """This rank's part of the mean loss over the data-parallel ranks: only the last pipeline stage computes it,
-        and tensor-parallel ranks compute it alike, so one of them counts."""
+        """This rank's part of the mean loss: the last stage's, counted on one tensor-parallel rank."""
         counts = self.ctx.pp.rank == self.ctx.pp.size - 1 and self.ctx.tp.rank == 0
         return loss.float() / self.ctx.dp.size if counts else torch.zeros((), device=self.ctx.device)
 
 def build_trainer(args: Hyperparameters, ctx: "ParallelContext", cuda_dtypes: bool | None = None,
                   stream_specs: dict | None = None, nonzero_init: bool = False) -> Trainer:
-    """This rank's model, optimizers and layout parts: the one-process model is built on every rank, then cut to this
-    rank's part (tensor-parallel slices, then a pipeline stage). cuda_dtypes and stream_specs: for the plan, on the
-    meta device. nonzero_init (the layout check): zero-initialised layers get small random values, so that no
-    gradient is zero, or mere rounding, from the first step on."""
+    """The one-process model built on every rank, then cut to this rank's part (tensor-parallel slices, a pipeline
+    stage), with its optimizers and layout parts. nonzero_init (the layout check): zero-initialised layers start
+    small and random, so that no gradient is zero, or mere rounding, from the first step on."""
     cuda_dtypes = ctx.device.type == "cuda" if cuda_dtypes is None else cuda_dtypes
     torch.manual_seed(args.seed)
     model = build_model(args, ctx.device, cuda_dtypes)
@@ -1032,20 +985,17 @@ def build_trainer(args: Hyperparameters, ctx: "ParallelContext", cuda_dtypes: bo
                    norm_params)
 
 def compiles_by_default(args: Hyperparameters, device: torch.device) -> bool:
-    """Whether --compile unset means compiled: on CUDA, in the layouts proven under torch.compile (the collectives
-    that tensor and pipeline parallelism run inside autograd functions, and ZeRO 3's hooks, run eager)."""
+    """--compile unset: on CUDA, without the layouts whose collectives and hooks have not run compiled on GPUs."""
     return device.type == "cuda" and args.zero < 3 and args.tp == 1 and args.pp == 1
 
 def settle_fp8(args: Hyperparameters, capability: tuple[int, int], device_name: str) -> str | None:
-    """On a GPU without FP8 matmul (compute capability below 8.9: Ada, Hopper and newer have it), the FP8 head of the
-    preset is turned off and the line saying so returned for the log; --fp8_head true on the command line is
-    refused."""
+    """Without FP8 matmul (compute capability below 8.9), the preset's FP8 head is turned off, saying so in the
+    line returned; an explicit --fp8_head true is refused."""
     if not args.fp8_head or tuple(capability) >= (8, 9):
         return None
     has = f"{device_name} (compute capability {capability[0]}.{capability[1]}) has no FP8 matmul"
-    if "fp8_head" in getattr(args, "given", ()):
-        raise UserError(f"--fp8_head true needs FP8 matmul (compute capability 8.9 or newer: Ada, Hopper, Blackwell), "
-                        f"and {has}: drop the flag, and the head multiplies in bf16")
+    need("fp8_head" not in getattr(args, "given", ()), "--fp8_head true needs FP8 matmul (compute capability 8.9 or "
+         f"newer: Ada, Hopper, Blackwell), and {has}: drop the flag, and the head multiplies in bf16")
     args.fp8_head = False
     return f"fp8: off: {has}; the head multiplies in bf16 (fp8_head false)"
 
@@ -1062,8 +1012,7 @@ def random_batches(args: Hyperparameters, device: torch.device):
         yield tokens[:-1].to(torch.int32), tokens[1:]
 
 def warmup_and_restore(trainer: Trainer, steps: int) -> None:
-    """Run `steps` training steps on random tokens (to trigger compilation), then put the model and the optimizers
-    back as they were."""
+    """`steps` training steps on random tokens (torch.compile compiles), then the model and optimizers restored."""
     initial = copy.deepcopy(dict(model=trainer.model.state_dict(),
                                  optimizers=[opt.state_dict() for opt in trainer.optimizers]))
     batches = random_batches(trainer.args, trainer.ctx.device)
@@ -1092,8 +1041,8 @@ def evaluate(trainer: Trainer, step: int) -> float:
     return sum_over_ranks(trainer.loss_share(total / (val_seqs // ctx.dp.size))).item()
 
 def forward_backward(trainer: Trainer, batches, step: int) -> Tensor:
-    """Forward and backward over this rank's micro-batches of one step; returns their summed loss. Afterwards each
-    gradient is that of the global batch's mean over sequences of each sequence's summed token loss."""
+    """Forward and backward of this rank's micro-batches of a step; their summed loss. Each gradient is then that of
+    the global batch's mean over sequences of each sequence's summed token loss."""
     t = trainer
     window = window_tensor(window_size_blocks(step, t.args), t.ctx.device)
     if t.pipeline is not None:  # pipeline parallel: the stages pass the micro-batches on in their schedule
@@ -1158,10 +1107,9 @@ def train(args: Hyperparameters, ctx: "ParallelContext") -> float:
     return val_loss
 
 def keep_freed_memory_for_reuse() -> None:
-    """The allocators' settings for a training loop that frees and allocates the same sizes every step. CUDA's
-    segments grow in place instead of fragmenting. glibc hands each freed block above 32 MB (a micro-batch's
-    logits) back to the system and faults in fresh zeroed pages for the next one: 40% of a CPU step went to the
-    kernel; all blocks now come from and return to the heap, which is not trimmed below 1 GiB."""
+    """Allocator settings for a loop that frees and allocates the same sizes each step: CUDA's segments grow in place;
+    glibc keeps freed blocks in the heap (returned to the system, the faulting in of fresh pages for a micro-batch's
+    logits was 40% of a CPU step)."""
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # (read at CUDA's first allocation)
     try:
         libc = ctypes.CDLL("libc.so.6")
@@ -1215,15 +1163,14 @@ class RunEnded(Exception):
         self.exit_status = exit_status
 
 def from_master(value):
-    """Rank 0's `value`, on every rank: decisions that all ranks must take alike (paths, files, ids)."""
+    """Rank 0's `value`, on every rank: decisions all ranks must take alike (paths, files, ids)."""
     box = [value]
     if dist.is_initialized():
         dist.broadcast_object_list(box, 0)
     return box[0]
 
 def on_master(check, *args) -> None:
-    """check(*args) on rank 0, its UserError raised on every rank so that all stop alike (any other failure too:
-    rank 0 raises it and the others say so, rather than wait for rank 0 forever)."""
+    """check(*args) on rank 0; its failure raised on every rank, so that none waits for rank 0 forever."""
     error, failure = None, None
     if not dist.is_initialized() or dist.get_rank() == 0:
         try:
@@ -1242,46 +1189,40 @@ def agree_on_run_id(args: Hyperparameters, ctx: "ParallelContext") -> None:
     """--run_id, else torchrun's rendezvous id (the same after an elastic restart), else a fresh uuid."""
     if not args.run_id:
         rendezvous_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")  # torchrun's default id is "none"
-        if rendezvous_id == "none" and args.resume == "latest":
-            raise UserError("--resume latest needs the run's id: pass --run_id (or launch with torchrun --standalone "
-                            "or --rdzv-id, whose id the restarts share)")
+        need(rendezvous_id != "none" or args.resume != "latest", "--resume latest needs the run's id: pass "
+             "--run_id (or launch with torchrun --standalone or --rdzv-id, whose id the restarts share)")
         args.run_id = from_master(rendezvous_id if rendezvous_id != "none" else str(uuid.uuid4()))
 
 def checkpoint_dir(args: Hyperparameters) -> Path:
     return Path(args.log_dir) / args.run_id
 
 def saved_checkpoints(args: Hyperparameters) -> dict[int, Path]:
-    """This run id's checkpoints by step, oldest first (by number: step1000000.pt comes after step999999.pt)."""
+    """This run id's checkpoints by step number, oldest first."""
     named = ((path, path.name[len("step"):-len(".pt")]) for path in checkpoint_dir(args).glob("step*.pt"))
     return dict(sorted((int(number), path) for path, number in named if number.isdigit()))
 
 def find_checkpoint(args: Hyperparameters, ctx: "ParallelContext") -> Path | None:
-    """The file --resume names; with "latest", this run id's newest checkpoint, or None when there is none yet.
-    Rank 0 looks and tells the others (ranks on other nodes need to see the same file system)."""
+    """The file --resume names, or with "latest" this run id's newest (None: none yet), as rank 0 sees it."""
     found = None
     if ctx.is_master and args.resume == "latest":
         found = str(list(saved_checkpoints(args).values())[-1]) if saved_checkpoints(args) else None
     elif ctx.is_master and args.resume:
         found = args.resume if Path(args.resume).is_file() else ""
     found = from_master(found)
-    if found == "":
-        raise UserError(f"--resume {args.resume}: no such file; name a checkpoint (<log_dir>/<run_id>/stepNNNNNN.pt) "
-                        "or use 'latest'")
+    need(found != "", f"--resume {args.resume}: no such file; name a checkpoint (<log_dir>/<run_id>/stepNNNNNN.pt) "
+         "or use 'latest'")
     return Path(found) if found else None
 
 def optimizer_state_owners(trainer: "Trainer") -> list[dict]:
-    """Per optimizer, the data-parallel rank holding each parameter's state (None: every rank): Muon's owner; Adam's
-    under ZeRO."""
+    """Per optimizer, the data-parallel rank holding each parameter's state (None: every rank)."""
     adam, muon = trainer.optimizers
     adam_owners = {p: trainer.zero.owner_of[p] if trainer.zero.stage >= 1 else None
                    for group in adam.param_groups for p in group["params"]}
     return [adam_owners, dict(muon.param_owners())]
 
 def gather_training_state(trainer: "Trainer", weights_only: bool = False) -> dict | None:
-    """What training changes, as one-process CPU tensors keyed by parameter name, on rank 0 (None elsewhere): the
-    weights and, unless weights_only, Adam's state and Muon's momentum, each sent by the one rank that holds it
-    (data-parallel rank 0, or the owner of the state; tensor-parallel slices joined first). Under ZeRO 3, call it
-    within whole_parameters()."""
+    """The weights and (unless weights_only) optimizer states as one-process CPU tensors by name on rank 0 (None
+    elsewhere), each sent by the one rank holding it. Under ZeRO 3, call it within whole_parameters()."""
     ctx, (adam, muon) = trainer.ctx, trainer.optimizers
     adam_owners, muon_owners = optimizer_state_owners(trainer)
     part = dict(model={}, adam={}, muon={})
@@ -1302,8 +1243,7 @@ def gather_training_state(trainer: "Trainer", weights_only: bool = False) -> dic
 
 def save_checkpoint(path: Path, trainer: "Trainer", on_written: Callable[[], None] = lambda: None,
                     **run_state) -> None:
-    """Rank 0 writes the training state and run_state, then calls on_written (the log line, before anything else
-    can fail); every rank waits until the file is complete, and all stop if it could not be written."""
+    """Rank 0 writes the training state and run_state, then calls on_written; all ranks stop if it failed."""
     ctx, failure = trainer.ctx, None
     with trainer.zero.whole_parameters():  # (until written: rank 0 saves its parameters from where they live)
         state = gather_training_state(trainer)
@@ -1315,12 +1255,10 @@ def save_checkpoint(path: Path, trainer: "Trainer", on_written: Callable[[], Non
             if failure is None:
                 on_written()
     failure = from_master(failure if ctx.is_master else None)
-    if failure is not None:
-        raise UserError(failure)
+    need(failure is None, failure)
 
 def write_atomically(path: Path, state: dict) -> str | None:
-    """torch.save to a temporary name, then renamed: a crash mid-write leaves the previous file intact. On a failed
-    write the temporary file is removed and the reason returned (None: written)."""
+    """torch.save to a temporary name, then renamed and synced; the reason it failed (None: written)."""
     tmp = path.with_name(path.name + ".tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -1366,17 +1304,15 @@ CHECKPOINT_FIELDS = {
 }
 
 def load_checkpoint(path: Path) -> dict:
-    """A checkpoint of this trainer, every field checked and every weight finite."""
     try:  # weights_only: tensors and plain containers only, no code runs; mmap: no copy in memory until used
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
         raise UserError(f"cannot read checkpoint {path} ({type(e).__name__}: {' '.join(str(e).split())[:300]}): "
                         "the file is damaged or not a checkpoint; resume from an earlier one") from None
-    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-        raise UserError(f"{path} is not a checkpoint of this trainer (format {CHECKPOINT_FORMAT})")
+    need(isinstance(state, dict) and state.get("format") == CHECKPOINT_FORMAT, f"{path} is not a checkpoint of this "
+         f"trainer (format {CHECKPOINT_FORMAT})")
     missing = [field for field in CHECKPOINT_FIELDS if field not in state]
-    if missing:
-        raise UserError(f"checkpoint {path} lacks {', '.join(missing)}: it is incomplete; resume from another one")
+    need(not missing, f"checkpoint {path} lacks {', '.join(missing)}: it is incomplete; resume from another one")
     for field, (expected, ok) in CHECKPOINT_FIELDS.items():
         if not ok(state[field]):
             value = state[field]
@@ -1384,32 +1320,29 @@ def load_checkpoint(path: Path) -> dict:
             raise UserError(f"checkpoint {path} has a bad {field} field{shown} (expected {expected}): it is damaged or "
                             "was edited; resume from another one")
     for name, tensor in state["model"].items():
-        if not torch.isfinite(tensor).all():
-            raise UserError(f"checkpoint {path} holds non-finite values in tensor {name}: training from it would "
-                            "diverge at once; resume from an earlier one")
+        need(torch.isfinite(tensor).all(), f"checkpoint {path} holds non-finite values in tensor {name}: training from "
+             "it would diverge at once; resume from an earlier one")
     return state
 
 def restore_checkpoint(state: dict, path: Path, trainer: "Trainer") -> None:
-    """Load weights, the optimizer state this rank holds, and the RNG; refuse another model's shapes."""
+    """Load weights, the optimizer state this rank holds and the RNG; refuse another model's shapes."""
     def shape(t):
         return "absent" if t is None else f"of shape {tuple(t if isinstance(t, tuple) else t.shape)}"
     model, ctx, (adam, muon) = trainer.model, trainer.ctx, trainer.optimizers
     current = model.full_shapes  # every pipeline stage's, so a checkpoint of another model is caught on each
     for name in [*current, *(n for n in state["model"] if n not in current)]:
         here, there = current.get(name), state["model"].get(name)
-        if here is None or there is None or here != there.shape:
-            raise UserError(f"checkpoint {path} does not fit this model: tensor {name} is {shape(there)} there and "
-                            f"{shape(here)} here; resume with the model flags it was saved with (its "
-                            "'hyperparameters' entry lists them)")
+        need(here is not None and there is not None and here == there.shape, f"checkpoint {path} does not fit this "
+             f"model: tensor {name} is {shape(there)} there and {shape(here)} here; resume with the model flags it was "
+             "saved with (its 'hyperparameters' entry lists them)")
     adam_owners, muon_owners = optimizer_state_owners(trainer)
     names = {p: name for name, p in model.named_parameters()}
     for opt, owners, saved, keys in ((adam, adam_owners, state["adam"], ("step", "exp_avg", "exp_avg_sq")),
                                      (muon, muon_owners, state["muon"], ())):
         gaps = [f"{names[p]}{'.' + missing if missing else ''}" for p in owners
                 for missing in ([None] if names[p] not in saved else [k for k in keys if k not in saved[names[p]]])]
-        if gaps:
-            raise UserError(f"checkpoint {path} has no {type(opt).__name__} state for {', '.join(gaps[:5])}"
-                            f"{' and more' if len(gaps) > 5 else ''}: it is incomplete; resume from another one")
+        need(not gaps, f"checkpoint {path} has no {type(opt).__name__} state for {', '.join(gaps[:5])}"
+             f"{' and more' if len(gaps) > 5 else ''}: it is incomplete; resume from another one")
     with trainer.zero.whole_parameters():
         model.load_state_dict({name: own_slice(p, state["model"][name]) for name, p in model.named_parameters()})
     for p, owner in adam_owners.items():  # moments in the parameter's dtype (bf16 embeddings on CUDA, fp32 on CPU)
@@ -1425,9 +1358,8 @@ def restore_checkpoint(state: dict, path: Path, trainer: "Trainer") -> None:
         torch.cuda.set_rng_state(state["rng"]["cuda"], ctx.device)
 
 class StopRequests:
-    """Whether to stop after this step: the kill-switch file appeared, or SIGTERM, SIGINT or SIGHUP (a closed
-    terminal) arrived. A second signal stops the run at once, unless a checkpoint is being written: that finishes
-    first."""
+    """Stop after this step: the kill switch appeared, or SIGTERM, SIGINT or SIGHUP came. A second signal stops at
+    once, unless a checkpoint is being written: that finishes first."""
 
     def __init__(self, kill_switch: Path):
         self.kill_switch, self.reason, self.previous_handlers, self.writing_checkpoint = kill_switch, None, {}, False
@@ -1466,10 +1398,9 @@ class StopRequests:
         return self.reason
 
 class RankWatchdog:
-    """Around the training loop: ends the run with a message naming the lost ranks, the step and the last checkpoint
-    when a rank stops answering (a step outlasts --collective_timeout: the others wait inside a collective, where no
-    Python runs, hence a thread) or dies (a collective fails). The lost ranks are those that miss a roll call in the
-    launch's store."""
+    """Around the loop: a rank that stops answering (a step outlasts --collective_timeout: a thread, since the others
+    wait in a collective) or dies (a collective fails) ends the run, naming the ranks that miss a roll call in the
+    launch's store, the step and the last checkpoint."""
 
     def __init__(self, progress: "Progress"):
         self.progress, self.ctx, self.timeout_s = progress, progress.trainer.ctx, progress.args.collective_timeout
@@ -1508,7 +1439,6 @@ class RankWatchdog:
                 self.beat_at = time.monotonic()  # every rank answered: a slow step, not a lost rank
 
     def _report(self, what: str) -> str | None:
-        """Log which ranks are lost, and return that message (None: every rank answered)."""
         lost = self._roll_call()
         if lost == []:
             return None
@@ -1523,7 +1453,6 @@ class RankWatchdog:
         return message
 
     def _roll_call(self) -> list[int] | None:
-        """The ranks that do not answer (None: no store, or it does not answer)."""
         store, call = self.ctx.store, f"roll_call/step{self.step}"
         if store is None:
             return None
@@ -1572,10 +1501,8 @@ def start_copy_to_host(stats: Tensor) -> Callable[[], list[float]]:
     return lambda: copied.synchronize() or host.tolist()
 
 class Progress:
-    """Where the run is: the step it starts from (a restored checkpoint, or 0), its log and clock, its last
-    checkpoint; and what follows each step: the log line, the divergence guard, checkpoints and stopping. On CUDA a
-    step's stats are read a step late, so that reading them does not keep the host from queueing the next step,
-    unless a checkpoint is due or a stop was asked for."""
+    """Where the run is (its start step, log, clock, last checkpoint) and what follows each step: the log line, the
+    divergence guard, checkpoints and stopping."""
 
     def __init__(self, args: Hyperparameters, trainer: "Trainer", checkpoint: dict | None, resume_path: Path | None):
         self.args, self.trainer = args, trainer
@@ -1617,8 +1544,8 @@ class Progress:
         return self.args.save_every > 0 and (done % self.args.save_every == 0 or done == self.args.num_iterations)
 
     def after_step(self, done: int, stats: Tensor) -> None:
-        """Take a step's stats and finish the step before it; finish this one too, unless it is read a step late:
-        then a stop vote it holds stops the run after the next step (stop_seen)."""
+        """Finish the step before; this one too unless read a step late (on CUDA, so that reading its stats does not
+        keep the host from queueing the next step), when a stop vote in it stops the run after the next."""
         previous, self.pending = self.pending, (done, start_copy_to_host(stats), collections.Counter(comm_bytes))
         if previous is not None:
             self._finish(*previous)
@@ -1694,14 +1621,13 @@ def check_log_dir(args: Hyperparameters) -> None:
                     f"a symbolic link to {os.readlink(link)}, which does not exist"
                 raise UserError(f"--log_dir {log_dir}: {link} is {cause}; fix the link or name another folder") \
                     from None
-    if log_dir.exists() and not log_dir.is_dir():
-        raise UserError(f"--log_dir {log_dir} is a file: name a folder for the logs and checkpoints")
+    need(not log_dir.exists() or log_dir.is_dir(), f"--log_dir {log_dir} is a file: name a folder for the logs and "
+         "checkpoints")
     existing = next(path for path in [log_dir, *log_dir.parents, Path(".")] if path.is_dir())
     suffix = ".txt.replayed.99"  # the longest name made from the run id
     longest = os.pathconf(existing, "PC_NAME_MAX") - len(suffix)
-    if len(args.run_id.encode()) > longest:
-        raise UserError(f"--run_id is {len(args.run_id.encode())} bytes long, and the file names made from it (up "
-                        f"to <run_id>{suffix}) must fit this file system's limit: use at most {longest} bytes")
+    need(len(args.run_id.encode()) <= longest, f"--run_id is {len(args.run_id.encode())} bytes long, and the file "
+         f"names made from it (up to <run_id>{suffix}) must fit this file system's limit: use at most {longest} bytes")
     try:
         log_dir.mkdir(parents=True, exist_ok=True)
         probe = log_dir / f".{args.run_id}.{os.getpid()}.probe"
@@ -1709,15 +1635,12 @@ def check_log_dir(args: Hyperparameters) -> None:
         probe.unlink()
     except OSError as e:
         raise UserError(f"cannot write in --log_dir {log_dir} ({e.strerror}): point it at a writable folder") from None
-    if checkpoint_dir(args).exists() and not checkpoint_dir(args).is_dir():
-        raise UserError(f"{checkpoint_dir(args)} is a file, but this run's checkpoints go into a folder of that "
-                        "name: move the file, or pick another --run_id")
+    need(not checkpoint_dir(args).exists() or checkpoint_dir(args).is_dir(), f"{checkpoint_dir(args)} is a file, but "
+         "this run's checkpoints go into a folder of that name: move the file, or pick another --run_id")
 
 class RunIdLock:
-    """Rank 0 holds an exclusive lock on the run's own folder, <log_dir>/<run_id>, while the run lasts, so a second
-    run started with the same id is refused at once (the processes of an elastic restart are new, and the dead
-    ones' lock went with them). No lock file is left to tidy away by hand; a folder the run made and left empty is
-    removed at the end."""
+    """Rank 0 locks the run's folder <log_dir>/<run_id> while the run lasts, so another run with this id is refused
+    at once; no lock file is left behind, and a folder the run made and left empty is removed."""
 
     def __init__(self, args: Hyperparameters, ctx: "ParallelContext"):
         self.path, self.run_id, self.master, self.fd, self.made = checkpoint_dir(args), args.run_id, ctx.is_master, \
@@ -1751,11 +1674,10 @@ class RunIdLock:
             self.fd = None
 
 def check_run_inputs(args: Hyperparameters, ctx: "ParallelContext") -> tuple[Path | None, dict | None]:
-    """The checkpoint to resume from (or none) once everything the run will need has been checked: the kill switch
-    is absent, the checkpoint is whole and not past --num_iterations, a new log does not replace another run's,
-    the log folder has room, and the data holds enough tokens below --vocab_size for every remaining step."""
-    if from_master(kill_switch_path(args).exists()):
-        raise UserError(f"the kill switch {kill_switch_path(args)} exists: delete it to start or resume the run")
+    """The checkpoint to resume from (or None), once the kill switch, the checkpoint, the log, the disk, the memory
+    and the data have been checked for the whole run."""
+    need(not from_master(kill_switch_path(args).exists()), f"the kill switch {kill_switch_path(args)} exists: delete "
+         "it to start or resume the run")
     resume_path = find_checkpoint(args, ctx)
     checkpoint = load_checkpoint(resume_path) if resume_path else None
     if checkpoint is not None and checkpoint["step"] > args.num_iterations:
@@ -1769,9 +1691,7 @@ def check_run_inputs(args: Hyperparameters, ctx: "ParallelContext") -> tuple[Pat
     return resume_path, checkpoint
 
 def check_run_id_is_free(args: Hyperparameters, checkpoint: dict | None) -> None:
-    """A run that will start a log of its own must not find another run's there: only a resume of this run id's
-    own checkpoint continues its log. After an elastic restart that found no checkpoint, the dead attempt's log is
-    moved aside instead."""
+    """A new log must not replace another run's: only a resume of this id's own checkpoint continues its log."""
     log, saved = run_log_path(args), list(saved_checkpoints(args).values())
     if checkpoint is not None and checkpoint["run_id"] == args.run_id:
         if log.is_file() and log.stat().st_size >= checkpoint["log_bytes"] and \
@@ -1813,8 +1733,7 @@ def file_digest(path: Path, num_bytes: int) -> str:
     return digest.hexdigest()
 
 def move_aside_later_checkpoints(args: Hyperparameters, start_step: int) -> None:
-    """A run resumed from an older checkpoint than its newest would write over the later ones as it reaches their
-    steps, and --resume latest would find them: they are renamed, kept, and the run says so."""
+    """Checkpoints later than the one resumed from are renamed (kept), so that none is overwritten or resumed."""
     later = [path for step, path in saved_checkpoints(args).items() if step > start_step]
     if later:
         kept = [keep_aside(path, f"before_resume_from_{start_step}").name for path in later]
@@ -1822,9 +1741,8 @@ def move_aside_later_checkpoints(args: Hyperparameters, start_step: int) -> None
               f"{checkpoint_dir(args)} as {', '.join(kept)}", flush=True)
 
 def check_room_for_the_run(args: Hyperparameters, start_step: int) -> None:
-    """The log folder's free space holds the log and every checkpoint --save_every will write from start_step on,
-    and one more a stop writes (with --keep_last N, at most N + 1: the newest is complete before the oldest goes):
-    each a full one-process copy of the parameters and both optimizers' states, at most 16 bytes a parameter."""
+    """Room for the log and every checkpoint --save_every and a stop write from start_step on (with --keep_last N,
+    N + 1), each a one-process copy of the weights and optimizer states: at most 16 bytes a parameter."""
     free, source = shutil.disk_usage(args.log_dir).free, len(Path(__file__).read_bytes())
     log_bytes, checkpoint_bytes = source + 200 * (args.num_iterations + 10), 16 * parameter_count(args) + source
     end, every = args.num_iterations, args.save_every
@@ -1842,8 +1760,7 @@ def parameter_count(args: Hyperparameters) -> int:
     return sum(math.prod(shape) for shape in build_model(args, torch.device("meta")).full_shapes.values())
 
 def check_host_memory(args: Hyperparameters, device: torch.device) -> None:
-    """Each process on this machine builds the whole model in fp32 on the CPU before placing it, and on the CPU
-    trains it there with its gradients and optimizer states (16 bytes a parameter, activations aside)."""
+    """Every process builds the fp32 model on the CPU first, and on the CPU trains it there: 16 bytes a parameter."""
     if not args.memory_check:
         return
     try:
@@ -1852,17 +1769,15 @@ def check_host_memory(args: Hyperparameters, device: torch.device) -> None:
     except (OSError, StopIteration, ValueError):
         return  # (not Linux: unchecked)
     params, processes = parameter_count(args), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    need = params * (16 if device.type == "cpu" else 4) * processes
-    if need > available:
-        raise UserError(f"the model's {params:,} parameters (--model_dim {args.model_dim}, --num_layers "
-                        f"{args.num_layers}, --vocab_size {args.vocab_size}) need at least {need / 2**30:.1f} GiB of "
-                        f"this machine's memory for {processes} process(es), and {available / 2**30:.1f} GiB are "
-                        "available: make the model smaller; --memory_check false runs it anyway")
+    needed = params * (16 if device.type == "cpu" else 4) * processes
+    need(needed <= available, f"the model's {params:,} parameters (--model_dim {args.model_dim}, --num_layers "
+         f"{args.num_layers}, --vocab_size {args.vocab_size}) need at least {needed / 2**30:.1f} GiB of this machine's "
+         f"memory for {processes} process(es), and {available / 2**30:.1f} GiB are available: make the model "
+         "smaller; --memory_check false runs it anyway")
 
 def check_data(args: Hyperparameters, dp: int, checkpoint: dict | None) -> None:
-    """The validation sequences fit one shard, the training shards hold every remaining step's batch (a batch never
-    straddles shards) from the checkpoint's position on, and every shard the run reads has ids below --vocab_size.
-    From the shard headers, and a max over each shard read, before any model is built."""
+    """The validation sequences fit one shard, the training shards hold every remaining step's batch from the
+    checkpoint's position on, and every shard read holds ids below --vocab_size."""
     val_files = list_shards(args.val_files, "val_files")
     val_sizes = [read_shard_header(f) for f in val_files]
     fits = [f for f, n in zip(val_files, val_sizes) if n >= args.val_tokens + 1]
@@ -1963,8 +1878,7 @@ class RunLog:
         return file_digest(self.path, self.num_bytes()) if self.path is not None else ""
 
     def continue_from(self, num_bytes: int) -> bool:
-        """Cut this run's log back to where a checkpoint was saved, so the resumed run's lines follow on; steps
-        logged after that point (the run replays them) are kept in a copy first."""
+        """Cut the log back to the checkpoint's byte count (a copy keeps the replayed steps); False: it falls short."""
         if self.path is None or not self.path.is_file() or self.path.stat().st_size < num_bytes:
             return False
         with open(self.path, "rb") as f:
@@ -1977,8 +1891,7 @@ class RunLog:
         return True
 
     def start(self, args: Hyperparameters, ctx: "ParallelContext", grad_accum_steps: int) -> None:
-        """A new log. One already there (a resumed run's, shorter than its checkpoint says) is moved aside, not
-        replaced."""
+        """A new log, starting with this file's source; one already there is kept aside, never replaced."""
         if self.path is None:
             return
         if self.path.exists():
@@ -1998,8 +1911,7 @@ class RunLog:
 # Sampling: text from the model, through the training forward itself
 
 def gpt2_encoding():
-    """GPT-2's tokenizer, as the data was encoded: data/gpt2_tokenizer.py's (offline with its ranks file) beside this
-    file, else tiktoken's own."""
+    """GPT-2's tokenizer: data/gpt2_tokenizer.py's beside this file (offline with its ranks file), else tiktoken's."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     try:
         from data.gpt2_tokenizer import get_gpt2_encoding
@@ -2016,10 +1928,8 @@ def gpt2_encoding():
 @torch.no_grad()
 def generate(model: GPT, prompt: list[int], new_tokens: int, temperature: float, top_k: int, window_blocks: int,
              context: int, vocab_size: int, generator: torch.Generator) -> list[int]:
-    """The tokens that continue prompt, each drawn from softmax(logits / temperature) over the top_k most likely,
-    the logits those of GPT.forward over the sequence so far (its last `context` tokens, padded to whole attention
-    blocks: causal attention keeps the padding from the real tokens), with the run's final sliding window; up to an
-    end-of-text token. No cache: each token runs the whole sequence again."""
+    """Tokens continuing prompt up to an end-of-text token, drawn from softmax(logits / temperature) over the top_k,
+    from GPT.forward over the last `context` tokens padded to whole attention blocks (no cache)."""
     model.eval()
     device = next(model.parameters()).device
     tokens, window = list(prompt), window_tensor(window_blocks, device)
@@ -2038,17 +1948,14 @@ def generate(model: GPT, prompt: list[int], new_tokens: int, temperature: float,
 def sampling_prompt(args: Hyperparameters, encoding, context: int) -> list[int]:
     """--prompt's tokens after the end-of-text token that starts every document."""
     prompt = [EOT_TOKEN] + encoding.encode(args.prompt)
-    if len(prompt) > context:
-        raise UserError(f"--prompt is {len(prompt)} tokens with the document start, longer than the model's context "
-                        f"of {context} (max(train_seq_len, val_seq_len) of its run): shorten it")
+    need(len(prompt) <= context, f"--prompt is {len(prompt)} tokens with the document start, longer than the model's "
+         f"context of {context} (max(train_seq_len, val_seq_len) of its run): shorten it")
     return prompt
 
 def sample_from_checkpoint(args: Hyperparameters) -> list[str]:
-    """--sample: the checkpoint's model, built from this file with the hyperparameters of its run, continues the
-    prompt --num_samples times; each sample is printed as it is drawn, then the speed."""
+    """--sample: the checkpoint's model continues the prompt --num_samples times, printed as drawn, then the speed."""
     path = Path(args.sample)
-    if not path.is_file():
-        raise UserError(f"--sample {path}: no such file; name a checkpoint (<log_dir>/<run_id>/stepNNNNNN.pt)")
+    need(path.is_file(), f"--sample {path}: no such file; name a checkpoint (<log_dir>/<run_id>/stepNNNNNN.pt)")
     state = load_checkpoint(path)
     fields = {field.name for field in dataclasses.fields(Hyperparameters)}
     run = dataclasses.replace(Hyperparameters(), **{k: v for k, v in state["hyperparameters"].items() if k in fields})
@@ -2073,8 +1980,7 @@ def sample_from_checkpoint(args: Hyperparameters) -> list[str]:
     return texts
 
 def print_sample(trainer: "Trainer", step: int) -> None:
-    """--sample_every: a short sample from the model as it is now, on rank 0, from a one-process copy on the CPU (so
-    that any layout can give it, and the timed run's compiled model and memory are left alone)."""
+    """--sample_every: a short sample on rank 0 from a one-process copy of the model on the CPU."""
     with trainer.zero.whole_parameters():
         state = gather_training_state(trainer, weights_only=True)
     if state is None:
@@ -2101,8 +2007,8 @@ def nbytes(t: Tensor) -> int:
 
 @dataclass(frozen=True)
 class Axis:
-    """One axis of the rank grid as this rank sees it: its coordinate, the axis length, the process group along
-    it (None: the default group), and that group's global ranks in order (collectives name peers globally)."""
+    """One axis of the rank grid as this rank sees it: coordinate, length, process group (None: the default), and
+    the group's global ranks in order."""
     rank: int = 0
     size: int = 1
     group: object = None
@@ -2116,12 +2022,8 @@ def world_axis(rank: int, size: int) -> Axis:
 
 @dataclass
 class ParallelContext:
-    """This rank's place in the grid world = pp x dp x tp and the process group along each axis; built once.
-
-    Tensor-parallel groups are runs of consecutive ranks (torchrun puts those on one node, where the links are
-    fast); data-parallel groups take every tp-th rank within a pipeline stage; pipeline stages are the outermost
-    axis, so only the activations crossing a stage boundary travel between blocks of dp x tp ranks.
-    """
+    """This rank's place in the grid pp x dp x tp and the group along each axis. Tensor-parallel ranks are
+    consecutive (one node's fast links); pipeline stages are outermost."""
     rank: int
     world_size: int
     device: torch.device
@@ -2163,31 +2065,28 @@ def build_parallel_context(rank: int, world_size: int, device: torch.device, tp:
     return ParallelContext(rank, world_size, device, axes["dp"], axes["tp"], axes["pp"], host_group=host_group)
 
 def launch_environment() -> tuple[int, int, int]:
-    """RANK, WORLD_SIZE and LOCAL_RANK as torchrun sets them (unset: one process), refused when malformed, and
-    MASTER_ADDR and MASTER_PORT present when there are several processes."""
+    """RANK, WORLD_SIZE and LOCAL_RANK as torchrun sets them (unset: one process), refused when malformed."""
     def read(name: str, default: int, low: int, high: int | None = None) -> int:
         text = os.environ.get(name)
         if text is None:
             return default
-        if not text.strip().isdigit() or not low <= int(text) <= (high if high is not None else int(text)):
-            raise UserError(f"the environment variable {name}={text!r} must be a whole number from {low}"
-                            + (f" to {high}" if high is not None else "") + ": launch with torchrun, which sets it "
-                            "(or unset it for one process)")
+        need(text.strip().isdigit() and low <= int(text) <= (int(text) if high is None else high),
+             f"the environment variable {name}={text!r} must be a whole number from {low}"
+             + (f" to {high}" if high is not None else "") + ": launch with torchrun, which sets it (or unset it for "
+             "one process)")
         return int(text)
     world_size = read("WORLD_SIZE", 1, 1)
     rank, local_rank = read("RANK", 0, 0, world_size - 1), read("LOCAL_RANK", 0, 0)
     if world_size > 1:
         missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
-        if missing:
-            raise UserError(f"WORLD_SIZE={world_size} needs {' and '.join(missing)}, where rank 0 waits for the "
-                            f"others: launch with torchrun --nproc_per_node={world_size} train_gpt.py, which sets them")
+        need(not missing, f"WORLD_SIZE={world_size} needs {' and '.join(missing)}, where rank 0 waits for the "
+             f"others: launch with torchrun --nproc_per_node={world_size} train_gpt.py, which sets them")
         read("MASTER_PORT", 0, 1, 65535)
     return rank, world_size, local_rank
 
 def setup_distributed(tp: int = 1, pp: int = 1, timeout_s: float = 600.0) -> ParallelContext:
-    """torchrun's environment (or none: one process); NCCL on CUDA, gloo on CPU. A rank that never joins ends the
-    start after timeout_s with a message; a collective's own timeout is a minute longer, so that the watchdog
-    (RankWatchdog) names a stalled rank first."""
+    """The process group of torchrun's environment: NCCL on CUDA, gloo on CPU; its timeout is a minute longer than
+    the start's, so that a rank that never joins, or stalls, is named first."""
     rank, world_size, local_rank = launch_environment()
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
@@ -2202,9 +2101,8 @@ def setup_distributed(tp: int = 1, pp: int = 1, timeout_s: float = 600.0) -> Par
     return dataclasses.replace(build_parallel_context(rank, world_size, device, tp, pp), store=store)
 
 def rendezvous_store(rank: int, world_size: int, timeout: timedelta) -> "dist.Store":
-    """The store where the ranks meet: rank 0's at MASTER_ADDR:MASTER_PORT, or under torchrun's agent its shared
-    store, under a prefix of its own for this restart attempt (restarted workers could otherwise read the dead
-    workers' addresses and fail to connect: pytorch/pytorch#135712)."""
+    """Rank 0's store at MASTER_ADDR:MASTER_PORT, or torchrun's agent's under this restart attempt's prefix
+    (restarted workers could read the dead ones' addresses otherwise: pytorch/pytorch#135712)."""
     address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     try:
@@ -2228,10 +2126,8 @@ TracedOp = collections.namedtuple("TracedOp", "name step layer modules inputs in
 ModuleCall = collections.namedtuple("ModuleCall", "name modules module args output layer")
 
 class ModelTrace(torch.overrides.TorchFunctionMode):
-    """One forward of the one-process model on a probe sequence, run through GPT.forward's steps, recording every
-    torch function it ran and every module call: how the layouts find where each parameter and each tensor is
-    used, whatever the model holds. Only the forward's own work counts: not what runs outside its steps, nor
-    reading a tensor's attributes (.device, .shape). The recorded tensors are kept, so no two share an id."""
+    """One forward of the one-process model through GPT.forward's steps on a probe sequence, recording each torch
+    function and module call: where the layouts read each parameter and tensor's use, whatever the model holds."""
 
     def __init__(self, model: GPT, seq_len: int):
         super().__init__()
@@ -2296,27 +2192,11 @@ class ModelTrace(torch.overrides.TorchFunctionMode):
 # Data parallel: gradients averaged over the data-parallel ranks in buckets, while backward still runs
 
 class GradientBuckets:
-    """Average gradients over the data-parallel ranks in ~bucket_mb buckets, as soon as a bucket's gradients are final.
-
-    Hooks run after a parameter's gradient is accumulated, so communication overlaps the rest of backward.
-    Buckets follow reverse registration order (roughly the order backward produces gradients) and never mix
-    dtypes. Gradient accumulation wraps each micro-batch's backward in micro_batch(last): only the last reduces.
-    Gradients are all-reduced where they are; a bucket is copied into one flat tensor only for a reduce to one
-    owner (which takes one tensor) or into the float64 sums. On one rank without float64 sums, nothing happens.
-
-    owner_of (ZeRO 1 and up) names the rank that updates each parameter; the other ranks drop its gradient once
-    reduced. With reduce_to_owner (ZeRO 2 and 3) a bucket holds one owner's parameters and is reduced to that rank
-    alone, so each rank keeps only the gradients it updates, also while backward runs.
-
-    summed_first (pipeline stages sharing a parameter): its gradient is first summed over the stages that hold it,
-    once backward is done everywhere, then averaged like the others.
-
-    With sum_dtype=torch.float64 the micro-batches' gradients are summed and reduced in float64 and rounded to the
-    parameters' dtype once. Each micro-batch's gradient is exact in float64 and so are the few sums, so the result
-    no longer depends on how the global batch was split over ranks and micro-batches: every world size trains
-    bit-identical models. It costs a full float64 copy of the gradients (unsharded, even under ZeRO) and twice
-    the bytes sent.
-    """
+    """Gradients averaged over the data-parallel ranks in ~bucket_mb buckets, each as soon as its gradients are in,
+    overlapping the rest of backward; only the last micro-batch reduces. Under ZeRO each rank keeps what it owns
+    (owner_of), with reduce_to_owner (stages 2, 3) reducing each bucket to its owner alone. summed_first: pipeline
+    stages sharing a parameter sum its gradient first. sum_dtype=torch.float64 sums and reduces in float64 and
+    rounds once, so every world size trains bit-identical models."""
 
     def __init__(self, params, bucket_mb: float = 25, sum_dtype: torch.dtype | None = None,
                  owner_of: dict | None = None, reduce_to_owner: bool = False, dp: Axis = Axis(),
@@ -2392,9 +2272,8 @@ class GradientBuckets:
                                            group=self.dp.group, async_op=True)]
 
     def _add_to_sum(self, i: int) -> None:
-        """Move each gradient of bucket i into its float64 sum. A sparse gradient (an embedding's, see build_trainer)
-        adds only the rows of the micro-batch's tokens, each first summed in the parameter's dtype in token order
-        as the dense backward sums it: adding zero changes no sum, so the result is the dense one's."""
+        """Move bucket i's gradients into their float64 sums; a sparse one (an embedding's) only its rows, each summed
+        first in token order, as the dense backward sums it."""
         for p in self.buckets[i]:
             grad, p.grad = p.grad, None
             if not grad.is_sparse:
@@ -2409,8 +2288,7 @@ class GradientBuckets:
                 self.rows_summed[p] = added | self.rows_summed[p] if p in self.rows_summed else added
 
     def _take_sum(self, p: Tensor, keep: bool) -> Tensor | None:
-        """p's float64 sum rounded once to p's dtype (when kept), and cleared for the next step. On one rank, where
-        only some rows were added to, only those are rounded and cleared: the rest is zero."""
+        """p's float64 sum rounded to p's dtype (None unless kept), and cleared (on one rank only the rows added to)."""
         total, rows = self.sum_of[p], self.rows_summed.pop(p, None)
         if not keep:
             total.zero_()
@@ -2426,8 +2304,7 @@ class GradientBuckets:
         return grad
 
     def wait(self) -> None:
-        """Wait for every bucket's reduction and hand each parameter its averaged gradient (under ZeRO, the
-        parameters this rank owns)."""
+        """Wait for every reduction and hand each parameter this rank keeps its averaged gradient."""
         for i, bucket in enumerate(self.buckets):
             if bucket[0] in self.summed_first and self.reduced[i] is None:
                 self._launch(i)
@@ -2460,18 +2337,9 @@ class GradientBuckets:
 
 @dataclass
 class Zero:
-    """Which data-parallel rank owns (updates) each parameter, and what the stage shards.
-
-    Every stage keeps Muon's momentum on the one rank that orthogonalises each matrix. Stage 0 shards nothing
-    else. Stage 1 keeps Adam's moments on the owner alone, which updates the parameter and sends it to the others;
-    gradients are all-reduced as in plain data parallelism and each rank then keeps those it updates. Stage 2
-    reduces each gradient bucket to its owner instead, as backward produces it, so a rank never keeps another's
-    gradients and a step moves the paper's volume (a reduce-scatter's worth of gradients and an all-gather's worth
-    of parameters, where stage 1 sends an all-reduce's and a broadcast's). Stage 3 also keeps each parameter's
-    values on its owner alone between uses (ShardedParameters). Ownership is by whole parameters (Muon needs whole
-    matrices): Muon's by its r, r+W, ... rule, Adam's spread largest first to the least loaded rank. Stage 0's
-    ownership only splits the gradient norm's work.
-    """
+    """Which data-parallel rank owns (updates) each parameter, and what the stage shards: 1 Adam's states (owners
+    update and broadcast), 2 also gradients (reduced to their owner), 3 also the values (ShardedParameters).
+    Ownership is by whole parameters (Muon needs whole matrices): Muon's rule, Adam's largest first."""
     stage: int
     dp: Axis
     owner_of: dict  # parameter -> data-parallel rank
@@ -2526,18 +2394,9 @@ class Zero:
         return max(held, self.sharded.peak_bytes) if self.sharded is not None else held
 
 class ShardedParameters:
-    """ZeRO 3: a parameter's values live on its owner alone except while a forward or backward needs them.
-
-    Units are the blocks and the other modules holding parameters (embeddings, head). A unit is gathered
-    (broadcast from the owners into storage re-allocated for the purpose) just before its forward, a block with
-    the next block's gather already under way. A unit is dropped after its forward, and a hook on its output
-    gathers it again (a block starting on the block before it) when backward reaches it; an embedding's backward
-    needs only the token ids, and a head, whose output is the loss, stays for its backward, which follows at
-    once. Every unit is dropped once all its gradients are in. Autograd's saved tensors share the parameters'
-    storage, so they see the values again when backward runs. A parameter read outside its unit's forward (one of
-    the GPT itself, a block's read by GPT.run_block, one two units share) stays whole on every rank, as at stage 1:
-    no module call brackets its use, so its owner updates it and sends it after each step.
-    """
+    """ZeRO 3: each unit (a block, or another module holding parameters) is gathered from the owners just before
+    its forward (a block prefetching the next), dropped after, gathered again when backward reaches it, and dropped
+    once its gradients are in. A parameter read outside its unit's forward stays whole, sent after each step."""
 
     def __init__(self, model: GPT, zero: Zero, trace: ModelTrace):
         self.zero = zero
@@ -2602,8 +2461,8 @@ class ShardedParameters:
         self._start(prefetch)
 
     def _after_forward(self, u: int, module: nn.Module, out, prefetch: int | None) -> None:
-        """Drop the unit, to be gathered again when backward reaches its output; but an embedding's backward needs
-        only the token ids, and a head's (whose output is the loss) follows at once: it stays."""
+        """Drop the unit until backward reaches its output; an embedding's backward needs only the tokens, and a
+        head's (its output is the loss) follows at once."""
         if isinstance(out, Tensor) and out.ndim == 0 and out.requires_grad:
             return
         self.drop(u)
@@ -2622,8 +2481,7 @@ class ShardedParameters:
 # applied to a built one-process model
 
 class _Conjugate(torch.autograd.Function):
-    """A tensor-parallel collective whose backward is its conjugate: forward_op(x, tp) going forward,
-    backward_op(grad, tp) coming back (Megatron's f and g, and their sequence-parallel forms)."""
+    """A tensor-parallel collective, forward_op(x) going forward and its conjugate backward_op(grad) coming back."""
 
     @staticmethod
     def forward(ctx, x: Tensor, tp: Axis, forward_op, backward_op) -> Tensor:
@@ -2664,24 +2522,20 @@ def own_sequence_shard(x: Tensor, tp: Axis) -> Tensor:
     return x.narrow(-2, tp.rank * n, n).clone()
 
 def enter_region(x: Tensor, tp: Axis, sp: bool) -> Tensor:
-    """The whole activation for a tensor-parallel region: f (identity forward; backward all-reduces the ranks'
-    partial input gradients), or under sequence parallelism an all-gather of the shards (backward reduce-scatters)."""
+    """Into a region: f (identity; backward all-reduce), or under --sp an all-gather (backward reduce-scatter)."""
     if sp:
         return _Conjugate.apply(x, tp, gather_sequence_shards, reduce_scatter_sequence_shards)
     return _Conjugate.apply(x, tp, identity, all_reduce_sum)
 
 def leave_region(x: Tensor, tp: Axis, sp: bool) -> Tensor:
-    """The sum of the ranks' partial outputs: g (all-reduce forward, identity backward), or under sequence
-    parallelism this rank's shard of it (reduce-scatter; backward all-gathers)."""
+    """Out of a region: g (all-reduce; backward identity), or under --sp a reduce-scatter (backward all-gather)."""
     if sp:
         return _Conjugate.apply(x, tp, reduce_scatter_sequence_shards, gather_sequence_shards)
     return _Conjugate.apply(x, tp, all_reduce_sum, identity)
 
 class _GatherThenLinear(torch.autograd.Function):
-    """Asynchronous tensor parallelism (Wang et al. 2023, overlapping communication with dependent computation):
-    the column-parallel matmul of a sequence-sharded input starts the all-gather of the other shards, multiplies
-    its own shard while they travel, then the rest. Backward as gather-then-linear: the weight gradient from the
-    gathered input, the input gradient reduce-scattered."""
+    """Async TP (Wang et al. 2023): a column-parallel matmul of sequence shards multiplies its own shard while the
+    others are gathered; backward takes the weight gradient from the gathered input."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, tp: Axis) -> Tensor:
@@ -2704,8 +2558,7 @@ class _GatherThenLinear(torch.autograd.Function):
 
 @dataclass(frozen=True)
 class TensorParallelSlice:
-    """How a parameter is split over the tensor-parallel ranks: along `dim`, zero-padded to a multiple of them,
-    this rank holding slice axis.rank of a tensor `size` long there."""
+    """A parameter split along `dim` over the axis's ranks, zero-padded to a multiple of them; `size` is the whole."""
     dim: int
     size: int
     axis: Axis
@@ -2738,8 +2591,7 @@ def split_parameter(model: nn.Module, p: nn.Parameter, dim: int, tp: Axis) -> No
                 setattr(module, name, part)
 
 def vocab_parallel_embedding(embedding: nn.Embedding, tp: Axis) -> None:
-    """Rows split by vocabulary: each rank looks up the tokens in its rows (zero for the others) and the partial
-    lookups are summed."""
+    """Rows split by vocabulary: each rank looks up its own rows (zero elsewhere), and the lookups are summed."""
     def lookup(input_seq: Tensor) -> Tensor:
         rows = embedding.weight.size(0)
         local = input_seq - tp.rank * rows
@@ -2749,8 +2601,7 @@ def vocab_parallel_embedding(embedding: nn.Embedding, tp: Axis) -> None:
     embedding.forward = lookup
 
 def vocab_parallel_cross_entropy(logits: Tensor, targets: Tensor, tp: Axis) -> Tensor:
-    """Cross-entropy summed over tokens, of logits split by vocabulary across tp: (T, V / tp) here, full (T, V)
-    nowhere."""
+    """Cross-entropy summed over tokens, of logits split by vocabulary: never whole on any rank."""
     n = logits.size(-1)
     with torch.no_grad():
         top = logits.max(dim=-1).values
@@ -2773,14 +2624,9 @@ TENSOR_PARALLEL_REGIONS = {CausalSelfAttention: "heads", MLP: "width"}
 TENSOR_PARALLEL_PLAN: dict[tuple[type, str], str] = {}
 
 def tensor_parallelize(model: GPT, tp: Axis, args: Hyperparameters, trace: ModelTrace) -> None:
-    """Split the one-process model over the tensor-parallel ranks by the rules above, found on one traced forward.
-
-    Every parameter no rule splits stays whole on every rank, and its gradient follows one rule: where it is used
-    on a rank's part of the data (inside a region or a head, which hold some heads, width or vocabulary; between
-    the embedding and the head under sequence parallelism, where the stream holds 1/tp of the sequence) each
-    rank's gradient is a part, and a hook sums the parts over the group; where it is used on whole data, every
-    rank's gradient is already whole.
-    """
+    """Split the one-process model over the tensor-parallel ranks by the rules above, read off one traced forward.
+    A parameter no rule splits stays whole; where it is used on a rank's part of the data (in a region or a head,
+    or between embedding and head under --sp) a hook sums its gradient over the group."""
     regions = {call.name: call for call in trace.calls if split_by(call.module)}
     splits, roles = tensor_parallel_splits(model, trace, regions, args.num_heads)
     if args.sp:
@@ -2792,10 +2638,9 @@ def tensor_parallelize(model: GPT, tp: Axis, args: Hyperparameters, trace: Model
     for p in [p for p in model.parameters() if p not in splits]:
         partial = {bool(region_of(op.modules, regions) or heads.intersection(op.modules))
                    or (args.sp and op.step == "blocks") for op in trace.parameter_reads(names[p])}
-        if partial == {True, False}:
-            raise UserError(f"tensor parallelism: {names[p]} is used both on part of the data (in a region or a head, "
-                            "or between embedding and head under --sp) and on whole data, so its gradient is neither a "
-                            "part nor the whole: use separate parameters")
+        need(partial != {True, False}, f"tensor parallelism: {names[p]} is used both on part of the data (in a region "
+             "or a head, or between embedding and head under --sp) and on whole data, so its gradient is neither a "
+             "part nor the whole: use separate parameters")
         if True in partial:
             p.register_hook(functools.partial(all_reduce_sum, tp=tp))
     for p, dim in splits.items():
@@ -2830,8 +2675,7 @@ def region_of(modules: tuple, regions: dict) -> str | None:
     return next((name for name in reversed(modules) if name in regions), None)
 
 def tensor_parallel_splits(model: GPT, trace: ModelTrace, regions: dict, num_heads: int) -> tuple[dict, dict]:
-    """The dimension tensor parallelism splits each parameter along (param -> dim), and the role of each linear
-    layer in a region (name -> column, row, whole or None); refuses by name what no rule places."""
+    """The dim each parameter is split along, and each linear layer's role in its region; unplaced is refused."""
     roles, splits = {}, {}
     for call in trace.calls:
         region = region_of(call.modules[:-1], regions)
@@ -2842,10 +2686,9 @@ def tensor_parallel_splits(model: GPT, trace: ModelTrace, regions: dict, num_hea
 
     def claim(name: str, p: Tensor, dim: int, rule: str) -> None:
         dim %= p.ndim
-        if splits.setdefault(p, dim) != dim:
-            raise UserError(f"tensor parallelism: {name} is split along dim {splits[p]} in one of its modules and along "
-                            f"dim {dim} as a {rule} in another: a tied parameter is one slice on each rank, so tie "
-                            "only parameters split alike")
+        need(splits.setdefault(p, dim) == dim, f"tensor parallelism: {name} is split along dim {splits[p]} in one of "
+             f"its modules and along dim {dim} as a {rule} in another: a tied parameter is one slice on each rank, so "
+             "tie only parameters split alike")
     for module_name, module in model.named_modules():
         region = next((n for n in regions if module_name == n or module_name.startswith(n + ".")), None)
         by_head = region is not None and split_by(regions[region].module) == "heads"
@@ -2882,17 +2725,15 @@ def tensor_parallel_splits(model: GPT, trace: ModelTrace, regions: dict, num_hea
 # sequences; the code between, outside attention and the MLP, must work position by position (checked).
 
 def sequence_parallel_cut(trace: ModelTrace, regions: dict) -> list[int]:
-    """The stream tensors, by their place in the embedding's output, that the blocks read outside the regions:
-    these are cut; those read only inside the regions (the value embeddings) stay whole."""
+    """The stream's tensors that the blocks read outside the regions: these are cut (value embeddings stay whole)."""
     paths_and_leaves = pytree.tree_flatten_with_path(trace.streams[0])[0]
     cut = [i for i, (_, t) in enumerate(paths_and_leaves) if isinstance(t, Tensor) and any(
         op.step == "blocks" and not region_of(op.modules, regions) for op in trace.reads(t))]
     for i in cut:
         path, t = paths_and_leaves[i]
-        if any(a is t for call in regions.values() for a in call.args[1:]):
-            raise UserError(f"sequence parallelism: the stream's {pytree.keystr(path)} is read both position by "
-                            "position in the blocks and whole inside attention or the MLP: give the region a tensor "
-                            "of its own")
+        need(not any(a is t for call in regions.values() for a in call.args[1:]), "sequence parallelism: the stream's "
+             f"{pytree.keystr(path)} is read both position by position in the blocks and whole inside attention or the "
+             "MLP: give the region a tensor of its own")
     return cut
 
 def cut_stream_between_embedding_and_head(model: GPT, cut: list[int], tp: Axis) -> None:
@@ -2912,8 +2753,8 @@ def cut_stream_between_embedding_and_head(model: GPT, cut: list[int], tp: Axis) 
     model.embed_tokens, model.head_loss = embed_and_cut, join_then_head
 
 def refuse_sequence_mixing(model: GPT, trace: ModelTrace, regions: dict, cut: list[int], tp: int) -> None:
-    """Each layer (GPT.run_block) run on every shard of its stream, its regions given their one-process inputs
-    and outputs, must give that shard of its one-process output; else it mixes positions outside the regions."""
+    """Each layer run on each shard of its stream (its regions fed their one-process values) must give that shard of
+    its one-process output, or it mixes positions outside the regions."""
     whole = {id(t) for i, t in enumerate(pytree.tree_leaves(trace.streams[0])) if i not in cut}
 
     def shard(t, r):
@@ -2938,12 +2779,12 @@ def refuse_sequence_mixing(model: GPT, trace: ModelTrace, regions: dict, cut: li
             for hook in hooks:
                 hook.remove()
         expected = pytree.tree_leaves(pytree.tree_map(lambda t: shard(t, r), trace.streams[layer + 1]))
-        if not all(fed) or not all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in
-                                   zip(pytree.tree_leaves(out), expected) if isinstance(a, Tensor)):
-            raise UserError(f"sequence parallelism: layer {layer} mixes positions outside attention and the MLP (run on "
-                            f"a part of the sequence, blocks.{layer} or GPT.run_block gives another result than on the "
-                            "whole): --sp cuts the stream there; move the mixing into GPT.embed_tokens or "
-                            "GPT.head_loss, or into attention or the MLP, or train without --sp")
+        pairs = [(a, b) for a, b in zip(pytree.tree_leaves(out), expected) if isinstance(a, Tensor)]
+        need(all(fed) and all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in pairs),
+             f"sequence parallelism: layer {layer} mixes positions outside attention and the MLP (run on a part of "
+             f"the sequence, blocks.{layer} or GPT.run_block gives another result than on the whole): --sp cuts the "
+             "stream there; move the mixing into GPT.embed_tokens or GPT.head_loss, or into attention or the MLP, or "
+             "train without --sp")
 
 # ----------------------------------------------------------------------------------------------------
 # Pipeline parallelism: GPipe's all-forwards-then-all-backwards (Huang et al. 2019) and one-forward-one-backward
@@ -2965,19 +2806,9 @@ def keep_only_parameters(module: nn.Module, keep: set[Tensor]) -> None:
             keep_only_parameters(child, keep)
 
 class PipelineStage:
-    """This rank's pipeline stage: a contiguous run of the blocks and the parameters its steps read, the exchange of
-    the stream with its neighbours, and the schedules that run a step's micro-batches through the pipeline.
-
-    Which parameters a stage keeps is read off a traced forward: the first stage keeps the embeddings, the last the
-    head, a parameter a fork adds goes to the stage that reads it, and one that several stages read (tied
-    embeddings, a vector with an entry per layer) is kept by each of them, its gradient summed over them before
-    the data-parallel average, as Megatron-LM and nanotron tie an embedding to the head. What a stage drops becomes
-    None, so parameter names stay the model's.
-
-    What crosses a boundary is whatever stream the forward holds there (GPT.embed_tokens: residual, x0, value
-    embeddings, pending U-Net skips, and anything a fork adds): the first time a stream of a given length crosses,
-    its structure, shapes and dtypes go ahead of it, so the receiver can allocate. Its gradient comes back.
-    """
+    """This rank's pipeline stage: a run of blocks, the parameters its steps read in the traced forward (one that
+    several stages read is kept by each, its gradient summed over them), the exchange of whatever stream the forward
+    holds at a boundary (its structure sent ahead the first time), and the afab and 1f1b schedules."""
 
     def __init__(self, model: GPT, ctx: "ParallelContext", schedule: str, trace: ModelTrace,
                  stream_specs: dict | None = None):
@@ -3004,8 +2835,7 @@ class PipelineStage:
         dist.barrier(group=pp.group)  # NCCL wants a group's first call to involve all its ranks
 
     def forward(self, inputs: Tensor, targets: Tensor, window: Tensor, stream: dict | None) -> Tensor | dict:
-        """GPT.forward's steps for this stage's layers: the embedding first on the first stage, the head and loss
-        last on the last; otherwise the stream comes in or goes out."""
+        """GPT.forward's steps for this stage's layers: embedding on the first stage, head and loss on the last."""
         masks = self.model.attention_masks(inputs, window)
         stream = self.model.embed_tokens(inputs) if self.first else stream
         for i in self.layers:
@@ -3014,9 +2844,7 @@ class PipelineStage:
 
     def exchange(self, seq_len: int, to_next: dict | None = None, to_prev: list[Tensor] | None = None,
                  from_prev: bool = False, from_next: bool = False) -> tuple[dict | None, list[Tensor] | None]:
-        """Send a stream (forward) or the gradient of one (backward) and receive them, in one batch; returns what
-        came (the stream from the stage before, the gradient from the stage after). Requests toward a missing
-        neighbour are ignored."""
+        """Send a stream or its gradient to a neighbour and receive one, in one batch; (stream in, gradient in)."""
         ops, mode, device = [], torch.is_grad_enabled(), next(self.model.parameters()).device
         prev, nxt = self.pp.rank - 1, self.pp.rank + 1
         if to_next is not None and not self.last:
@@ -3075,8 +2903,7 @@ class PipelineStage:
         return [dist.P2POp(dist.isend, t.contiguous(), self.pp.global_rank(peer), self.pp.group) for t in tensors]
 
     def run_schedule(self, batches, window: Tensor, micro_batches: int, gradients) -> Tensor:
-        """Forward and backward of the step's micro-batches in the schedule; returns their summed loss on the last
-        stage, zero elsewhere."""
+        """Forward and backward of the step's micro-batches; their summed loss on the last stage, zero elsewhere."""
         batch = [next(batches) for _ in range(micro_batches)]
         seq_len = batch[0][0].numel()
         loss_sum = torch.zeros((), device=window.device)
@@ -3147,8 +2974,8 @@ class _Saved:
         self.tensor = tensor
 
 class SavedActivations(torch.autograd.graph.saved_tensors_hooks):
-    """The peak bytes of tensors autograd keeps for backward (the activations), each storage counted once and
-    parameters left out. The dense attention twin's (T, T) scores are left out too: FlexAttention keeps none."""
+    """Peak bytes of what autograd saves for backward, each storage once, without parameters or the dense twin's
+    (T, T) scores (FlexAttention keeps none)."""
 
     def __init__(self, model: nn.Module, seq_len: int):
         super().__init__(self._pack, lambda held: held.tensor)
@@ -3175,9 +3002,8 @@ class SavedActivations(torch.autograd.graph.saved_tensors_hooks):
             self.bytes -= size
 
 def account_step(trainer: Trainer, batches, step: int = 0) -> dict:
-    """One training step of the trainer with what this rank held and handed to collectives, in bytes: parameters
-    (between steps, and at the peak within one), gradients after backward, float64 gradient sums, optimizer states
-    after the step, activations at the peak, and each collective's bytes."""
+    """One training step with the bytes this rank held (parameters and their peak, gradients, float64 sums,
+    optimizer states, activations) and handed to each collective."""
     comm_bytes.clear()
     saved = SavedActivations(trainer.model, trainer.args.train_seq_len)
     with saved:
@@ -3195,8 +3021,7 @@ def account_step(trainer: Trainer, batches, step: int = 0) -> dict:
 
 @contextlib.contextmanager
 def simulated_rank(rank: int, world_size: int):
-    """This process as rank `rank` of world_size under PyTorch's fake process group, whose collectives send
-    nothing (one process needs no group)."""
+    """This process as rank `rank` under PyTorch's fake process group, whose collectives send nothing."""
     if world_size == 1:
         yield
         return
@@ -3208,22 +3033,16 @@ def simulated_rank(rank: int, world_size: int):
         dist.destroy_process_group()
 
 def rank_role(rank: int, stage: int, dp_rank: int, tp_rank: int, owners: list[dict] | None) -> tuple:
-    """What makes ranks plan alike: their stage and tensor-parallel slice, and the optimizer states (and under ZeRO 3
-    the parameters) their data-parallel rank owns. Until a stage's owners are known, the rank itself."""
+    """Ranks plan alike with one stage, tensor-parallel slice and owned states (until known: the rank itself)."""
     if owners is None:
         return (rank,)
     return stage, tp_rank, *(frozenset(name for name, owner in owned.items() if owner == dp_rank) for owned in owners)
 
 def plan_layout(args: Hyperparameters, world_size: int, cuda: bool) -> dict:
-    """What each rank of a run of args on world_size processes holds and sends per training step, in bytes.
-
-    Each rank's first training step runs here in turn: the real code, on the meta device (nothing is allocated)
-    under a fake process group, so the bytes are those the run itself counts; activations are an estimate (see
-    SavedActivations). The pipeline stages run in order and share the structure of what crosses each boundary.
-    Ranks in one role (rank_role) hold and send alike: each role runs once, so thousands of ranks plan in seconds.
-    """
-    if dist.is_initialized():
-        raise UserError("--plan runs in one process, not under torchrun: give the process count with --nproc")
+    """What each rank holds and sends per training step, in bytes: each role's first step of the real code, on the
+    meta device under a fake process group (activations estimated: SavedActivations)."""
+    need(not dist.is_initialized(), "--plan runs in one process, not under torchrun: give the process count with "
+         "--nproc")
     compiled = args.compile if args.compile is not None else compiles_by_default(args, torch.device(
         "cuda" if cuda else "cpu"))
     args, meta = dataclasses.replace(args, compile=False), torch.device("meta")
@@ -3263,14 +3082,12 @@ COMPILED_ACTIVATIONS = 0.58
 MEMORY_HEADROOM = 0.95  # of the free memory a plan may fill: the allocator's fragmentation and workspaces
 
 def planned_peak(args: Hyperparameters, world_size: int) -> int:
-    """The largest per-rank bytes of the plan of a CUDA run: parameters at their peak, gradients, optimizer states,
-    float64 sums, activations."""
+    """The largest per-rank bytes of a CUDA run's plan."""
     kinds = ("peak_parameters", "gradients", "optimizer_states", "gradient_sums", "activations")
     return max(sum(rank[kind] for kind in kinds) for rank in plan_layout(args, world_size, cuda=True)["ranks"])
 
 def check_memory(args: Hyperparameters, world_size: int, free_bytes: int) -> None:
-    """Refuse a run whose plan does not fit the GPU's free memory, naming what would: a shorter sequence, ZeRO 3, or
-    twice the processes with ZeRO 3."""
+    """Refuse a run whose plan exceeds the GPU's free memory, naming what would fit."""
     need, room = planned_peak(args, world_size), MEMORY_HEADROOM * free_bytes
     if need <= room:
         return
@@ -3343,18 +3160,14 @@ CHECKED_LAYOUTS = ("dp2", "dp2_zero1", "dp2_zero2", "dp2_zero3", "tp2", "tp2_sp"
 LAYOUT_CHECK_FLAGS = dict(preset="tiny", train_seq_len=128, seqs_per_step=4, val_seq_len=128, val_tokens=512)
 
 def layout_tolerance(layout: dict) -> float:
-    """How far, relative to its norm, a tensor after a few steps may be from the one-process run's. Float64
-    gradient sums make data-parallel, ZeRO and pipeline runs equal to within rounding of float64 sums (0 for the
-    unedited model; a parameter that pipeline stages share sums two float32 parts). Tensor parallelism adds
-    activations in another order, which Adam (eps 1e-10) turns into visible steps on rare embedding rows:
-    measured up to 6.5e-4 on an edited model. A layout that trains another model differs by far more (a gradient
-    summed over too few ranks: 0.5; a token shift cut at a shard's edge: 0.13)."""
+    """How far, relative to its norm, a tensor after a few steps may be from one process's: float64 sums make DP,
+    ZeRO and PP exact up to float64 rounding; TP adds in another order, measured up to 6.5e-4 on an edited model.
+    A layout that trains another model is off by far more (0.13 for a token shift cut at a shard's edge)."""
     return 3e-3 if layout.get("tp", 1) > 1 else 1e-5
 
 def train_steps(rank: int, world_size: int, flags: list[str], steps: int, device_type: str = "cpu") -> dict:
-    """`steps` training steps of the run flags describe (its zero-initialised layers made non-zero), as this rank of
-    world_size: the losses, what the first step held and sent (account_step), the names of the parameters it holds,
-    and on rank 0 the training state after the last step, as one-process tensors (gather_training_state)."""
+    """`steps` steps of the run flags describe, zero-initialised layers made non-zero, as this rank: losses, the first
+    step's bytes, the parameter names held, and on rank 0 the one-process training state after the last step."""
     args = parse_args(flags, cuda=False)
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
     trainer = build_trainer(args, build_parallel_context(rank, world_size, device, args.tp, args.pp),
@@ -3372,7 +3185,7 @@ def train_steps(rank: int, world_size: int, flags: list[str], steps: int, device
         losses.append(trainer.step_stats(loss_sum, no_gradient, stop=False)[0].item())
     with trainer.zero.whole_parameters():  # (copied: ZeRO 3 frees the gathered values afterwards)
         state = pytree.tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, gather_training_state(trainer))
-    return dict(losses=losses, first_step=first, state=state, held=[name for name, _ in trainer.model.named_parameters()])
+    return dict(losses=losses, first_step=first, state=state, held=list(dict(trainer.model.named_parameters())))
 
 def flat_state(state: dict) -> dict[str, Tensor]:
     """A training state as {"model/embed.weight": tensor, "adam/embed.weight/exp_avg": tensor, ...}."""
@@ -3394,9 +3207,8 @@ def worst_difference(state: dict, reference: dict) -> tuple[float, str]:
     return worst
 
 def check_layouts(args: Hyperparameters) -> None:
-    """Train the tiny configuration of this file's model for 3 steps in one process and under each layout on gloo
-    processes, compare every parameter and optimizer state with one process, and print a line per layout as it
-    finishes. A layout that trains another model, or fails, ends it with exit status 1."""
+    """The tiny model, 3 steps in one process and under each layout on gloo processes, compared tensor by tensor; a
+    line per layout; exit status 1 when one trains another model."""
     names = CHECKED_LAYOUTS if args.check_layout == "all" else args.check_layout.split(",")
     flags = dict(LAYOUT_CHECK_FLAGS)
     for key in ("train_files", "val_files"):
@@ -3459,13 +3271,9 @@ def _rank_worker(rank, world_size, port, fn, args, results, backend):
 
 def run_on_ranks(fn, world_size: int, *args, timeout: float = 300.0, backend: str = "gloo",
                  start_method: str = "forkserver") -> list:
-    """fn(rank, world_size, *args) on world_size processes (backend "nccl": one GPU each); the results by rank.
-
-    The processes fork from a server that has imported torch, this file and fn's module once (importing takes
-    seconds; they must be on PYTHONPATH), so they start clean and fast, fn a module-level function; or ("fork") from
-    this process, which must not have run torch's thread pools yet. A rank's UserError is raised here; any other
-    failure, or no answer within `timeout` seconds, raises RuntimeError with that rank's traceback.
-    """
+    """fn(rank, world_size, *args) on world_size processes (nccl: one GPU each); the results by rank. They fork
+    from a server that imported torch and fn's module once, or ("fork") from this process, whose torch thread pools
+    must not have run. A rank's UserError is raised here; any other failure or a timeout as RuntimeError."""
     context = multiprocessing.get_context(start_method)
     if start_method == "forkserver":
         context.set_forkserver_preload(["torch", "torch.distributed", "train_gpt", fn.__module__])
@@ -3482,8 +3290,7 @@ def run_on_ranks(fn, world_size: int, *args, timeout: float = 300.0, backend: st
             except queue.Empty:
                 raise RuntimeError(f"no answer from ranks {sorted(set(range(world_size)) - set(collected))} "
                                    f"within {timeout:.0f} s") from None
-            if status == "refused":
-                raise UserError(value)
+            need(status != "refused", value)
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             collected[rank] = value
