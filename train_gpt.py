@@ -3136,23 +3136,12 @@ def format_plan(plan: dict) -> str:
 # Layout check (--check_layout): the tiny model trained under each layout on gloo processes, against one process
 
 # every layout the test suite checks: name -> (processes, flags)
-LAYOUTS = {
-    "dp2": (2, dict()),
-    "dp2_zero1": (2, dict(zero=1)),
-    "dp2_zero2": (2, dict(zero=2)),
-    "dp2_zero3": (2, dict(zero=3)),
-    "tp2": (2, dict(tp=2)),
-    "tp2_sp": (2, dict(tp=2, sp=True)),
-    "tp2_sp_async": (2, dict(tp=2, sp=True, async_tp=True)),
-    "pp2_afab": (2, dict(pp=2, pp_schedule="afab")),
-    "pp2_1f1b": (2, dict(pp=2, pp_schedule="1f1b")),
-    "pp3_1f1b": (3, dict(pp=3, pp_schedule="1f1b")),
-    "dp2_tp2_sp": (4, dict(tp=2, sp=True)),
-    "dp2_tp2_zero3": (4, dict(tp=2, zero=3)),
-    "dp2_pp2": (4, dict(pp=2)),
-    "dp2_pp2_zero3": (4, dict(pp=2, zero=3)),
-    "pp2_tp2_sp": (4, dict(pp=2, tp=2, sp=True)),
-}
+LAYOUTS = {"dp2": (2, dict()), "dp2_zero1": (2, dict(zero=1)), "dp2_zero2": (2, dict(zero=2)),
+           "dp2_zero3": (2, dict(zero=3)), "tp2": (2, dict(tp=2)), "tp2_sp": (2, dict(tp=2, sp=True)),
+           "tp2_sp_async": (2, dict(tp=2, sp=True, async_tp=True)), "pp2_afab": (2, dict(pp=2, pp_schedule="afab")),
+           "pp2_1f1b": (2, dict(pp=2, pp_schedule="1f1b")), "pp3_1f1b": (3, dict(pp=3, pp_schedule="1f1b")),
+           "dp2_tp2_sp": (4, dict(tp=2, sp=True)), "dp2_tp2_zero3": (4, dict(tp=2, zero=3)), "dp2_pp2": (4, dict(pp=2)),
+           "dp2_pp2_zero3": (4, dict(pp=2, zero=3)), "pp2_tp2_sp": (4, dict(pp=2, tp=2, sp=True))}
 # what --check_layout runs: one of each kind, on at most four processes
 CHECKED_LAYOUTS = ("dp2", "dp2_zero1", "dp2_zero2", "dp2_zero3", "tp2", "tp2_sp", "pp2_afab", "pp2_1f1b",
                    "dp2_tp2_sp")
