@@ -526,9 +526,10 @@ def write_data_shard(path, tokens) -> None:
         raise ValueError(f"{path}: token ids must fit in uint16, got range [{tokens.min()}, {tokens.max()}]")
     header = np.zeros(SHARD_HEADER_INTS, dtype="<i4")
     header[:3] = SHARD_MAGIC, SHARD_VERSION, tokens.size
-    tmp = Path(f"{path}.tmp")
-    tmp.write_bytes(header.tobytes() + tokens.astype("<u2").tobytes())
-    os.replace(tmp, path)
+    with open(f"{path}.tmp", "wb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.astype("<u2").tobytes())
+    os.replace(f"{path}.tmp", path)
 
 def list_shards(pattern: str, flag: str) -> list[Path]:
     files = [Path(f) for f in sorted(glob.glob(pattern))]
@@ -595,7 +596,7 @@ class DistributedDataLoader:
 # Hyperparameters: the record's values are the defaults; presets and flags override them
 
 def flag(default, help: str, group: str = "", choices: tuple = ()):
-    """A hyperparameter: its record default, its --help line, its allowed values; `group` titles the next flags."""
+    """A hyperparameter: its record default, its --help line, its allowed values; `group` titles it and those after."""
     return dataclasses.field(default=default, metadata=dict(help=help, group=group, choices=choices))
 
 @dataclass
@@ -1108,8 +1109,8 @@ def train(args: Hyperparameters, ctx: "ParallelContext") -> float:
 
 def keep_freed_memory_for_reuse() -> None:
     """Allocator settings for a loop that frees and allocates the same sizes each step: CUDA's segments grow in place;
-    glibc keeps freed blocks in the heap (returned to the system, the faulting in of fresh pages for a micro-batch's
-    logits was 40% of a CPU step)."""
+    glibc keeps freed blocks in its heap, not trimmed below 1 GiB (handing a micro-batch's logits back to the system
+    made faulting in fresh pages 40% of a CPU step)."""
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # (read at CUDA's first allocation)
     try:
         libc = ctypes.CDLL("libc.so.6")
@@ -1205,7 +1206,8 @@ def find_checkpoint(args: Hyperparameters, ctx: "ParallelContext") -> Path | Non
     """The file --resume names, or with "latest" this run id's newest (None: none yet), as rank 0 sees it."""
     found = None
     if ctx.is_master and args.resume == "latest":
-        found = str(list(saved_checkpoints(args).values())[-1]) if saved_checkpoints(args) else None
+        saved = list(saved_checkpoints(args).values())
+        found = str(saved[-1]) if saved else None
     elif ctx.is_master and args.resume:
         found = args.resume if Path(args.resume).is_file() else ""
     found = from_master(found)
@@ -1289,10 +1291,6 @@ def _tensors_by_name(value, depth: int = 1) -> bool:
 
 # what a checkpoint holds: field -> (what it is, whether a value is that)
 CHECKPOINT_FIELDS = {
-    "model": ("tensors by name", _tensors_by_name),
-    "adam": ("tensors by name and state", lambda v: _tensors_by_name(v, depth=2)),
-    "muon": ("tensors by name", _tensors_by_name),
-    "rng": ("{'cpu': tensor, 'cuda': ...}", lambda v: isinstance(v, dict) and isinstance(v.get("cpu"), Tensor)),
     "step": ("a step count >= 0", _is_count),
     "run_id": ("text", lambda v: isinstance(v, str)),
     "data": ("{'shard': file name, 'offset': token count >= 0}",
@@ -1301,6 +1299,10 @@ CHECKPOINT_FIELDS = {
     "log_bytes": ("a byte count >= 0", _is_count),
     "log_sha256": ("a hex digest", lambda v: isinstance(v, str)),
     "hyperparameters": ("the run's flags", lambda v: isinstance(v, dict) and _is_count(v.get("num_iterations"))),
+    "model": ("tensors by name", _tensors_by_name),
+    "adam": ("tensors by name and state", lambda v: _tensors_by_name(v, depth=2)),
+    "muon": ("tensors by name", _tensors_by_name),
+    "rng": ("{'cpu': tensor, 'cuda': ...}", lambda v: isinstance(v, dict) and isinstance(v.get("cpu"), Tensor)),
 }
 
 def load_checkpoint(path: Path) -> dict:
@@ -1897,6 +1899,7 @@ class RunLog:
         if self.path.exists():
             print(f"{self.path} does not reach the checkpoint's position in it: kept as "
                   f"{keep_aside(self.path, 'earlier')}; a new log starts", flush=True)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         self(Path(__file__).read_text().rstrip("\n"), mode="x")  # the source, byte for byte
         self("=" * 100)
         self(f"Running Python {sys.version}")
@@ -2221,7 +2224,9 @@ class GradientBuckets:
             self.sum_of.update((p, part.view_as(p)) for p, part in zip(bucket, sums.split([p.numel() for p in bucket])))
         self.reduced: list[list[Tensor] | None] = [None] * len(self.buckets)  # what each reduction works on
         self.ready, self.handles, self.sync = [0] * len(self.buckets), [[] for _ in self.buckets], True
-        for param in self.bucket_of:
+        # one rank without float64 sums: backward's own accumulation is all there is (an unused parameter is fine)
+        self.idle = dp.size == 1 and sum_dtype is None and not self.summed_first
+        for param in self.bucket_of if not self.idle else ():
             if param not in self.summed_first:  # (those are reduced in wait(), once every stage is done)
                 param.register_post_accumulate_grad_hook(self._hook)
 
@@ -2305,6 +2310,8 @@ class GradientBuckets:
 
     def wait(self) -> None:
         """Wait for every reduction and hand each parameter this rank keeps its averaged gradient."""
+        if self.idle:
+            return
         for i, bucket in enumerate(self.buckets):
             if bucket[0] in self.summed_first and self.reduced[i] is None:
                 self._launch(i)
@@ -3088,8 +3095,8 @@ def planned_peak(args: Hyperparameters, world_size: int) -> int:
 
 def check_memory(args: Hyperparameters, world_size: int, free_bytes: int) -> None:
     """Refuse a run whose plan exceeds the GPU's free memory, naming what would fit."""
-    need, room = planned_peak(args, world_size), MEMORY_HEADROOM * free_bytes
-    if need <= room:
+    needed, room = planned_peak(args, world_size), MEMORY_HEADROOM * free_bytes
+    if needed <= room:
         return
     unit, dp = math.lcm(ATTENTION_BLOCK_SIZE, args.tp if args.sp else 1), world_size // (args.tp * args.pp)
     options = [(f"--train_seq_len {n}", dict(train_seq_len=n), world_size) for n in
@@ -3103,7 +3110,7 @@ def check_memory(args: Hyperparameters, world_size: int, free_bytes: int) -> Non
         if not (flags.startswith("--train_seq_len") and any(f.startswith("--train_seq_len") for f in fits)) and \
                 planned_peak(dataclasses.replace(args, **change), n) <= room:
             fits.append(flags)
-    raise UserError(f"this run needs about {need / 2**30:.1f} GiB on a GPU by its plan (see --plan), and the GPU has "
+    raise UserError(f"this run needs about {needed / 2**30:.1f} GiB on a GPU by its plan (see --plan), and the GPU has "
                     f"{free_bytes / 2**30:.1f} GiB free: "
                     + (f"it would fit with {' or '.join(fits)}" if fits
                        else "no shorter sequence, --zero 3 or twice the processes makes it fit")
@@ -3197,7 +3204,7 @@ def worst_difference(state: dict, reference: dict) -> tuple[float, str]:
 
 def check_layouts(args: Hyperparameters) -> None:
     """The tiny model, 3 steps in one process and under each layout on gloo processes, compared tensor by tensor; a
-    line per layout; exit status 1 when one trains another model."""
+    line per layout; exit status 1 when one trains another model or fails."""
     names = CHECKED_LAYOUTS if args.check_layout == "all" else args.check_layout.split(",")
     flags = dict(LAYOUT_CHECK_FLAGS)
     for key in ("train_files", "val_files"):

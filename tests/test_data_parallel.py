@@ -33,3 +33,23 @@ def test_world_size_that_does_not_divide_the_batch_is_refused():
     assert train_gpt.check_world_size(args, 4) == 2
     with pytest.raises(train_gpt.UserError, match=r"world size 3 does not divide --seqs_per_step 8.*\[1, 2, 4, 8\]"):
         train_gpt.check_world_size(args, 3)
+
+
+def test_one_process_without_float64_sums_trains_a_model_with_a_parameter_no_step_uses(tmp_path, monkeypatch):
+    # the buckets do nothing on one rank: a fork's parameter that gets no gradient is Adam's to skip, as in a plain
+    # PyTorch loop, not a bucket that is never reduced
+    class GPTWithUnusedGain(train_gpt.GPT):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.unused_gain = torch.nn.Parameter(torch.ones(()))
+    monkeypatch.setattr(train_gpt, "GPT", GPTWithUnusedGain)
+    files = write_synthetic_shards(tmp_path)
+    args = train_gpt.parse_args(tiny_flags(files, fp64_grad_sum=False), cuda=False)
+    trainer = train_gpt.build_trainer(args, train_gpt.build_parallel_context(0, 1, torch.device("cpu")))
+    batches = train_gpt.DistributedDataLoader(args.train_files, args.train_seq_len, args.seqs_per_step, 0, 1,
+                                              torch.device("cpu"))
+    for step in range(2):
+        loss_sum = train_gpt.forward_backward(trainer, batches, step)
+        assert trainer.model.unused_gain.grad is None and trainer.model.lm_head.weight.grad.norm() > 0
+        train_gpt.optimizer_step(trainer, step)
+    assert torch.isfinite(loss_sum) and trainer.model.unused_gain.item() == 1.0
