@@ -2058,9 +2058,11 @@ def build_parallel_context(rank: int, world_size: int, device: torch.device, tp:
         if size in (1, world_size):  # one rank, or the default group: nothing to create
             axes[name] = Axis(ranks=(rank,)) if size == 1 else world_axis(rank, world_size)
             continue
-        others = lambda r: coordinates[r][:axis] + coordinates[r][axis + 1:]
-        for key in sorted({others(r) for r in range(world_size)}):  # every rank creates every group, in order
-            ranks = tuple(r for r in range(world_size) if others(r) == key)
+        along = collections.defaultdict(list)  # the other coordinates -> the ranks that differ along this axis only
+        for r, coordinate in enumerate(coordinates):
+            along[coordinate[:axis] + coordinate[axis + 1:]].append(r)
+        for key in sorted(along):  # every rank creates every group, in the same order
+            ranks = tuple(along[key])
             group = dist.new_group(list(ranks))
             if rank in ranks:
                 axes[name] = Axis(ranks.index(rank), size, group, ranks)
@@ -2655,10 +2657,9 @@ def tensor_parallelize(model: GPT, tp: Axis, args: Hyperparameters, trace: Model
     for name, call in regions.items():
         # async TP when only column-parallel layers read the region's input: each gathers it itself, overlapped with
         # the matmul of its own shard
-        columns = [model.get_submodule(linear) for linear, role in roles.items()
-                   if role == "column" and linear.startswith(name + ".")]
         if args.async_tp and all(roles.get(op.modules[-1]) == "column" for op in trace.reads(call.args[0])):
-            for linear in columns:
+            for linear in [model.get_submodule(linear) for linear, role in roles.items()
+                           if role == "column" and linear.startswith(name + ".")]:
                 linear.forward = lambda x, linear=linear: _GatherThenLinear.apply(
                     x, linear.weight.flatten(end_dim=-2).type_as(x), tp)
         else:
