@@ -50,12 +50,13 @@ def measure(source_dir: str, steps: int, eval_tokens: int, preset_flags: list[st
         trainer.model.forward = timed("forward", trainer.model.forward)
         forward_backward = timed("backward", train_gpt.forward_backward)  # (less the forward and the data, below)
         optimizer_step = timed("optimizer", train_gpt.optimizer_step)
-        trainer.gradient_squares = timed("gradient norm", trainer.gradient_squares)
-        gradients = trainer.gradients
+        layout = getattr(trainer, "layout", trainer)  # (the buckets and the norm: on the trainer before its layout)
+        layout.gradient_squares = timed("gradient norm", layout.gradient_squares)
+        gradients = layout.gradients
 
         def train_step(data, step):
             loss_sum = forward_backward(trainer, data, step)
-            trainer.gradient_squares()
+            layout.gradient_squares()
             optimizer_step(trainer, step)
             return loss_sum
         evaluate = functools.partial(train_gpt.evaluate, trainer)

@@ -112,13 +112,13 @@ def time_steps(trainer, batches, at_step: int, steps: int, device: torch.device)
     """Train `steps` steps as train() does, marking where backward ends, the gradients arrive and the optimizer
     step ends; returns the wall time and each phase's total, in ms."""
     marks = Marks(device)
-    gradients_wait = trainer.gradients.wait
+    gradients_wait = trainer.layout.gradients.wait
 
     def marked_wait():
         marks.mark("forward+backward")
         gradients_wait()
         marks.mark("gradient wait")
-    trainer.gradients.wait = marked_wait
+    trainer.layout.gradients.wait = marked_wait
     train_gpt.device_synchronize(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -127,10 +127,10 @@ def time_steps(trainer, batches, at_step: int, steps: int, device: torch.device)
     for step in range(at_step, at_step + steps):
         marks.mark("start")
         loss_sum = train_gpt.forward_backward(trainer, batches, step)
-        grad_squares = trainer.gradient_squares()
+        grad_squares = trainer.layout.gradient_squares()
         train_gpt.optimizer_step(trainer, step)
         marks.mark("optimizer")
-        stats = train_gpt.start_copy_to_host(trainer.step_stats(loss_sum, grad_squares, stop=False))
+        stats = train_gpt.start_copy_to_host(trainer.layout.step_stats(loss_sum, grad_squares, stop=False))
         if pending is not None:
             pending()  # read a step late, as the trainer does
         pending = stats

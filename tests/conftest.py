@@ -1,4 +1,5 @@
 """Shared test setup: the repo root on sys.path (tests import train_gpt's parts), and shared fixtures."""
+import functools
 import os
 import sys
 from pathlib import Path
@@ -39,18 +40,30 @@ def layout_files(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def layout_runs(layout_files):
-    """run(name, edit=None): three steps of the tiny model, as edited, under train_gpt.LAYOUTS[name] or in "one
-    process" (in a process of its own with one thread, as each rank has), each rank's report
-    (train_gpt.train_steps); each runs once per session, whichever tests look at it."""
-    from layouts import edited_train_steps
+    """run(name, edit=None): three steps of the tiny model, as edited, under train_gpt.LAYOUTS[name], in "one process",
+    or in "noise floor" (one process with its gradients jittered, train_gpt.ROUNDING_JITTER); each in processes of its
+    own with one thread, as each rank has; each rank's report (train_gpt.train_steps). Each runs once per session,
+    whichever tests look at it; the runs of an edit are let go when another edit's are asked for (each holds the
+    tiny model's ~100 MB training state), those of the unedited model kept. run.floors(edit): their noise floors."""
+    from layouts import LAYOUT_TEST_FLAGS, edited_train_steps
     from synthetic import tiny_flags
-    from train_gpt import LAYOUTS, run_on_ranks
+    from train_gpt import LAYOUTS, ROUNDING_JITTER, noise_floors, run_on_ranks
     cache = {}
 
     def run(name, edit=None):
+        for key in [key for key in cache if key[1] not in (None, edit)]:
+            del cache[key]
         if (name, edit) not in cache:
-            processes, layout = (1, {}) if name == "one process" else LAYOUTS[name]
-            cache[name, edit] = run_on_ranks(edited_train_steps, processes, edit, tiny_flags(layout_files, **layout),
-                                             3, timeout=600)
-        return cache[name, edit][0] if name == "one process" else cache[name, edit]
+            processes, layout = (1, {}) if name in ("one process", "noise floor") else LAYOUTS[name]
+            jitter = ROUNDING_JITTER if name == "noise floor" else 0.0
+            cache[name, edit] = run_on_ranks(edited_train_steps, processes, edit,
+                                             tiny_flags(layout_files, **LAYOUT_TEST_FLAGS, **layout), 3, jitter,
+                                             timeout=600)
+        return cache[name, edit][0] if name in ("one process", "noise floor") else cache[name, edit]
+
+    @functools.cache
+    def floors(edit=None):
+        """The noise floors (train_gpt.noise_floors) of the model as edited."""
+        return noise_floors(run("noise floor", edit), run("one process", edit))
+    run.floors = floors
     return run

@@ -6,10 +6,13 @@ import subprocess
 import sys
 
 import pytest
+import torch
+from torch import nn
 
 import train_gpt
 from conftest import REPO_ROOT
-from layouts import assert_holds_and_sends_what_the_plan_predicts, assert_trains_like_one_process, model_edit
+from layouts import LAYOUT_TEST_FLAGS, assert_holds_and_sends_what_the_plan_predicts, assert_trains_like_one_process, \
+    model_edit
 from synthetic import tiny_flags
 from train_gpt import LAYOUTS
 
@@ -20,7 +23,8 @@ def test_each_layout_trains_the_one_process_model_holding_and_sending_what_the_p
     # float64 gradient sums make every layout but tensor parallelism bit-identical to one process
     processes, layout = LAYOUTS[name]
     ranks = layout_runs(name)
-    assert_trains_like_one_process(ranks, layout_runs("one process"), layout, exact=layout.get("tp", 1) == 1)
+    assert_trains_like_one_process(ranks, layout_runs("one process"), layout_runs.floors(),
+                                   exact=layout.get("tp", 1) == 1)
     assert_holds_and_sends_what_the_plan_predicts(ranks, layout_files, **layout)
 
 
@@ -28,24 +32,102 @@ def test_each_layout_trains_the_one_process_model_holding_and_sending_what_the_p
 def test_a_forked_model_trains_the_one_process_model_under_each_layout_untouched(layout_runs, name):
     # the edits of tests/layouts.py: an attention-output gate, a 4th value embedding, a gated MLP, a per-layer vector
     # on the GPT, a bigram-hash embedding, a token shift of the embedding, a second head, tied embeddings, a learnable
-    # soft cap, a per-head temperature, a GPT parameter read in the heads, a block's scalar read by the GPT
+    # soft cap, a per-head temperature, a GPT parameter read in the heads, a block's scalar read by the GPT; and the
+    # later kinds, each with a test of its own below
     processes, layout = LAYOUTS[name]
     single = layout_runs("one process", "forks")
     edited = {"blocks.0.attn_gate", "value_embeds.3.weight", "blocks.0.mlp.c_gate.weight", "layer_gains",
               "bigram.weight", "smear_gate.weight", "next_head.weight", "lm_head.cap", "head_temperature",
-              "blocks.0.attn.head_temperature"}
+              "blocks.0.attn.head_temperature", "out_scale", "attention_scales", "lm_head.logit_bias"}
     assert edited <= single["state"]["model"].keys() and "lm_head.weight" not in single["state"]["model"]  # (tied)
-    assert_trains_like_one_process(layout_runs(name, "forks"), single, layout)
+    assert_trains_like_one_process(layout_runs(name, "forks"), single, layout_runs.floors("forks"))
+
+
+def assert_the_edit_trains_under(layout_runs, edit, name, tensors):
+    """The edited model trains the one-process model under the layout, and its edited tensors (non-zero after the
+    steps) are among those compared."""
+    single = layout_runs("one process", edit)
+    for tensor in tensors:
+        assert torch.as_tensor(single["state"]["model"][tensor]).norm() > 0, tensor
+    assert_trains_like_one_process(layout_runs(name, edit), single, layout_runs.floors(edit))
+
+
+# The later records' kinds of edit (tests/layouts.py: GPTWithLaterKinds, in the forked model), each carried by a rule
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_code_in_gpt_forward_itself_is_carried_by_every_layout(layout_runs, name):
+    # a scale on the stream before the head, and the rotaries stretched as the window grows (dynamic YaRN's kind),
+    # written in GPT.forward itself: every layout runs GPT.forward, a pipeline stage over its own layers
+    assert_the_edit_trains_under(layout_runs, "forks", name, ["out_scale"])
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_a_gpt_vector_indexed_per_layer_and_used_inside_attention_trains_under_every_layout(layout_runs, name):
+    # attention_scales[i] is indexed where block i runs and used inside attention: a value made of a parameter counts
+    # as the parameter's where it is used, so under tensor parallelism its gradient is summed over the group
+    assert_the_edit_trains_under(layout_runs, "forks", name, ["attention_scales"])
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_a_block_returning_a_second_stream_trains_under_every_layout(layout_runs, name):
+    # a tuple out of each block: ZeRO 3 gathers a block's parameters again when backward reaches any of its outputs
+    assert_the_edit_trains_under(layout_runs, "forks", name, ["blocks.0.mlp.c_proj.weight"])
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_a_bias_per_vocabulary_entry_in_the_head_trains_under_every_layout(layout_runs, name):
+    # tensor parallelism splits any of a head's parameters with a dimension of its vocabulary along it
+    assert_the_edit_trains_under(layout_runs, "forks", name, ["lm_head.logit_bias"])
+
+
+@pytest.mark.parametrize("name", ["dp2", "dp2_zero1", "dp2_zero2", "dp2_zero3", "pp2_1f1b"])
+def test_a_bank_of_every_layers_qkv_matrices_trains_under_data_zero_and_pipeline_layouts(layout_runs, name):
+    # one 4-D parameter of the GPT, indexed per layer: Muon's (a matrix of the stream's width, orthogonalised matrix
+    # by matrix), whole under ZeRO 3 (read outside any block), kept by every pipeline stage and summed over them
+    assert_the_edit_trains_under(layout_runs, "bank_in_pairs", name, ["qkv_bank"])
+
+
+def test_a_bank_of_matrices_is_refused_by_tensor_parallelism_saying_what_to_change(layout_files):
+    with pytest.raises(train_gpt.UserError, match=r"tensor parallelism: qkv_bank is a matrix \(of shape "
+                                                  r"\(6, 3, 32, 32\)\) that blocks\.0\.attn uses .* hold each "
+                                                  r"layer's matrices in a CastedLinear inside the region .* or train "
+                                                  r"without --tp"):
+        build_edited(layout_files, "bank_in_pairs", tp=2)
+
+
+@pytest.mark.parametrize("name", ["dp2", "dp2_zero3", "pp2_1f1b"])
+def test_heads_attending_in_pairs_train_under_data_zero_and_pipeline_layouts(layout_runs, name):
+    assert_the_edit_trains_under(layout_runs, "bank_in_pairs", name, ["blocks.0.attn.c_proj.weight"])
+
+
+def test_heads_attending_in_pairs_are_refused_by_tensor_parallelism_naming_the_tp_that_works(layout_files):
+    # the tiny model's two heads form one pair: no --tp above 1 keeps it on one rank (with 4 heads, --tp 2 would
+    # split each pair too: heads j and j + 2 pair, and ranks hold consecutive heads)
+    with pytest.raises(train_gpt.UserError, match=r"tensor parallelism: blocks\.0\.attn does not split into 2 "
+                                                  r"ranks' shares of its heads .* no --tp above 1 keeps it apart"):
+        build_edited(layout_files, "heads_in_pairs", tp=2)
 
 
 def build_edited(files, edit, **layout):
     """Build the edited model under a layout as rank 0 of its processes, with no process group: a refusal comes
     before any collective."""
-    args = train_gpt.parse_args(tiny_flags(files, **layout), cuda=False)
+    args = train_gpt.parse_args(tiny_flags(files, **LAYOUT_TEST_FLAGS, **layout), cuda=False)
     with model_edit(edit):
         model = train_gpt.build_model(args, train_gpt.torch.device("cpu"))
         trace = train_gpt.ModelTrace(model, 128).run()
         train_gpt.tensor_parallelize(model, train_gpt.Axis(0, args.tp, None, tuple(range(args.tp))), args, trace)
+    return model
+
+
+def test_tensor_and_sequence_parallelism_replace_no_method_of_the_model_and_set_no_attribute_on_it(layout_files):
+    # the layouts change what the model does through hooks the model offers (module hooks, its seams, the head's
+    # CrossEntropy), so every module holds the attributes a freshly built one holds, and no function of its own
+    model = build_edited(layout_files, None, tp=2, sp=True, async_tp=True)
+    fresh = train_gpt.build_model(train_gpt.parse_args(tiny_flags(layout_files), cuda=False), torch.device("cpu"))
+    for name, module in model.named_modules():
+        assert vars(module).keys() == vars(fresh.get_submodule(name)).keys(), name
+        assert not [key for key, value in vars(module).items() if callable(value) and not key.startswith("_")], name
+    assert any(module._forward_hooks for module in model.modules())  # (the layout is there: as hooks)
 
 
 def test_a_weight_matrix_inside_attention_that_no_rule_places_is_refused_saying_what_to_declare(layout_files):
@@ -62,43 +144,78 @@ def test_sequence_parallelism_refuses_a_token_shift_inside_a_block_by_name(layou
         build_edited(layout_files, "token_shift_in_a_block", tp=2, sp=True)
 
 
-def test_a_matrix_of_no_linear_layer_or_embedding_is_refused_by_the_optimizer_rule():
-    model = train_gpt.torch.nn.Module()
-    model.mix = train_gpt.torch.nn.Parameter(train_gpt.torch.zeros(4, 4))
-    with pytest.raises(train_gpt.UserError, match=r"mix is a 2-D parameter of no linear layer, embedding or head"):
-        train_gpt.optimizer_param_groups(model, vocab_size=50257)
+def test_a_matrix_no_module_kind_claims_is_muons_when_of_the_stream_width_and_refused_otherwise():
+    model = nn.Module()
+    model.bank = nn.Parameter(torch.zeros(6, 3, 64, 32))  # per layer, three matrices reading the 32-wide stream
+    model.gains = nn.Parameter(torch.zeros(6))
+    assert train_gpt.optimizer_param_groups(model, vocab_size=50257, model_dim=32) == dict(
+        scalar=["gains"], head=[], embed=[], muon=["bank"])
+    model.table = nn.Parameter(torch.zeros(5, 4))
+    with pytest.raises(train_gpt.UserError, match=r"table is a 2-D parameter of shape \(5, 4\) held by no linear "
+                                                  r"layer, embedding or head, and not a matrix of the stream's width "
+                                                  r"\(32\)"):
+        train_gpt.optimizer_param_groups(model, vocab_size=50257, model_dim=32)
+
+
+def test_code_between_gpt_forwards_steps_that_runs_once_per_part_is_refused_naming_gpt_forward(layout_files):
+    class GPTShiftingEveryPart(train_gpt.GPT):  # a shift put after the embedding's branch: every part applies it
+        def forward(self, input_seq, target_seq, window_blocks, stream=None, layers=None):
+            if stream is None:
+                stream = self.stream_enters(self.embed_tokens(input_seq))
+            stream = dict(stream, x=stream["x"] + 0.5)
+            return super().forward(input_seq, target_seq, window_blocks, stream, layers)
+    args = train_gpt.parse_args(tiny_flags(layout_files, **LAYOUT_TEST_FLAGS), cuda=False)
+    model = GPTShiftingEveryPart(args.vocab_size, args.num_layers, args.num_heads, args.head_dim, args.model_dim,
+                                args.train_seq_len, args.window_pattern)
+    with pytest.raises(train_gpt.UserError, match=r"GPT\.forward run in the parts the layouts run it in .* Put code "
+                                                  r"that changes the stream in the embedding's branch"):
+        train_gpt.ModelTrace(model, 128).run()
 
 
 def test_tied_embeddings_are_one_parameter_in_one_optimizer_group(layout_files):
     args = train_gpt.parse_args(tiny_flags(layout_files), cuda=False)
     with model_edit("forks"):
         model = train_gpt.build_model(args, train_gpt.torch.device("cpu"))
-    groups = train_gpt.optimizer_param_groups(model, args.vocab_size)
+    groups = train_gpt.optimizer_param_groups(model, args.vocab_size, args.model_dim)
     assert model.embed.weight is model.lm_head.weight
-    assert sum(p is model.embed.weight for group in groups.values() for p in group) == 1
-    assert any(p is model.embed.weight for p in groups["head"])  # the head's rule comes first
-    assert any(p is model.bigram.weight for p in groups["embed"])  # an embedding whatever its name
-    assert any(p is model.lm_head.cap for p in groups["scalar"])  # a scalar of the head is a scalar
-    assert any(p is model.next_head.weight for p in groups["head"])  # a head whatever its name
+    assert sum(name in ("embed.weight", "lm_head.weight") for group in groups.values() for name in group) == 1
+    assert "embed.weight" in groups["head"]  # the head's rule comes first
+    assert "bigram.weight" in groups["embed"]  # an embedding whatever its name
+    assert "lm_head.cap" in groups["scalar"]  # a scalar of the head is a scalar
+    assert "next_head.weight" in groups["head"]  # a head whatever its name
 
 
 FORK = """
 import sys
 sys.path[:0] = [{tests!r}, {root!r}]
 import train_gpt
-from layouts import BlockWithTokenShift
-train_gpt.Block = BlockWithTokenShift  # the fork's edit: a token shift inside each block
-train_gpt.refuse_sequence_mixing = lambda *args: None  # the rule switched off
+from layouts import BlockWithTokenShift, GPTStretchingRotary
+train_gpt.Block = BlockWithTokenShift  # the fork's edits: a token shift inside each block,
+train_gpt.GPT = GPTStretchingRotary  # and the rotaries stretched in GPT.forward when the window grows
+train_gpt.refuse_sequence_mixing = lambda *args: None  # a rule switched off
+
+
+def steps_of_gpt_forward(self, inputs, targets, window, stream):  # a pipeline stage skipping GPT.forward's own code
+    model = self.model
+    masks = model.attention_masks(inputs, window)
+    stream = model.embed_tokens(inputs) if self.first else stream
+    for i in self.layers:
+        stream = model.run_block(i, stream, masks)
+    return model.head_loss(stream, targets) if self.last else stream
+train_gpt.PipelineStage.forward = steps_of_gpt_forward
+
 if __name__ == "__main__":
     try:
-        train_gpt.main(["--check_layout", "dp2,tp2_sp"])
+        train_gpt.main(["--check_layout", "dp2,tp2_sp,pp2_1f1b"])
     except train_gpt.RunEnded as e:
         print(e, file=sys.stderr)
         sys.exit(e.exit_status)
 """
 
 
-def test_check_layout_finds_a_sequence_mixing_edit_when_the_rule_is_switched_off(tmp_path):
+def test_check_layout_finds_a_layout_that_mixes_positions_or_skips_gpt_forward_with_its_rule_switched_off(tmp_path):
+    # the fork's file as --check_layout runs it: its schedule crosses a change of the window (below), so a pipeline
+    # that skips the stretch GPT.forward makes then trains another model
     fork = tmp_path / "fork.py"
     fork.write_text(FORK.format(tests=str(REPO_ROOT / "tests"), root=str(REPO_ROOT)))
     done = subprocess.run([sys.executable, str(fork)], capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
@@ -107,3 +224,13 @@ def test_check_layout_finds_a_sequence_mixing_edit_when_the_rule_is_switched_off
     assert done.returncode == 1, done.stdout + done.stderr
     assert any(line.startswith("dp2 ") and " OK " in line for line in lines), done.stdout
     assert any(line.startswith("tp2_sp ") and " DIFFERS " in line for line in lines), done.stdout
+    assert any(line.startswith("pp2_1f1b ") and " DIFFERS " in line for line in lines), done.stdout
+
+
+@pytest.mark.parametrize("flags", [train_gpt.LAYOUT_CHECK_FLAGS, LAYOUT_TEST_FLAGS])
+def test_the_layout_checks_steps_cross_a_change_of_window_learning_rate_and_momentum(flags):
+    args = train_gpt.parse_args([f"--{k}={v}" for k, v in dict(dict(preset="tiny"), **flags).items()], cuda=False)
+    steps = range(3)
+    assert len({train_gpt.window_size_blocks(step, args) for step in steps}) > 1
+    assert len({train_gpt.lr_multiplier(step, args) for step in steps}) > 1
+    assert len({train_gpt.muon_momentum(step, args) for step in steps}) > 1

@@ -1,8 +1,8 @@
-"""Newton-Schulz orthogonalisation and the sharded Muon optimizer."""
+"""Newton-Schulz orthogonalisation, the Muon optimizer, and its work shared over data-parallel ranks."""
 import pytest
 import torch
 
-from train_gpt import Muon, run_on_ranks, zeropower_via_newtonschulz5
+from train_gpt import DataParallelMuon, Muon, run_on_ranks, world_axis, zeropower_via_newtonschulz5
 
 
 @pytest.mark.parametrize("shape", [(64, 128), (128, 64), (96, 96), (3, 48, 32)])
@@ -45,7 +45,9 @@ def gradients(step, params):
 
 def run_muon(rank, world_size, steps):
     params = make_params()
-    opt = Muon(params, lr=0.05, momentum=0.9, rank=rank, world_size=world_size, ns_dtype=torch.float32)
+    opt = Muon(params, lr=0.05, momentum=0.9, ns_dtype=torch.float32)
+    if world_size > 1:
+        opt = DataParallelMuon(opt, world_axis(rank, world_size), exchange_updates=True)
     for step in range(steps):
         for p, g in zip(params, gradients(step, params)):
             p.grad = g

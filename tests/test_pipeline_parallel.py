@@ -35,7 +35,7 @@ def stream_structures(rank, world_size, files, layout):
                                               ctx.dp.rank, ctx.dp.size, ctx.device)
     train_step(trainer, batches, 0)
     train_gpt.evaluate(trainer, 0)
-    return trainer.pipeline.stream_specs
+    return trainer.layout.pipeline.stream_specs
 
 
 def test_what_crosses_each_boundary_is_what_the_one_process_forward_holds_there(files):
