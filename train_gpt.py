@@ -2081,88 +2081,6 @@ def rendezvous_store(rank: int, world_size: int, timeout: timedelta) -> "dist.St
                         + ": start every rank (torchrun --nproc_per_node=N starts them all), or check WORLD_SIZE, "
                         "MASTER_ADDR and MASTER_PORT") from None
 
-# ----------------------------------------------------------------------------------------------------
-# Layouts: this rank's part of the built one-process model, and how its training is shared with the other ranks
-
-def apply_layout(model: GPT, args: Hyperparameters, ctx: ParallelContext, stream_specs: dict | None = None) -> "Layout":
-    """Cut the one-process model (still on the CPU, or meta) to this rank's part: tensor-parallel slices (--tp), a
-    pipeline stage (--pp). The rules read where each parameter and tensor is used off one traced run of the model's
-    forward, in the parts the layouts run it in."""
-    # the trace's probe sequence: a multiple of the attention block, and of --tp for sequence parallelism to cut
-    probe = math.lcm(ATTENTION_BLOCK_SIZE, ctx.tp.size) if args.sp else ATTENTION_BLOCK_SIZE
-    trace = ModelTrace(model, probe).run() if ctx.tp.size > 1 or ctx.pp.size > 1 or args.zero >= 3 else None
-    if ctx.tp.size > 1:
-        tensor_parallelize(model, ctx.tp, args, trace)
-    pipeline = PipelineStage(model, ctx, args.pp_schedule, trace, stream_specs) if ctx.pp.size > 1 else None
-    return Layout(args, ctx, model, trace, pipeline)
-
-def sum_over_ranks(value: Tensor) -> Tensor:
-    if dist.is_initialized():
-        count_comm("all_reduce", value)
-        dist.all_reduce(value)
-    return value
-
-class Layout:
-    """What the training step calls around this rank's part of the model so that it trains the one-process model:
-    the pipeline schedule, the gradients averaged over the data-parallel ranks, the optimizers' work and states
-    shared (ZeRO), what owners updated sent after the step, the loss and gradient norm summed over the ranks."""
-
-    def __init__(self, args: Hyperparameters, ctx: ParallelContext, model: GPT, trace: "ModelTrace | None",
-                 pipeline: "PipelineStage | None"):
-        self.args, self.ctx, self.model, self.trace, self.pipeline = args, ctx, model, trace, pipeline
-        self.shared = pipeline.shared if pipeline is not None else {}  # parameter -> the stages holding a copy
-
-    def share(self, optimizers: list[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
-        """Once the part is on its device: the same start on every data-parallel rank, each parameter's owner
-        (ZeRO), Muon's work split over the ranks, the gradient buckets; the optimizers as this rank steps them."""
-        args, ctx, model = self.args, self.ctx, self.model
-        if ctx.dp.size > 1:
-            for p in model.parameters():
-                dist.broadcast(p.detach(), ctx.dp.global_rank(0), group=ctx.dp.group)
-        adam, muon = optimizers
-        self.zero = zero = Zero.build(args.zero, adam, muon, ctx.dp)
-        if ctx.dp.size > 1 or ctx.tp.size > 1:
-            muon = DataParallelMuon(muon, ctx.dp, exchange_updates=zero.stage < 3)
-        self.gradients = GradientBuckets(model.parameters(), sum_dtype=torch.float64 if args.fp64_grad_sum else None,
-                                         dp=ctx.dp, owner_of=zero.gradient_owners(), reduce_to_owner=zero.stage >= 2,
-                                         summed_first=self.shared)
-        # the float64 sums take an embedding's few rows from a sparse gradient, for less work (the plan's meta
-        # tensors have no values to find those rows in; torch.compile does not lower sparse embeddings)
-        for module in model.modules() if args.fp64_grad_sum and ctx.device.type != "meta" and not args.compile else ():
-            if isinstance(module, nn.Embedding):
-                module.sparse = True
-        if zero.stage >= 3 and ctx.dp.size > 1:
-            zero.shard_parameters(model, self.trace)
-        counted_elsewhere = {p for p, (_, stages) in self.shared.items() if stages[0] != ctx.pp.rank}
-        self.norm_params = [p for p in model.parameters() if zero.owns(p) and p not in counted_elsewhere
-                            and (hasattr(p, "slice_of") or ctx.tp.rank == 0)]  # each gradient counted once
-        return [adam, muon]
-
-    def send_updated_parameters(self) -> None:
-        """After the optimizers' steps: the parameters an owner updated alone, to the other ranks (ZeRO)."""
-        self.zero.send_updated_parameters()
-
-    def gradient_squares(self) -> Tensor:
-        """This rank's share of the squared global gradient norm."""
-        grads = [p.grad for p in self.norm_params if p.grad is not None]
-        return torch.nn.utils.get_total_norm(grads).square() if grads else torch.zeros((), device=self.ctx.device)
-
-    def loss_share(self, loss: Tensor) -> Tensor:
-        """This rank's part of the mean loss: the last stage's, counted on one tensor-parallel rank."""
-        counts = self.ctx.pp.rank == self.ctx.pp.size - 1 and self.ctx.tp.rank == 0
-        return loss.float() / self.ctx.dp.size if counts else torch.zeros((), device=self.ctx.device)
-
-    def mean_loss_over_ranks(self, loss: Tensor) -> Tensor:
-        """The mean of the data-parallel ranks' losses, on every rank."""
-        return sum_over_ranks(self.loss_share(loss))
-
-    def step_stats(self, loss_sum: Tensor, grad_squares: Tensor, stop: bool) -> Tensor:
-        """[mean train loss per token, squared gradient norm, stop votes], summed over the ranks in one all-reduce."""
-        micro_batches = self.args.seqs_per_step // self.ctx.dp.size
-        loss = self.loss_share(loss_sum / (micro_batches * self.args.train_seq_len))
-        return sum_over_ranks(torch.stack([loss, grad_squares.float(),
-                                           torch.full((), float(stop), device=self.ctx.device)]))
-
 # One torch function the traced forward ran: its name; the part of the forward it ran in ("embed", "blocks" or, after
 # the stream left the blocks, "head") and the layer; whether it ran where sequence parallelism cuts the stream
 # (between the model's two seams); the names of the module calls around it (outermost first); the tensors it read and
@@ -2302,6 +2220,88 @@ class ModelTrace(torch.overrides.TorchFunctionMode):
     def data_uses(self, name: str) -> list[TracedOp]:
         """The ops that combine this parameter, or a value made of it, with data (a tensor made of no parameter)."""
         return [op for op in self.uses[name] if not all(id(t) in self.origins for t in op.inputs)]
+
+# ----------------------------------------------------------------------------------------------------
+# Layouts: this rank's part of the built one-process model, and how its training is shared with the other ranks
+
+def apply_layout(model: GPT, args: Hyperparameters, ctx: ParallelContext, stream_specs: dict | None = None) -> "Layout":
+    """Cut the one-process model (still on the CPU, or meta) to this rank's part: tensor-parallel slices (--tp), a
+    pipeline stage (--pp). The rules read where each parameter and tensor is used off one traced run of the model's
+    forward, in the parts the layouts run it in."""
+    # the trace's probe sequence: a multiple of the attention block, and of --tp for sequence parallelism to cut
+    probe = math.lcm(ATTENTION_BLOCK_SIZE, ctx.tp.size) if args.sp else ATTENTION_BLOCK_SIZE
+    trace = ModelTrace(model, probe).run() if ctx.tp.size > 1 or ctx.pp.size > 1 or args.zero >= 3 else None
+    if ctx.tp.size > 1:
+        tensor_parallelize(model, ctx.tp, args, trace)
+    pipeline = PipelineStage(model, ctx, args.pp_schedule, trace, stream_specs) if ctx.pp.size > 1 else None
+    return Layout(args, ctx, model, trace, pipeline)
+
+def sum_over_ranks(value: Tensor) -> Tensor:
+    if dist.is_initialized():
+        count_comm("all_reduce", value)
+        dist.all_reduce(value)
+    return value
+
+class Layout:
+    """What the training step calls around this rank's part of the model so that it trains the one-process model:
+    the pipeline schedule, the gradients averaged over the data-parallel ranks, the optimizers' work and states
+    shared (ZeRO), what owners updated sent after the step, the loss and gradient norm summed over the ranks."""
+
+    def __init__(self, args: Hyperparameters, ctx: ParallelContext, model: GPT, trace: "ModelTrace | None",
+                 pipeline: "PipelineStage | None"):
+        self.args, self.ctx, self.model, self.trace, self.pipeline = args, ctx, model, trace, pipeline
+        self.shared = pipeline.shared if pipeline is not None else {}  # parameter -> the stages holding a copy
+
+    def share(self, optimizers: list[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
+        """Once the part is on its device: the same start on every data-parallel rank, each parameter's owner
+        (ZeRO), Muon's work split over the ranks, the gradient buckets; the optimizers as this rank steps them."""
+        args, ctx, model = self.args, self.ctx, self.model
+        if ctx.dp.size > 1:
+            for p in model.parameters():
+                dist.broadcast(p.detach(), ctx.dp.global_rank(0), group=ctx.dp.group)
+        adam, muon = optimizers
+        self.zero = zero = Zero.build(args.zero, adam, muon, ctx.dp)
+        if ctx.dp.size > 1 or ctx.tp.size > 1:
+            muon = DataParallelMuon(muon, ctx.dp, exchange_updates=zero.stage < 3)
+        self.gradients = GradientBuckets(model.parameters(), sum_dtype=torch.float64 if args.fp64_grad_sum else None,
+                                         dp=ctx.dp, owner_of=zero.gradient_owners(), reduce_to_owner=zero.stage >= 2,
+                                         summed_first=self.shared)
+        # the float64 sums take an embedding's few rows from a sparse gradient, for less work (the plan's meta
+        # tensors have no values to find those rows in; torch.compile does not lower sparse embeddings)
+        for module in model.modules() if args.fp64_grad_sum and ctx.device.type != "meta" and not args.compile else ():
+            if isinstance(module, nn.Embedding):
+                module.sparse = True
+        if zero.stage >= 3 and ctx.dp.size > 1:
+            zero.shard_parameters(model, self.trace)
+        counted_elsewhere = {p for p, (_, stages) in self.shared.items() if stages[0] != ctx.pp.rank}
+        self.norm_params = [p for p in model.parameters() if zero.owns(p) and p not in counted_elsewhere
+                            and (hasattr(p, "slice_of") or ctx.tp.rank == 0)]  # each gradient counted once
+        return [adam, muon]
+
+    def send_updated_parameters(self) -> None:
+        """After the optimizers' steps: the parameters an owner updated alone, to the other ranks (ZeRO)."""
+        self.zero.send_updated_parameters()
+
+    def gradient_squares(self) -> Tensor:
+        """This rank's share of the squared global gradient norm."""
+        grads = [p.grad for p in self.norm_params if p.grad is not None]
+        return torch.nn.utils.get_total_norm(grads).square() if grads else torch.zeros((), device=self.ctx.device)
+
+    def loss_share(self, loss: Tensor) -> Tensor:
+        """This rank's part of the mean loss: the last stage's, counted on one tensor-parallel rank."""
+        counts = self.ctx.pp.rank == self.ctx.pp.size - 1 and self.ctx.tp.rank == 0
+        return loss.float() / self.ctx.dp.size if counts else torch.zeros((), device=self.ctx.device)
+
+    def mean_loss_over_ranks(self, loss: Tensor) -> Tensor:
+        """The mean of the data-parallel ranks' losses, on every rank."""
+        return sum_over_ranks(self.loss_share(loss))
+
+    def step_stats(self, loss_sum: Tensor, grad_squares: Tensor, stop: bool) -> Tensor:
+        """[mean train loss per token, squared gradient norm, stop votes], summed over the ranks in one all-reduce."""
+        micro_batches = self.args.seqs_per_step // self.ctx.dp.size
+        loss = self.loss_share(loss_sum / (micro_batches * self.args.train_seq_len))
+        return sum_over_ranks(torch.stack([loss, grad_squares.float(),
+                                           torch.full((), float(stop), device=self.ctx.device)]))
 
 # ----------------------------------------------------------------------------------------------------
 # Data parallel: gradients averaged over the data-parallel ranks in buckets, while backward still runs
