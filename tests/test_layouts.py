@@ -52,32 +52,25 @@ def assert_the_edit_trains_under(layout_runs, edit, name, tensors):
     assert_trains_like_one_process(layout_runs(name, edit), single, layout_runs.floors(edit))
 
 
-# The later records' kinds of edit (tests/layouts.py: GPTWithLaterKinds, in the forked model), each carried by a rule
-
-@pytest.mark.parametrize("name", LAYOUTS)
-def test_code_in_gpt_forward_itself_is_carried_by_every_layout(layout_runs, name):
+# The later records' kinds of edit (tests/layouts.py: GPTWithLaterKinds, in the forked model): kind -> a tensor it adds
+LATER_KINDS = {
     # a scale on the stream before the head, and the rotaries stretched as the window grows (dynamic YaRN's kind),
     # written in GPT.forward itself: every layout runs GPT.forward, a pipeline stage over its own layers
-    assert_the_edit_trains_under(layout_runs, "forks", name, ["out_scale"])
-
-
-@pytest.mark.parametrize("name", LAYOUTS)
-def test_a_gpt_vector_indexed_per_layer_and_used_inside_attention_trains_under_every_layout(layout_runs, name):
+    "code_in_gpt_forward": "out_scale",
     # attention_scales[i] is indexed where block i runs and used inside attention: a value made of a parameter counts
     # as the parameter's where it is used, so under tensor parallelism its gradient is summed over the group
-    assert_the_edit_trains_under(layout_runs, "forks", name, ["attention_scales"])
-
-
-@pytest.mark.parametrize("name", LAYOUTS)
-def test_a_block_returning_a_second_stream_trains_under_every_layout(layout_runs, name):
+    "gpt_vector_used_inside_attention": "attention_scales",
     # a tuple out of each block: ZeRO 3 gathers a block's parameters again when backward reaches any of its outputs
-    assert_the_edit_trains_under(layout_runs, "forks", name, ["blocks.0.mlp.c_proj.weight"])
+    "block_returning_a_second_stream": "blocks.0.mlp.c_proj.weight",
+    # tensor parallelism splits any of a head's parameters with a dimension of its vocabulary along it
+    "bias_per_vocabulary_entry_in_the_head": "lm_head.logit_bias",
+}
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
-def test_a_bias_per_vocabulary_entry_in_the_head_trains_under_every_layout(layout_runs, name):
-    # tensor parallelism splits any of a head's parameters with a dimension of its vocabulary along it
-    assert_the_edit_trains_under(layout_runs, "forks", name, ["lm_head.logit_bias"])
+@pytest.mark.parametrize("kind", LATER_KINDS)
+def test_each_later_kind_of_edit_trains_under_every_layout(layout_runs, kind, name):
+    assert_the_edit_trains_under(layout_runs, "forks", name, [LATER_KINDS[kind]])
 
 
 @pytest.mark.parametrize("name", ["dp2", "dp2_zero1", "dp2_zero2", "dp2_zero3", "pp2_1f1b"])
