@@ -125,48 +125,82 @@ def _fp8_mm_backward(ctx, grad_out: Tensor, *_unused_grads):
 fp8_mm.register_autograd(_fp8_mm_backward, setup_context=_fp8_mm_setup_context)
 
 # ----------------------------------------------------------------------------------------------------
-# Optimizers: Muon for hidden matrices (Newton-Schulz orthogonalised momentum), Adam for the rest
+# Optimizers: NorMuon for hidden matrices (Polar Express orthogonalisation, normalised per neuron), Adam for the rest
 
-def zeropower_via_newtonschulz5(G: Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16) -> Tensor:
-    """Approximately orthogonalise G (batched over leading dims): U S' V^T with S' roughly in [0.5, 1.5]. The
-    quintic's coefficients maximise the slope at zero, so 5 steps suffice; inexact convergence does not hurt."""
-    a, b, c = 3.4445, -4.7750, 2.0315
+# Polar Express (Amsel et al. 2025): a different odd quintic a x + b x^3 + c x^5 at each of 5 iterations, fitted (safety
+# factor 2e-2, cushion 2) to carry every singular value in (0, 1] close to 1; one fixed quintic gets less far
+POLAR_EXPRESS_COEFFICIENTS = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
+
+def polar_express(G: Tensor, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """Approximately orthogonalise G (batched over leading dims): U S' V^T, S' within about [0.86, 1.14] for a random
+    matrix. Each iteration maps every singular value s to a s + b s^3 + c s^5 and keeps the singular vectors."""
     X = G.to(dtype)
     tall = G.size(-2) > G.size(-1)
     if tall:  # iterate on the wide orientation so X @ X.mT is the smaller Gram matrix
         X = X.mT
-    X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # Frobenius >= spectral norm, so spectral norm <= 1
-    for _ in range(steps):
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) * (1 + 2e-2) + 1e-6)  # Frobenius >= spectral norm: all s <= 1
+    for a, b, c in POLAR_EXPRESS_COEFFICIENTS:
         A = X @ X.mT
         B = b * A + c * A @ A
         X = a * X + B @ X
     return X.mT if tall else X
 
-class Muon(torch.optim.Optimizer):
-    """MomentUm Orthogonalized by Newton-Schulz, for hidden matrices: SGD's Nesterov momentum, orthogonalised before
-    the step; a bank of matrices (a parameter of three or more dimensions) is orthogonalised matrix by matrix."""
+def normalize_per_neuron(update: Tensor, second_moment: Tensor, beta2: float) -> Tensor:
+    """NorMuon (Li et al. 2025): each row of an orthogonalised update (each column of a wide one) divided by the root
+    of its running mean square (second_moment, updated here), then the whole scaled back to the update's Frobenius
+    norm, matrix by matrix."""
+    per_row = update.size(-2) >= update.size(-1)
+    mean_square = update.float().square().mean(dim=-1 if per_row else -2, keepdim=True)
+    second_moment.lerp_(mean_square, 1 - beta2)
+    normalized = update.float() * second_moment.clamp_min(1e-10).rsqrt()
+    norms = torch.linalg.matrix_norm(update.float(), keepdim=True)
+    return (normalized * (norms / torch.linalg.matrix_norm(normalized, keepdim=True).clamp_min(1e-10))).to(update.dtype)
 
-    def __init__(self, params, lr=0.05, momentum=0.95, nesterov=True, ns_steps=5,
-                 orthogonalize=zeropower_via_newtonschulz5, ns_dtype=torch.bfloat16):
-        super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps))
-        self.orthogonalize, self.ns_dtype = orthogonalize, ns_dtype
+class Muon(torch.optim.Optimizer):
+    """NorMuon, of the Muon family (MomentUm Orthogonalized by Newton-Schulz), for hidden matrices: SGD's Nesterov
+    momentum, orthogonalised by Polar Express and normalised per neuron, with cautious weight decay. A bank of
+    matrices (a parameter of three or more dimensions) is treated matrix by matrix."""
+
+    def __init__(self, params, lr=0.023, momentum=0.95, beta2=0.9, weight_decay=1.2, orthogonalize=polar_express,
+                 dtype=torch.bfloat16):
+        super().__init__(params, dict(lr=lr, momentum=momentum, beta2=beta2, weight_decay=weight_decay))
+        self.orthogonalize, self.dtype = orthogonalize, dtype
 
     @torch.no_grad()
     def step(self):
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:  # (none: another rank's to update)
-                    update = self.orthogonalized_momentum(p, p.grad, group)
-                    p.add_(update.view_as(p), alpha=-self.step_size(group, p.shape))
+                    self.apply_update(p, self.update_of(p, p.grad, group), group, p.shape)
 
-    def orthogonalized_momentum(self, p: Tensor, grad: Tensor, group: dict) -> Tensor:
-        """The update of matrix p, whose gradient this is: its Nesterov momentum, orthogonalised (grad is used up)."""
-        if "momentum_buffer" not in self.state[p]:
-            self.state[p]["momentum_buffer"] = torch.zeros_like(grad)
-        buf = self.state[p]["momentum_buffer"]
+    def update_of(self, p: Tensor, grad: Tensor, group: dict) -> Tensor:
+        """The update of matrix p, whose gradient this is: its Nesterov momentum, orthogonalised and normalised per
+        neuron (grad is used up)."""
+        state = self.state[p]
+        if not state:
+            rows, cols = grad.shape[-2:]
+            state["momentum_buffer"] = torch.zeros_like(grad)
+            state["second_moment"] = grad.new_zeros((*grad.shape[:-1], 1) if rows >= cols else
+                                                    (*grad.shape[:-2], 1, cols), dtype=torch.float32)
+        buf = state["momentum_buffer"]
         buf.lerp_(grad, 1 - group["momentum"])
-        grad = grad.lerp_(buf, group["momentum"]) if group["nesterov"] else buf
-        return self.orthogonalize(grad, steps=group["ns_steps"], dtype=self.ns_dtype)
+        update = self.orthogonalize(grad.lerp_(buf, group["momentum"]), dtype=self.dtype)
+        return normalize_per_neuron(update, state["second_moment"], group["beta2"])
+
+    @staticmethod
+    def apply_update(p: Tensor, update: Tensor, group: dict, shape: tuple) -> None:
+        """p (or its slice of a matrix of this shape) takes the step, and cautious weight decay (Chen et al. 2025):
+        decay only where the update already pulls p towards zero. Decay weight_decay x lr per unit step size, so that
+        it scales with lr squared."""
+        update = update.view_as(p)
+        decay = (update * p >= 0) * p
+        p.sub_(update.to(p.dtype) + decay * (group["weight_decay"] * group["lr"]), alpha=Muon.step_size(group, shape))
 
     @staticmethod
     def step_size(group: dict, shape: tuple) -> float:
@@ -585,8 +619,11 @@ class Hyperparameters:
     lr_head: float = flag(0.22, "Adam lr of the head")
     lr_embed: float = flag(0.6, "Adam lr of the embeddings")
     lr_scalar: float = flag(0.04, "Adam lr of the vectors and scalars")
-    lr_muon: float = flag(0.05, "Muon lr of the hidden matrices")
+    lr_muon: float = flag(0.023, "Muon lr of the hidden matrices")
+    muon_weight_decay: float = flag(1.2, "Muon's cautious weight decay, per unit lr squared")
+    muon_beta2: float = flag(0.9, "decay of Muon's running mean square of each neuron's update (NorMuon)")
     muon_momentum_warmup_steps: int = flag(300, "steps over which Muon's momentum rises from 0.85 to 0.95")
+    muon_momentum_cooldown_steps: int = flag(50, "final steps over which Muon's momentum falls back to 0.85")
     seed: int = flag(0, "seed of the model's initialisation")
     train_files: str = flag("data/fineweb10B/fineweb_train_*.bin", "glob pattern of the training shards", "data")
     train_seq_len: int = flag(48 * 1024, "tokens per micro-batch: one sequence, a multiple of 128")
@@ -647,15 +684,15 @@ PRESETS = {
                 val_tokens=128 * 1024, train_seq_len=256, val_seq_len=256, seqs_per_step=8, num_layers=6,
                 num_heads=2, head_dim=64, model_dim=128, window_pattern="LSSSSL", attention_free_layers="",
                 window_max_tokens=512, fp8_head=False, num_iterations=230, muon_momentum_warmup_steps=50,
-                lr_head=0.077, lr_embed=0.21, lr_scalar=0.014, lr_muon=0.0175,
+                muon_momentum_cooldown_steps=9, lr_head=0.077, lr_embed=0.21, lr_scalar=0.014, lr_muon=0.0175,
                 val_loss_every=46, target_val_loss=5.15, fp64_grad_sum=True, save_every=230),  # (to sample from)
     # seconds, for tests and smoke runs
     "tiny": dict(train_files="data/shakespeare/shakespeare_train_*.bin",
                  val_files="data/shakespeare/shakespeare_val_*.bin",
                  val_tokens=4 * 256, train_seq_len=256, val_seq_len=256, num_layers=6, num_heads=2, head_dim=16,
                  model_dim=32, window_pattern="LSSSSL", attention_free_layers="4", window_max_tokens=256,
-                 fp8_head=False, num_iterations=20, muon_momentum_warmup_steps=5, val_loss_every=10,
-                 target_val_loss=8.0, fp64_grad_sum=True),
+                 fp8_head=False, num_iterations=20, muon_momentum_warmup_steps=5, muon_momentum_cooldown_steps=1,
+                 val_loss_every=10, target_val_loss=8.0, fp64_grad_sum=True),
 }
 
 def _parse_bool(text: str) -> bool:
@@ -730,6 +767,7 @@ def check_hyperparameters(args: Hyperparameters) -> None:
     need(args.top_k <= args.vocab_size, f"--top_k must be between 0 (all tokens) and --vocab_size {args.vocab_size}, "
          f"got {args.top_k}")
     need(args.cooldown_frac <= 1, f"--cooldown_frac must be in [0, 1], got {args.cooldown_frac}")
+    need(args.muon_beta2 < 1, f"--muon_beta2 must be in [0, 1), got {args.muon_beta2}")
     need(EOT_TOKEN < args.vocab_size <= 2**16, f"--vocab_size {args.vocab_size} must be above {EOT_TOKEN}, the "
          "end-of-text token that starts every document, and fit the uint16 token shards")
     for name in ("train_seq_len", "val_seq_len"):
@@ -808,7 +846,9 @@ def window_tensor(blocks: int, device: torch.device) -> Tensor:
     return torch.tensor(blocks, dtype=torch.int32, device=device)
 
 def muon_momentum(step: int, args: Hyperparameters) -> float:
-    frac = min(step / args.muon_momentum_warmup_steps, 1) if args.muon_momentum_warmup_steps > 0 else 1
+    """0.85, rising linearly to 0.95 over the warm-up steps, and falling back to 0.85 over the cooldown steps."""
+    warmup, cooldown = args.muon_momentum_warmup_steps, args.muon_momentum_cooldown_steps
+    frac = min(step / warmup if warmup else 1, (args.num_iterations - step) / cooldown if cooldown else 1, 1)
     return (1 - frac) * 0.85 + frac * 0.95
 
 def set_schedules(optimizers: list[torch.optim.Optimizer], step: int, args: Hyperparameters) -> None:
@@ -878,10 +918,10 @@ def build_optimizers(model: nn.Module, groups: dict[str, list[str]], args: Hyper
                    dict(params=held["scalar"], lr=args.lr_scalar)]
     adam = torch.optim.Adam([group for group in adam_groups if group["params"]],  # (pipeline stages lack some)
                             betas=(0.8, 0.95), eps=1e-10, fused=device.type != "meta")  # (meta: the plan)
-    orthogonalize = torch.compile(zeropower_via_newtonschulz5) if device.type == "cuda" else \
-        zeropower_via_newtonschulz5
-    muon = Muon(held["muon"], lr=args.lr_muon, momentum=0.95, orthogonalize=orthogonalize,
-                ns_dtype=torch.bfloat16 if cuda_dtypes else torch.float32)  # (bf16 matmuls are slow on a CPU)
+    orthogonalize = torch.compile(polar_express) if device.type == "cuda" else polar_express
+    muon = Muon(held["muon"], lr=args.lr_muon, momentum=0.95, beta2=args.muon_beta2,
+                weight_decay=args.muon_weight_decay, orthogonalize=orthogonalize,
+                dtype=torch.bfloat16 if cuda_dtypes else torch.float32)  # (bf16 matmuls are slow on a CPU)
     for opt in (adam, muon):
         for group in opt.param_groups:
             group["initial_lr"] = group["lr"]
@@ -1066,7 +1106,7 @@ def main(argv=None) -> float | None:
 # ----------------------------------------------------------------------------------------------------
 # Checkpoints and stopping: full tensors keyed by parameter name, so a run resumes under any world size
 
-CHECKPOINT_FORMAT = 2  # 2: the log's digest, so a resume never continues another run's log
+CHECKPOINT_FORMAT = 3  # 2: the log's digest, so a resume never continues another run's log; 3: NorMuon's state
 EXIT_STOPPED = 3  # kill switch or signal: a checkpoint was saved; continue with --resume latest
 EXIT_DIVERGED = 4  # non-finite training loss or gradient norm
 EXIT_LOST = 5  # a rank stopped answering or died: no stop checkpoint; continue from the last one
@@ -1148,7 +1188,7 @@ def gather_training_state(trainer: "Trainer", weights_only: bool = False) -> dic
         if not weights_only and p in adam_owners and ctx.dp.rank == (adam_owners[p] or 0):  # moments shaped like p
             held["adam"] = {k: whole(p, v) if k.startswith("exp_avg") else v for k, v in adam.state[p].items()}
         if not weights_only and ctx.dp.rank == muon_owners.get(p):  # Muon keeps whole matrices
-            held["muon"] = muon.state[p]["momentum_buffer"]
+            held["muon"] = dict(muon.state[p])
         for kind, value in held.items() if ctx.tp.rank == 0 else ():
             part[kind][name] = pytree.tree_map(lambda t: t.cpu(), value)
     parts = [part]
@@ -1216,7 +1256,7 @@ CHECKPOINT_FIELDS = {
     "hyperparameters": ("the run's flags", lambda v: isinstance(v, dict) and _is_count(v.get("num_iterations"))),
     "model": ("tensors by name", _tensors_by_name),
     "adam": ("tensors by name and state", lambda v: _tensors_by_name(v, depth=2)),
-    "muon": ("tensors by name", _tensors_by_name),
+    "muon": ("tensors by name and state", lambda v: _tensors_by_name(v, depth=2)),
     "rng": ("{'cpu': tensor, 'cuda': ...}", lambda v: isinstance(v, dict) and isinstance(v.get("cpu"), Tensor)),
 }
 
@@ -1255,7 +1295,7 @@ def restore_checkpoint(state: dict, path: Path, trainer: "Trainer") -> None:
     adam_owners, muon_owners = optimizer_state_owners(trainer)
     names = {p: name for name, p in model.named_parameters()}
     for opt, owners, saved, keys in ((adam, adam_owners, state["adam"], ("step", "exp_avg", "exp_avg_sq")),
-                                     (muon, muon_owners, state["muon"], ())):
+                                     (muon, muon_owners, state["muon"], ("momentum_buffer", "second_moment"))):
         gaps = [f"{names[p]}{'.' + missing if missing else ''}" for p in owners
                 for missing in ([None] if names[p] not in saved else [k for k in keys if k not in saved[names[p]]])]
         need(not gaps, f"checkpoint {path} has no {type(opt).__name__} state for {', '.join(gaps[:5])}"
@@ -1269,7 +1309,7 @@ def restore_checkpoint(state: dict, path: Path, trainer: "Trainer") -> None:
                              for key, value in state["adam"][names[p]].items()}
     for p, owner in muon_owners.items():
         if owner == ctx.dp.rank:
-            muon.state[p]["momentum_buffer"] = state["muon"][names[p]].to(p.device, p.dtype, copy=True)
+            muon.state[p] = {key: value.to(p.device, copy=True) for key, value in state["muon"][names[p]].items()}
     torch.set_rng_state(state["rng"]["cpu"])
     if ctx.device.type == "cuda" and state["rng"]["cuda"] is not None:
         torch.cuda.set_rng_state(state["rng"]["cuda"], ctx.device)
@@ -2459,19 +2499,19 @@ def muon_owners(params: list[Tensor], world_size: int) -> dict[Tensor, int]:
 class DataParallelMuon(Muon):
     """Muon's work shared over the data-parallel ranks, as the record does it: rank r orthogonalises matrices r, r+W,
     ... of each size (it alone keeps their momentum), and the updates travel by async all-gather while the next are
-    computed; under ZeRO 3 (exchange_updates false) each owner applies its own. Newton-Schulz needs whole matrices:
+    computed; under ZeRO 3 (exchange_updates false) each owner applies its own. Orthogonalising needs whole matrices:
     a tensor-parallel slice's gradient is gathered whole, and each rank applies its own slice of the update."""
 
     def __init__(self, muon: Muon, dp: Axis, exchange_updates: bool):
         super().__init__([dict(group) for group in muon.param_groups], orthogonalize=muon.orthogonalize,
-                         ns_dtype=muon.ns_dtype)
+                         dtype=muon.dtype)
         self.dp, self.exchange_updates = dp, exchange_updates
         params = [p for group in self.param_groups for p in group["params"]]
         self.group_of = {p: group for group in self.param_groups for p in group["params"]}
         sizes = sorted({p.numel() for p in params}, reverse=True)
         self.by_size = [[p for p in params if p.numel() == size] for size in sizes]
         # flat gather targets (gloo needs 1-D), kept outside param_groups so state_dict() never copies them
-        self.update_buffers = [torch.empty(dp.size * size, dtype=self.ns_dtype, device=params[0].device)
+        self.update_buffers = [torch.empty(dp.size * size, dtype=self.dtype, device=params[0].device)
                                for size in sizes]
 
     @torch.no_grad()
@@ -2502,14 +2542,14 @@ class DataParallelMuon(Muon):
     def _own_update(self, p: Tensor) -> Tensor:
         if p.grad is None:
             raise RuntimeError(f"Muon parameter of shape {tuple(p.shape)} has no gradient")
-        update = self.orthogonalized_momentum(p, whole(p, p.grad), self.group_of[p])
+        update = self.update_of(p, whole(p, p.grad), self.group_of[p])
         return own_slice(p, update)
 
     def _apply(self, handle, chunk: list[Tensor], updates) -> None:
         if handle is not None:
             handle.wait()
         for p, update in zip(chunk, updates):
-            p.add_(update.view_as(p), alpha=-self.step_size(self.group_of[p], full_shape(p)))  # (a slice: the whole's)
+            self.apply_update(p, update, self.group_of[p], full_shape(p))  # (a slice: the whole's step size)
 
 # ----------------------------------------------------------------------------------------------------
 # ZeRO (Rajbhandari et al. 2020): optimizer states, gradients and parameters sharded over data-parallel ranks

@@ -147,7 +147,7 @@ def restore_on_rank(rank, world_size, path, flags):
     names = {p: n for n, p in model.named_parameters()}
     return dict(model={n: p.detach().clone() for n, p in model.named_parameters()},
                 adam={names[p]: dict(s) for p, s in adam.state.items()},
-                muon={names[p]: s["momentum_buffer"] for p, s in muon.state.items()})
+                muon={names[p]: dict(s) for p, s in muon.state.items()})
 
 
 @pytest.mark.parametrize("world_size", [1, 2])

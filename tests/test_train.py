@@ -30,6 +30,7 @@ def test_flags_override_preset_values():
     (["--window_pattern", "LLS"], "--window_pattern 'LLS' must have one letter"),
     (["--num_iterations", "0"], "--num_iterations must be a whole number > 0 and below 2**31, got 0"),
     (["--cooldown_frac", "1.5"], "--cooldown_frac must be in"),
+    (["--muon_beta2", "1"], "--muon_beta2 must be in [0, 1), got 1.0"),
     (["--attention_free_layers", "3,x"], "--attention_free_layers '3,x'"),
     (["--val_tokens", "1000"], "--val_tokens 1000 must be a multiple of --val_seq_len"),
 ])
@@ -50,7 +51,9 @@ def test_schedules_at_hand_computed_points():
     assert train_gpt.muon_momentum(0, args) == pytest.approx(0.85)
     assert train_gpt.muon_momentum(150, args) == pytest.approx(0.90)
     assert train_gpt.muon_momentum(300, args) == pytest.approx(0.95)
-    assert train_gpt.muon_momentum(1000, args) == pytest.approx(0.95)
+    assert train_gpt.muon_momentum(950, args) == pytest.approx(0.95)  # the cooldown's 50 steps start
+    assert train_gpt.muon_momentum(975, args) == pytest.approx(0.90)
+    assert train_gpt.muon_momentum(1000, args) == pytest.approx(0.85)
 
 
 def build(files, **overrides):
