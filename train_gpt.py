@@ -155,12 +155,11 @@ def normalize_per_neuron(update: Tensor, second_moment: Tensor, beta2: float) ->
     """NorMuon (Li et al. 2025): each row of an orthogonalised update (each column of a wide one) divided by the root
     of its running mean square (second_moment, updated here), then the whole scaled back to the update's Frobenius
     norm, matrix by matrix."""
-    per_row = update.size(-2) >= update.size(-1)
-    mean_square = update.float().square().mean(dim=-1 if per_row else -2, keepdim=True)
-    second_moment.lerp_(mean_square, 1 - beta2)
-    normalized = update.float() * second_moment.clamp_min(1e-10).rsqrt()
-    norms = torch.linalg.matrix_norm(update.float(), keepdim=True)
-    return (normalized * (norms / torch.linalg.matrix_norm(normalized, keepdim=True).clamp_min(1e-10))).to(update.dtype)
+    v = update.float()
+    second_moment.lerp_(v.square().mean(dim=-1 if v.size(-2) >= v.size(-1) else -2, keepdim=True), 1 - beta2)
+    normalized = v * second_moment.clamp_min(1e-10).rsqrt()
+    norm = functools.partial(torch.linalg.matrix_norm, keepdim=True)
+    return (normalized * (norm(v) / norm(normalized).clamp_min(1e-10))).to(update.dtype)
 
 class Muon(torch.optim.Optimizer):
     """NorMuon, of the Muon family (MomentUm Orthogonalized by Newton-Schulz), for hidden matrices: SGD's Nesterov

@@ -20,6 +20,7 @@ from synthetic import tiny_flags, write_synthetic_shards
 from test_attention import DOC_STARTS, sequence_with_documents
 from test_compiled import assert_warmup_restores_exactly
 from test_fp8 import GRAD_S, W_S, X_S, operands, quantised
+from test_muon import polar_express_by_svd
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CUDA = torch.device("cuda")
@@ -69,6 +70,14 @@ def test_fp8_op_on_cuda_equals_the_fp64_product_of_its_quantised_operands_eager_
         assert relative_error(out, reference) < 1e-3
         assert relative_error(xr.grad, g_q @ w_q) < 1e-3 and relative_error(wr.grad, g_q.T @ x_q) < 1e-3
         assert wr.grad.dtype == w.dtype
+
+
+def test_polar_express_compiled_in_bf16_on_cuda_equals_the_fp64_singular_value_reference():
+    # what build_optimizers runs on CUDA, on the MLP's shape, against the quintics on fp64 singular values
+    G = torch.randn(768, 3072, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    X = torch.compile(train_gpt.polar_express, dynamic=False)(G.float().to(CUDA), dtype=torch.bfloat16)
+    assert X.dtype == torch.bfloat16
+    assert relative_error(X.cpu(), polar_express_by_svd(G)) < 0.06  # bf16 through 5 iterations (CPU, compiled: 2.0%)
 
 
 def test_fp8_ops_pass_opcheck_on_cuda():

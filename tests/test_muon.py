@@ -144,3 +144,13 @@ def test_muon_step_equals_hand_computed_update():
             scale = max(1, p.size(-2) / p.size(-1)) ** 0.5
             expected -= 0.1 * scale * (update + 0.5 * 0.1 * (update * expected >= 0) * expected)
         assert (p.detach().double() - expected).norm() / (expected - start[i]).norm() < 1e-4
+
+
+def test_polar_express_compiled_as_on_cuda_equals_the_eager_one():
+    # build_optimizers compiles it on CUDA; Inductor's CPU code stands in for its GPU code here (tests/test_cuda.py
+    # runs the compiled bf16 one on a GPU against the fp64 reference)
+    G = torch.randn(3, 48, 32, generator=torch.Generator().manual_seed(3))
+    eager = polar_express(G, dtype=torch.float32)
+    compiled = torch.compile(polar_express, dynamic=False)(G, dtype=torch.float32)
+    assert (compiled - eager).norm() / eager.norm() < 1e-5  # the same fp32 products, fused apart
+    assert (eager - G / G.norm(dim=(-2, -1), keepdim=True)).norm() > 0.1 * eager.norm()  # it orthogonalised
