@@ -12,6 +12,7 @@ import copy
 
 import pytest
 import torch
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 import train_gpt
 from layouts import train_step
@@ -107,21 +108,42 @@ def nonzero_model(args):
 
 
 def test_compiled_model_gives_the_eager_loss_and_gradients():
+    # Inductor fuses the bf16 arithmetic apart from eager's, so both are held to the same weights run in fp32.
+    # Each matrix's gradient: the compiled model at most 1.5x as far from fp32 as eager bf16 is (measured on an
+    # H100: 0.5-1.8% for eager, compiled 0.96x of it at worst). The scalars' gradients are sums over every token
+    # that cancel to a few percent of their terms, so bf16 moves each at random (eager 0.07%-31%, compiled 0.2%-17%):
+    # they are held together, as one vector, within 15% (measured: eager 2.5% and 6.7%, compiled 3.4% and 6.8%).
     args = small_args()
     eager = nonzero_model(args)
-    compiled_copy = copy.deepcopy(eager)
+    compiled_copy, fp32 = copy.deepcopy(eager), copy.deepcopy(eager)
+    for m in fp32.modules():
+        if isinstance(m, torch.nn.Embedding):
+            m.float()  # fp32 embeddings make every activation fp32 (the bf16 weights are exact in fp32)
     compiled = torch.compile(compiled_copy, dynamic=False)
     tokens = sequence_with_documents(DOC_STARTS, args.train_seq_len + 1).to(CUDA)
     window = train_gpt.window_tensor(4, CUDA)
-    losses = [m(tokens[:-1].to(torch.int32), tokens[1:], window) for m in (eager, compiled)]
+    losses = [m(tokens[:-1].to(torch.int32), tokens[1:], window) for m in (eager, compiled, fp32)]
     for loss in losses:
         loss.backward()
-    assert abs(losses[1].item() - losses[0].item()) <= 1e-3 * losses[0].item()
-    for (name, p), q in zip(eager.named_parameters(), compiled_copy.parameters()):
-        assert p.grad.norm() > 0 and relative_error(q.grad, p.grad) < 2e-2, name  # bf16, kernels fused apart
+    eager_loss, compiled_loss, fp32_loss = (loss.item() for loss in losses)
+    assert abs(compiled_loss - fp32_loss) <= 1e-5 * fp32_loss and eager_loss != fp32_loss  # measured up to 1.3e-6
+    scalars = {"eager": [], "compiled": [], "fp32": []}
+    for (name, p), q, r in zip(eager.named_parameters(), compiled_copy.parameters(), fp32.parameters()):
+        assert r.grad.norm() > 0, name
+        if p.ndim < 2:
+            for grads, grad in zip(scalars.values(), (p.grad, q.grad, r.grad)):
+                grads.append(grad.flatten())
+            continue
+        eager_error, compiled_error = relative_error(p.grad, r.grad), relative_error(q.grad, r.grad)
+        assert eager_error > 0 and compiled_error <= 1.5 * eager_error, (name, compiled_error, eager_error)
+    eager_grads, compiled_grads, fp32_grads = (torch.cat(grads) for grads in scalars.values())
+    assert relative_error(eager_grads, fp32_grads) > 0 and relative_error(compiled_grads, fp32_grads) < 0.15
 
 
 def test_the_model_compiles_once_across_the_window_schedule_with_no_graph_break():
+    # one graph of GPT.forward for every window size; the FP8 op's bodies are compiled functions of their own, run
+    # inside the opaque op, which may keep a version per kind of operand (an H100 compiled a second for the head's
+    # weight, by its dispatch keys), so the model's own cache entries are counted
     args = small_args(num_iterations=20, window_max_tokens=1024)
     model = nonzero_model(args)
     torch._dynamo.reset()
@@ -131,14 +153,10 @@ def test_the_model_compiles_once_across_the_window_schedule_with_no_graph_break(
     tokens = sequence_with_documents(DOC_STARTS, args.train_seq_len + 1).to(CUDA)
     windows = sorted({train_gpt.window_size_blocks(step, args) for step in range(args.num_iterations + 1)})
     assert len(windows) == 1024 // train_gpt.ATTENTION_BLOCK_SIZE  # every window size from 1 to 8 blocks
-    graphs_after_first_window = None
-    with torch._dynamo.config.patch(error_on_recompile=True):  # a recompile raises
-        for blocks in windows:
-            compiled(tokens[:-1].to(torch.int32), tokens[1:], train_gpt.window_tensor(blocks, CUDA)).backward()
-            # (the first step also compiles the FP8 op's bodies, which run inside the opaque op)
-            graphs_after_first_window = graphs_after_first_window or counters["stats"]["unique_graphs"]
+    for blocks in windows:
+        compiled(tokens[:-1].to(torch.int32), tokens[1:], train_gpt.window_tensor(blocks, CUDA)).backward()
     assert not counters["graph_break"], dict(counters["graph_break"])
-    assert counters["stats"]["unique_graphs"] == graphs_after_first_window
+    assert len(_debug_get_cache_entry_list(type(model).forward.__code__)) == 1
 
 
 def test_compiled_warmup_restores_model_and_optimizer_state_exactly(tmp_path):
