@@ -550,22 +550,25 @@ def shard_index(files: list[Path], position: dict, pattern: str) -> int:
 class DistributedDataLoader:
     """This rank's (inputs, targets) micro-batches of seq_len tokens, resumable from a position(). Sequence j of a
     global batch goes to rank j % world_size, so every world size dividing seqs_per_batch sees the same batches;
-    a batch never straddles shards."""
+    a batch never straddles shards. With doc_max_tokens, each sequence starts at a document and holds whole
+    documents, each cut after doc_max_tokens tokens, the last cut to fill it (#26, #29, #72: no sequence begins
+    mid-document, and long documents do not crowd out the rest); otherwise the shard is read as one stream."""
 
     def __init__(self, pattern: str, seq_len: int, seqs_per_batch: int, rank: int, world_size: int,
-                 device: torch.device, flag: str = "train_files", position: dict | None = None):
+                 device: torch.device, flag: str = "train_files", position: dict | None = None,
+                 doc_max_tokens: int = 0):
         self.files = list_shards(pattern, flag)
         for f in self.files:  # fail on a bad shard now, not hours into the run
             read_shard_header(f)
-        self.pattern, self.flag = pattern, flag
+        self.pattern, self.flag, self.doc_max_tokens = pattern, flag, doc_max_tokens
         self.seq_len, self.rank, self.world_size, self.device = seq_len, rank, world_size, device
-        self.batch_tokens = seq_len * seqs_per_batch
-        self.micro_steps = seqs_per_batch // world_size
+        self.seqs_per_batch, self.micro_steps = seqs_per_batch, seqs_per_batch // world_size
         self.shard_index, self.offset, self.micro_step, self.tokens = 0, 0, 0, None
         if position is not None:
             self.shard_index, self.offset = shard_index(self.files, position, pattern), position["offset"]
 
     def position(self) -> dict:
+        """Where the next batch starts: a shard and a token offset in it (a document start when aligned)."""
         return dict(shard=self.files[self.shard_index].name, offset=self.offset)
 
     def __iter__(self):
@@ -573,27 +576,71 @@ class DistributedDataLoader:
 
     def __next__(self) -> tuple[Tensor, Tensor]:
         if self.micro_step == 0:
-            self._ensure_room_for_a_batch()
-        j = self.rank + self.micro_step * self.world_size
-        buf = self.tokens[self.offset + j * self.seq_len:][:self.seq_len + 1]
+            self.batch, self.next_offset = self._next_batch()
+        ranges = self.batch[self.rank + self.micro_step * self.world_size]
+        buf = torch.cat([self.tokens[start:end] for start, end in ranges]) if len(ranges) > 1 else \
+            self.tokens[ranges[0][0]:ranges[0][1]]
         self.micro_step += 1
         if self.micro_step == self.micro_steps:
-            self.micro_step, self.offset = 0, self.offset + self.batch_tokens
+            self.micro_step, self.offset = 0, self.next_offset
         # non_blocking: the copy overlaps the host's next work; no host sync needed
         inputs = buf[:-1].to(device=self.device, dtype=torch.int32, non_blocking=True)
         targets = buf[1:].to(device=self.device, dtype=torch.int64, non_blocking=True)
         return inputs, targets
 
-    def _ensure_room_for_a_batch(self) -> None:
+    def _next_batch(self) -> tuple[list[list[tuple[int, int]]], int]:
+        """Each sequence of the batch at self.offset as the token ranges of the shard it is made of, and the offset
+        after the batch; from the next shard where this one has too little left."""
         pin = self.device.type == "cuda"
         if self.tokens is None:
-            self.tokens = load_data_shard(self.files[self.shard_index], pin_memory=pin)
-        while self.offset + self.batch_tokens + 1 > len(self.tokens):
+            self._load(pin)
+        while (batch := self._cut_batch()) is None:
             need(self.shard_index + 1 < len(self.files), f"--{self.flag} {self.pattern!r}: out of data after "
-                 f"{len(self.files)} shard(s); a batch needs {self.batch_tokens + 1} tokens in one shard. Fetch more "
-                 "shards or train fewer steps")
+                 f"{len(self.files)} shard(s); a batch needs {self.seqs_per_batch} sequences of "
+                 f"{self.seq_len + 1} tokens in one shard" + (f", made of documents (each starting with token "
+                 f"{EOT_TOKEN}) cut at --doc_max_tokens {self.doc_max_tokens}" if self.doc_max_tokens else "")
+                 + ". Fetch more shards or train fewer steps")
             self.shard_index, self.offset = self.shard_index + 1, 0
-            self.tokens = load_data_shard(self.files[self.shard_index], pin_memory=pin)
+            self._load(pin)
+        return batch
+
+    def _load(self, pin: bool) -> None:
+        self.tokens = load_data_shard(self.files[self.shard_index], pin_memory=pin)
+        self.doc_starts = document_starts(self.tokens.numpy()) if self.doc_max_tokens else None
+
+    def _cut_batch(self) -> tuple[list[list[tuple[int, int]]], int] | None:
+        return cut_batch(self.offset, len(self.tokens), self.doc_starts, self.seq_len, self.seqs_per_batch,
+                         self.doc_max_tokens)
+
+def document_starts(tokens: np.ndarray) -> np.ndarray:
+    return np.flatnonzero(tokens == EOT_TOKEN)
+
+def cut_batch(offset: int, size: int, doc_starts: np.ndarray | None, seq_len: int, seqs: int,
+              doc_max_tokens: int) -> tuple[list[list[tuple[int, int]]], int] | None:
+    """The batch at token `offset` of a shard of `size` tokens: each of its sequences (seq_len inputs and one more
+    target) as the token ranges it is made of, and the offset after the batch; None where the shard has too little
+    left. With doc_max_tokens, a sequence is whole documents from the first start at or after offset, each cut
+    after doc_max_tokens and the last cut to fill it; the rest of a cut document is skipped."""
+    need_tokens = seq_len + 1
+    if not doc_max_tokens:
+        if offset + seqs * seq_len + 1 > size:
+            return None
+        return [[(offset + j * seq_len, offset + j * seq_len + need_tokens)] for j in range(seqs)], \
+            offset + seqs * seq_len
+    sequences, doc = [], int(np.searchsorted(doc_starts, offset))
+    for _ in range(seqs):
+        ranges, filled = [], 0
+        while filled < need_tokens:
+            if doc == len(doc_starts):
+                return None
+            start = int(doc_starts[doc])
+            doc += 1
+            doc_end = int(doc_starts[doc]) if doc < len(doc_starts) else size
+            end = min(doc_end, start + doc_max_tokens, start + need_tokens - filled)
+            ranges.append((start, end))
+            filled += end - start
+        sequences.append(ranges)
+    return sequences, int(doc_starts[doc]) if doc < len(doc_starts) else size
 
 # ----------------------------------------------------------------------------------------------------
 # Hyperparameters: the record's values are the defaults; presets and flags override them
@@ -628,6 +675,8 @@ class Hyperparameters:
     train_files: str = flag("data/fineweb10B/fineweb_train_*.bin", "glob pattern of the training shards", "data")
     train_seq_len: int = flag(48 * 1024, "tokens per micro-batch: one sequence, a multiple of 128")
     seqs_per_step: int = flag(8, "sequences per step; ranks short of it accumulate gradients")
+    doc_max_tokens: int = flag(2048, "training sequences start at a document and hold whole documents cut after this "
+                                     "many tokens (0: the shards read as one stream)")
     val_files: str = flag("data/fineweb10B/fineweb_val_*.bin", "glob pattern of the validation shards",
                           "evaluation")
     val_tokens: int = flag(10485760, "tokens per evaluation, split over the ranks")
@@ -687,14 +736,14 @@ PRESETS = {
                 window_max_tokens=512, fp8_head=False, num_iterations=230, muon_momentum_warmup_steps=50,
                 muon_momentum_cooldown_steps=9, lr_head=0.077, lr_embed=0.21, lr_scalar=0.014, lr_muon=0.0175,
                 cooldown_frac=0.4, lr_final=0.1, val_loss_every=46, target_val_loss=5.15, fp64_grad_sum=True,
-                save_every=230),  # (to sample from)
+                doc_max_tokens=0, save_every=230),  # (to sample from; a stream: the shards hold 38 whole plays)
     # seconds, for tests and smoke runs
     "tiny": dict(train_files="data/shakespeare/shakespeare_train_*.bin",
                  val_files="data/shakespeare/shakespeare_val_*.bin",
                  val_tokens=4 * 256, train_seq_len=256, val_seq_len=256, num_layers=6, num_heads=2, head_dim=16,
                  model_dim=32, window_pattern="LSSSSL", attention_free_layers="4", window_max_tokens=256,
                  fp8_head=False, num_iterations=20, muon_momentum_warmup_steps=5, muon_momentum_cooldown_steps=1,
-                 val_loss_every=10, target_val_loss=8.0, fp64_grad_sum=True),
+                 val_loss_every=10, target_val_loss=8.0, fp64_grad_sum=True, doc_max_tokens=0),
 }
 
 def _parse_bool(text: str) -> bool:
@@ -983,6 +1032,12 @@ def random_batches(args: Hyperparameters, device: torch.device):
         tokens = torch.randint(0, args.vocab_size, (args.train_seq_len + 1,), device=device)
         yield tokens[:-1].to(torch.int32), tokens[1:]
 
+def train_batches(trainer: Trainer, position: dict | None = None) -> DistributedDataLoader:
+    """This rank's training micro-batches, from the start or from a checkpoint's data position."""
+    args, ctx = trainer.args, trainer.ctx
+    return DistributedDataLoader(args.train_files, args.train_seq_len, args.seqs_per_step, ctx.dp.rank, ctx.dp.size,
+                                 ctx.device, position=position, doc_max_tokens=args.doc_max_tokens)
+
 def warmup_and_restore(trainer: Trainer, steps: int) -> None:
     """`steps` training steps on random tokens (torch.compile compiles), then the model and optimizers restored."""
     initial = copy.deepcopy(dict(model=trainer.model.state_dict(),
@@ -1046,8 +1101,7 @@ def train(args: Hyperparameters, ctx: "ParallelContext") -> float:
         if args.compile and args.warmup_steps > 0:
             warmup_and_restore(trainer, args.warmup_steps)
         run.start(trainer, notes=[fp8] if fp8 else [])  # restores the checkpoint, then opens the log
-        train_loader = DistributedDataLoader(args.train_files, args.train_seq_len, args.seqs_per_step, ctx.dp.rank,
-                                             ctx.dp.size, ctx.device, position=run.data_position)
+        train_loader = train_batches(trainer, run.data_position)
         val_loss = float("nan")
         for step in range(run.start_step, args.num_iterations + 1):
             run.begin_step(step)
@@ -1800,8 +1854,15 @@ def check_data(args: Hyperparameters, dp: int, checkpoint: dict | None) -> None:
     batch = args.seqs_per_step * args.train_seq_len
     steps, read, offset = start, [], position["offset"]
     for i in range(shard_index(train_files, position, args.train_files), len(train_files)):
-        batches = max(0, (sizes[i] - 1 - offset) // batch)
-        if batches and steps < needed:
+        if steps >= needed:
+            break
+        doc_starts = document_starts(np.memmap(train_files[i], dtype="<u2", mode="r", offset=SHARD_HEADER_BYTES)) \
+            if args.doc_max_tokens else None
+        batches = 0
+        while steps + batches < needed and (cut := cut_batch(offset, sizes[i], doc_starts, args.train_seq_len,
+                                                             args.seqs_per_step, args.doc_max_tokens)):
+            batches, offset = batches + 1, cut[1]
+        if batches:
             read.append(train_files[i])
         steps, offset = steps + batches, 0
     if steps < needed:
@@ -1809,7 +1870,9 @@ def check_data(args: Hyperparameters, dp: int, checkpoint: dict | None) -> None:
             if checkpoint is not None else ""
         held = f"the batches of steps {start + 1}..{steps}" if steps > start else "no batch"
         raise UserError(f"--train_files {args.train_files!r}: its {len(train_files)} shard(s) hold {held}{where} of "
-                        f"{batch} tokens (--seqs_per_step x --train_seq_len, each within one shard), and the run needs "
+                        f"{batch} tokens (--seqs_per_step x --train_seq_len, each within one shard"
+                        + (f", of whole documents cut at --doc_max_tokens {args.doc_max_tokens}"
+                           if args.doc_max_tokens else "") + "), and the run needs "
                         f"them up to step {needed}: fetch more shards, or "
                         + (f"set --num_iterations {steps}" if steps > start else
                            "lower --seqs_per_step or --train_seq_len"))
@@ -3509,8 +3572,7 @@ def train_steps(rank: int, world_size: int, flags: list[str], steps: int, device
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
     trainer = build_trainer(args, build_parallel_context(rank, world_size, device, args.tp, args.pp),
                             nonzero_init=True)
-    batches = DistributedDataLoader(args.train_files, args.train_seq_len, args.seqs_per_step, trainer.ctx.dp.rank,
-                                    trainer.ctx.dp.size, device)
+    batches = train_batches(trainer)
     losses, no_gradient, first, draws = [], torch.zeros((), device=device), None, torch.Generator().manual_seed(0)
     for step in range(steps):
         if step == 0 and not jitter:

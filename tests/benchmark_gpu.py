@@ -76,8 +76,7 @@ def main():
         else:
             source = args.train_files
         trainer = train_gpt.build_trainer(args, ctx)
-        batches = train_gpt.DistributedDataLoader(args.train_files, args.train_seq_len, args.seqs_per_step,
-                                                  ctx.dp.rank, ctx.dp.size, ctx.device)
+        batches = train_gpt.train_batches(trainer)
         if args.compile and args.warmup_steps > 0:
             train_gpt.warmup_and_restore(trainer, args.warmup_steps)
         phases = time_steps(trainer, batches, at_step, ours.steps, ctx.device)

@@ -4,7 +4,7 @@ import numpy as np
 from train_gpt import EOT_TOKEN, write_data_shard
 
 
-def write_synthetic_shards(directory, train_tokens=60_000, val_tokens=6_000, seed=0):
+def write_synthetic_shards(directory, train_tokens=150_000, val_tokens=6_000, seed=0):
     """Token streams with learnable structure (a noisy repeating pattern), so loss can fall in a few steps."""
     rng = np.random.default_rng(seed)
     pattern = rng.integers(0, 2000, 97)
@@ -25,8 +25,8 @@ def write_synthetic_shards(directory, train_tokens=60_000, val_tokens=6_000, see
 
 
 def tiny_flags(files, **overrides):
-    """Flags for a seconds-long CPU run on the synthetic shards."""
+    """Flags for a seconds-long CPU run on the synthetic shards, their sequences made of documents as the record's."""
     values = dict(preset="tiny", train_files=files["train_files"], val_files=files["val_files"], train_seq_len=128,
-                  seqs_per_step=4, val_seq_len=128, val_tokens=512)
+                  seqs_per_step=4, val_seq_len=128, val_tokens=512, doc_max_tokens=256)
     values.update(overrides)
     return [f"--{k}={v}" for k, v in values.items()]

@@ -114,3 +114,79 @@ def test_a_loader_resumed_from_its_position_continues_the_same_stream(tmp_path):
     assert resumed.position() == loader.position() == {"shard": "train_000002.bin", "offset": 256}
     with pytest.raises(UserError, match="shard train_000009.bin, which --train_files"):
         DistributedDataLoader(pattern, 16, 8, 1, 2, CPU, position={"shard": "train_000009.bin", "offset": 0})
+
+
+# Documents aligned to sequences: a shard of documents whose tokens name them (100 x document + position, the
+# start being EOT), so each sequence can be read off by hand
+EOT = 50256
+
+
+def write_documents(path, lengths, first_doc=0):
+    docs = [[EOT] + [100 * d + i for i in range(1, n)] for d, n in enumerate(lengths, start=first_doc)]
+    write_data_shard(path, np.concatenate(docs))
+
+
+def doc(d, start, end):
+    """Tokens start..end-1 of document d, as written by write_documents."""
+    return [EOT if i == 0 else 100 * d + i for i in range(start, end)]
+
+
+DOC_LENGTHS = [5, 3, 12, 4, 2, 9, 6, 8, 20, 3]
+
+
+def test_aligned_sequences_start_at_a_document_and_cut_long_ones_as_worked_by_hand(tmp_path):
+    # sequences of 7 inputs (+1 target) from documents cut after 6 tokens, 2 sequences a batch:
+    #   seq 0: doc 0 whole (5), doc 1 whole (3)            -> 8 tokens; next document 2
+    #   seq 1: doc 2 cut at 6, doc 3's first 2 (to fill)   -> 8; next document 4 (doc 3's rest is skipped)
+    #   seq 2: doc 4 whole (2), doc 5 cut at 6             -> 8; next document 6
+    #   seq 3: doc 6 whole (6), doc 7's first 2            -> 8; next document 8
+    write_documents(tmp_path / "train_000000.bin", DOC_LENGTHS)
+    loader = DistributedDataLoader(str(tmp_path / "train_*.bin"), 7, 2, 0, 1, CPU, doc_max_tokens=6)
+    expected = [doc(0, 0, 5) + doc(1, 0, 3), doc(2, 0, 6) + doc(3, 0, 2), doc(4, 0, 2) + doc(5, 0, 6),
+                doc(6, 0, 6) + doc(7, 0, 2)]
+    for tokens in expected:
+        inputs, targets = next(loader)
+        assert inputs.tolist() == tokens[:-1] and targets.tolist() == tokens[1:]
+        assert inputs[0].item() == EOT
+    assert loader.position() == {"shard": "train_000000.bin", "offset": sum(DOC_LENGTHS[:8])}  # document 8's start
+    # without a cut the same shard reads as one stream, documents split anywhere
+    stream = DistributedDataLoader(str(tmp_path / "train_*.bin"), 7, 2, 0, 1, CPU)
+    next(stream)
+    assert next(stream)[0].tolist() == (doc(1, 2, 3) + doc(2, 0, 6))  # tokens 7..13
+
+
+def test_aligned_batches_move_to_the_next_shard_and_resume_from_their_position(tmp_path):
+    # shard 0's documents fill two batches of 2 x 8 tokens (and part of a third: skipped); shard 1 continues
+    write_documents(tmp_path / "train_000000.bin", DOC_LENGTHS)
+    write_documents(tmp_path / "train_000001.bin", [9] * 8, first_doc=20)
+    pattern = str(tmp_path / "train_*.bin")
+    loader = DistributedDataLoader(pattern, 7, 2, 0, 1, CPU, doc_max_tokens=6)
+    for _ in range(4):
+        next(loader)
+    # documents 8 (cut at 6) and 9 (3) leave 8 - 6 - 3 < 0: one sequence, not two: the batch moves to shard 1
+    resumed = DistributedDataLoader(pattern, 7, 2, 0, 1, CPU, doc_max_tokens=6, position=loader.position())
+    for a, b in ((next(loader), next(resumed)) for _ in range(4)):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    first = DistributedDataLoader(pattern, 7, 2, 0, 1, CPU, doc_max_tokens=6, position={
+        "shard": "train_000000.bin", "offset": sum(DOC_LENGTHS[:8])})
+    assert next(first)[0].tolist() == (doc(20, 0, 6) + doc(21, 0, 2))[:-1]
+    with pytest.raises(UserError, match="doc_max_tokens 6"):
+        for _ in range(10):
+            next(loader)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_aligned_rank_slices_together_equal_the_single_rank_batch(tmp_path, world_size):
+    rng = np.random.default_rng(0)
+    write_documents(tmp_path / "train_000000.bin", rng.integers(1, 30, 200).tolist())
+    pattern = str(tmp_path / "train_*.bin")
+    single = DistributedDataLoader(pattern, 16, 4, 0, 1, CPU, doc_max_tokens=10)
+    ranks = [DistributedDataLoader(pattern, 16, 4, r, world_size, CPU, doc_max_tokens=10) for r in range(world_size)]
+    for _ in range(5):
+        expected = [next(single) for _ in range(4)]
+        got = [None] * 4
+        for micro in range(4 // world_size):
+            for r in range(world_size):
+                got[micro * world_size + r] = next(ranks[r])
+        for (ei, et), (gi, gt) in zip(expected, got):
+            assert torch.equal(ei, gi) and torch.equal(et, gt) and ei[0].item() == EOT

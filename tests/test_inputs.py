@@ -44,14 +44,14 @@ def trainer(*argv, **kwargs):
 # 1. a refused resume leaves the log alone
 
 def test_a_resume_refused_for_its_data_leaves_the_log_and_checkpoints_byte_for_byte(tmp_path, files):
-    train_gpt.main(flags(files, tmp_path, "C", save_every=4))
+    train_gpt.main(flags(files, tmp_path, "C", save_every=4, doc_max_tokens=0))  # (a stream: batches by hand)
     before = snapshot(tmp_path / "logs")
     small = tmp_path / "small"
     small.mkdir()
     train_gpt.write_data_shard(small / "synth_train_000001.bin", np.full(3000, 7))  # the same name, 3000 tokens
     refused(flags(files, tmp_path, "C", save_every=4, resume=tmp_path / "logs" / "C" / "step000004.pt",
-                  train_files=small / "*.bin"), "--train_files", "synth_train_000001.bin", "steps 5..5",
-            "up to step 8")
+                  train_files=small / "*.bin", doc_max_tokens=0), "--train_files", "synth_train_000001.bin",
+            "steps 5..5", "up to step 8")
     assert snapshot(tmp_path / "logs") == before
 
 
@@ -124,24 +124,32 @@ def test_a_validation_shard_smaller_than_val_tokens_is_refused_with_what_fits(tm
     train_gpt.main(flags(files, tmp_path, val_tokens=5888, val_seq_len=128, num_iterations=1))  # and that fits
 
 
-def test_training_shards_too_short_for_the_run_are_refused_with_the_steps_that_fit(tmp_path, files):
-    # 60,000 training tokens in batches of 4 x 128 = 512: 117 batches (each needs 513 tokens in its shard)
-    refused(flags(files, tmp_path, num_iterations=500, val_loss_every=0), "--train_files", "steps 1..117",
-            "up to step 500", "--num_iterations 117")
-    # a batch larger than any shard: no step fits, and fewer steps would not help
-    refused(flags(files, tmp_path, seqs_per_step=512, val_loss_every=0), "--train_files", "hold no batch",
-            "lower --seqs_per_step or --train_seq_len")
-    loader = train_gpt.DistributedDataLoader(files["train_files"], 128, 4, 0, 1, train_gpt.torch.device("cpu"))
-    for _ in range(117 * 4):  # the loader itself: 117 steps, and no more
-        next(loader)
+@pytest.mark.parametrize("doc_max_tokens", [0, 256])
+def test_training_shards_too_short_for_the_run_are_refused_with_the_steps_that_fit(tmp_path, files, doc_max_tokens):
+    # as a stream, 150,000 training tokens in batches of 4 x 128 = 512: 292 batches (each needs 513 tokens in its
+    # shard); as documents, as many as the loader itself delivers before it runs out
+    loader = train_gpt.DistributedDataLoader(files["train_files"], 128, 4, 0, 1, train_gpt.torch.device("cpu"),
+                                             doc_max_tokens=doc_max_tokens)
+    micro_batches = 0
     with pytest.raises(train_gpt.UserError, match="out of data"):
-        next(loader)
+        while True:
+            next(loader)
+            micro_batches += 1
+    steps = micro_batches // 4
+    assert steps == 292 if not doc_max_tokens else 100 < steps < 292  # documents cut short waste their rest (135)
+    refused(flags(files, tmp_path, num_iterations=500, val_loss_every=0, doc_max_tokens=doc_max_tokens),
+            "--train_files", f"steps 1..{steps}", "up to step 500", f"--num_iterations {steps}",
+            *[f"--doc_max_tokens {doc_max_tokens}"] * bool(doc_max_tokens))
+    # a batch larger than any shard: no step fits, and fewer steps would not help
+    refused(flags(files, tmp_path, seqs_per_step=2048, val_loss_every=0, doc_max_tokens=doc_max_tokens),
+            "--train_files", "hold no batch", "lower --seqs_per_step or --train_seq_len")
 
 
 # 4. token ids outside the vocabulary
 
 def test_a_token_id_outside_the_vocabulary_is_refused_before_training_naming_the_file(tmp_path):
-    tokens = np.concatenate([[train_gpt.EOT_TOKEN], np.arange(1, 20_000) % 1000])
+    tokens = np.arange(20_000) % 1000
+    tokens[::199] = train_gpt.EOT_TOKEN  # documents of 199 tokens
     tokens[3000] = 50257
     (tmp_path / "data").mkdir()
     train_gpt.write_data_shard(tmp_path / "data" / "bad_train_000001.bin", tokens)
