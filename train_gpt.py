@@ -166,9 +166,10 @@ class Muon(torch.optim.Optimizer):
     momentum, orthogonalised by Polar Express and normalised per neuron, with cautious weight decay. A bank of
     matrices (a parameter of three or more dimensions) is treated matrix by matrix."""
 
-    def __init__(self, params, lr=0.023, momentum=0.95, beta2=0.9, weight_decay=1.2, orthogonalize=polar_express,
-                 dtype=torch.bfloat16):
-        super().__init__(params, dict(lr=lr, momentum=momentum, beta2=beta2, weight_decay=weight_decay))
+    def __init__(self, params, lr=0.023, momentum=0.95, beta2=0.9, weight_decay=1.2, shape_rule="89",
+                 orthogonalize=polar_express, dtype=torch.bfloat16):
+        super().__init__(params, dict(lr=lr, momentum=momentum, beta2=beta2, weight_decay=weight_decay,
+                                      shape_rule=shape_rule))
         self.orthogonalize, self.dtype = orthogonalize, dtype
 
     @torch.no_grad()
@@ -203,9 +204,38 @@ class Muon(torch.optim.Optimizer):
 
     @staticmethod
     def step_size(group: dict, shape: tuple) -> float:
-        """The learning rate, scaled up for a tall matrix of this shape (rows over columns)."""
-        rows, cols = shape[-2:]
-        return group["lr"] * max(1, rows / cols) ** 0.5
+        """The learning rate, scaled for a matrix of this shape (out, in) by the group's shape rule."""
+        return group["lr"] * MUON_SHAPE_RULES[group["shape_rule"]](*shape[-2:])
+
+# Muon's step size over its lr for a matrix (out, in), as a record sets it: #23 scales a tall matrix up by the root
+# of its rows over its columns; #89 any matrix by the root of its longer side over its shorter, and doubles it for
+# one that reads more than it writes (the MLP's output projection)
+MUON_SHAPE_RULES = {"23": lambda rows, cols: max(1, rows / cols) ** 0.5,
+                    "89": lambda rows, cols: (max(rows, cols) / min(rows, cols)) ** 0.5 * (2 if cols > rows else 1)}
+
+class Adam(torch.optim.Adam):
+    """torch's Adam with cautious weight decay, as record #89 has it: where this step moves a weight towards zero
+    (its new momentum and the weight share a sign), the weight also loses cautious_weight_decay x lr^2 of itself."""
+
+    def __init__(self, params, lr=0.008, betas=(0.8, 0.95), eps=1e-10, cautious_weight_decay=0.0, fused=True):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, fused=fused)
+        for group in self.param_groups:
+            group.setdefault("cautious_weight_decay", cautious_weight_decay)
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]  # (none: another rank's to update)
+            if group["cautious_weight_decay"] and params:
+                beta1, decay = group["betas"][0], group["cautious_weight_decay"] * group["lr"] ** 2
+                pulls_to_zero = [self.state[p]["exp_avg"].lerp(p.grad, 1 - beta1) if self.state[p] else p.grad.clone()
+                                 for p in params]  # the step's direction is -(new momentum)
+                torch._foreach_mul_(pulls_to_zero, params)
+                torch._foreach_sign_(pulls_to_zero)
+                torch._foreach_clamp_min_(pulls_to_zero, 0)  # 1 where the step pulls the weight to zero, else 0
+                torch._foreach_mul_(pulls_to_zero, params)
+                torch._foreach_add_(params, pulls_to_zero, alpha=-decay)
+        super().step()
 
 # ----------------------------------------------------------------------------------------------------
 # Model: the U-Net GPT with value embeddings and document-causal sliding-window attention
@@ -666,6 +696,8 @@ class Hyperparameters:
     lr_head: float = flag(0.22, "Adam lr of the head")
     lr_embed: float = flag(0.6, "Adam lr of the embeddings")
     lr_scalar: float = flag(0.04, "Adam lr of the vectors and scalars")
+    optimizer_recipe: str = flag("89", "Adam's momenta and weight decay by kind and Muon's step size by shape, as "
+                                       "record #23 or #89 sets them", choices=("23", "89"))
     lr_muon: float = flag(0.023, "Muon lr of the hidden matrices")
     muon_weight_decay: float = flag(1.2, "Muon's cautious weight decay, per unit lr squared")
     muon_beta2: float = flag(0.9, "decay of Muon's running mean square of each neuron's update (NorMuon)")
@@ -727,8 +759,9 @@ PRESETS = {
     "record": {},
     # the CPU track: ~4.5 minutes of training on 2 cores (~7.5 with evaluation), on the embedded Shakespeare shards.
     # Tuned for equal time: most of a step is the 50304-wide lm_head, so width and depth cost little next to it;
-    # 8 sequences a step beat 4 (noisier) and 16 (too few steps), and such short runs want 0.35x record #23's lrs
-    # and its cooldown (#89's, from 40% of the run to 0.15, ends 0.002 higher here: records/ABLATIONS.md).
+    # 8 sequences a step beat 4 (noisier) and 16 (too few steps), and such short runs want 0.35x record #23's lrs,
+    # its cooldown (#89's, from 40% of the run to 0.15, ends 0.002 higher here) and its optimizer recipe (#89's
+    # Muon step sizes end 0.04 higher; its Adam settings move the seeds either way): records/ABLATIONS.md.
     "cpu": dict(train_files="data/shakespeare/shakespeare_train_*.bin",
                 val_files="data/shakespeare/shakespeare_val_*.bin",
                 val_tokens=128 * 1024, train_seq_len=256, val_seq_len=256, seqs_per_step=8, num_layers=6,
@@ -736,7 +769,8 @@ PRESETS = {
                 window_max_tokens=512, fp8_head=False, num_iterations=230, muon_momentum_warmup_steps=50,
                 muon_momentum_cooldown_steps=9, lr_head=0.077, lr_embed=0.21, lr_scalar=0.014, lr_muon=0.0175,
                 cooldown_frac=0.4, lr_final=0.1, val_loss_every=46, target_val_loss=5.15, fp64_grad_sum=True,
-                doc_max_tokens=0, save_every=230),  # (to sample from; a stream: the shards hold 38 whole plays)
+                doc_max_tokens=0, optimizer_recipe="23",  # a stream: the shards hold 38 whole plays
+                save_every=230),  # (to sample from)
     # seconds, for tests and smoke runs
     "tiny": dict(train_files="data/shakespeare/shakespeare_train_*.bin",
                  val_files="data/shakespeare/shakespeare_val_*.bin",
@@ -940,6 +974,16 @@ def is_head(module: nn.Module, vocab_size: int) -> bool:
 # weights), the first kind in this order wins
 OPTIMIZER_GROUPS = ("scalar", "head", "embed", "muon")
 
+# Adam's momenta and cautious weight decay (x lr^2) by kind, as a record sets them (--optimizer_recipe): #23's, and
+# #89's where its lrs are this file's: the token and value embeddings share the lr of its value embeddings (0.6),
+# the scalars that of its scalars (0.04); the head, untied at #23's lr (#89 ties it until two thirds of the run),
+# keeps #23's
+ADAM_RECIPES = {
+    "23": dict(head=dict(betas=(0.8, 0.95)), embed=dict(betas=(0.8, 0.95)), scalar=dict(betas=(0.8, 0.95))),
+    "89": dict(head=dict(betas=(0.8, 0.95)), embed=dict(betas=(0.75, 0.95), cautious_weight_decay=0.025),
+               scalar=dict(betas=(0.9, 0.99))),
+}
+
 def optimizer_param_groups(model: nn.Module, vocab_size: int, model_dim: int) -> dict[str, list[str]]:
     """The names of each optimizer group's parameters, by the kind of module holding each. A matrix (or a bank of
     them) that no module kind claims is a hidden matrix when it is one of the stream's width; otherwise refused."""
@@ -965,13 +1009,12 @@ def build_optimizers(model: nn.Module, groups: dict[str, list[str]], args: Hyper
     rank's part of the model holds."""
     params = dict(model.named_parameters())
     held = {kind: [params[name] for name in names if name in params] for kind, names in groups.items()}
-    adam_groups = [dict(params=held["head"], lr=args.lr_head), dict(params=held["embed"], lr=args.lr_embed),
-                   dict(params=held["scalar"], lr=args.lr_scalar)]
-    adam = torch.optim.Adam([group for group in adam_groups if group["params"]],  # (pipeline stages lack some)
-                            betas=(0.8, 0.95), eps=1e-10, fused=device.type != "meta")  # (meta: the plan)
+    lrs = dict(head=args.lr_head, embed=args.lr_embed, scalar=args.lr_scalar)
+    adam = Adam([dict(params=held[kind], lr=lrs[kind], **ADAM_RECIPES[args.optimizer_recipe][kind])
+                 for kind in lrs if held[kind]], fused=device.type != "meta")  # (stages lack some; meta: the plan)
     orthogonalize = torch.compile(polar_express) if device.type == "cuda" else polar_express
     muon = Muon(held["muon"], lr=args.lr_muon, momentum=0.95, beta2=args.muon_beta2,
-                weight_decay=args.muon_weight_decay, orthogonalize=orthogonalize,
+                weight_decay=args.muon_weight_decay, shape_rule=args.optimizer_recipe, orthogonalize=orthogonalize,
                 dtype=torch.bfloat16 if cuda_dtypes else torch.float32)  # (bf16 matmuls are slow on a CPU)
     for opt in (adam, muon):
         for group in opt.param_groups:

@@ -80,7 +80,7 @@ def test_normalize_per_neuron_equals_the_fp64_formula_over_steps(shape):
 def test_cautious_weight_decay_decays_only_where_the_update_pulls_towards_zero():
     p = torch.tensor([[1.0, -2.0], [3.0, -4.0], [0.5, 0.25]])
     update = torch.tensor([[0.5, 0.5], [-1.0, -1.0], [0.0, 2.0]])
-    group = dict(lr=0.1, weight_decay=2.0)
+    group = dict(lr=0.1, weight_decay=2.0, shape_rule="89")
     expected = p.clone()
     step = 0.1 * (3 / 2) ** 0.5  # lr x sqrt(rows / cols) for a tall matrix
     for i in range(3):
@@ -124,10 +124,11 @@ def test_muon_on_two_processes_equals_one_process():
             torch.testing.assert_close(torch.as_tensor(got), expected, rtol=1e-6, atol=1e-6)
 
 
-def test_muon_step_equals_hand_computed_update():
+@pytest.mark.parametrize("shape_rule", ["23", "89"])
+def test_muon_step_equals_hand_computed_update(shape_rule):
     params = make_params()[:2]
     start = [p.detach().clone() for p in params]
-    opt = Muon(params, lr=0.1, momentum=0.9, beta2=0.8, weight_decay=0.5, dtype=torch.float32)
+    opt = Muon(params, lr=0.1, momentum=0.9, beta2=0.8, weight_decay=0.5, shape_rule=shape_rule, dtype=torch.float32)
     grads = [gradients(s, params) for s in range(3)]
     for s in range(3):
         for p, g in zip(params, grads[s]):
@@ -141,7 +142,9 @@ def test_muon_step_equals_hand_computed_update():
             buf = 0.9 * buf + 0.1 * g  # lerp towards the gradient
             nesterov = 0.1 * g + 0.9 * buf
             update = normalized_by_hand(polar_express_by_svd(nesterov), mean_squares, beta2=0.8)
-            scale = max(1, p.size(-2) / p.size(-1)) ** 0.5
+            rows, cols = p.shape[-2:]  # #23: (32, 16) sqrt 2, (16, 32) 1; #89: sqrt 2, and 2 sqrt 2 for the wide
+            scale = max(1, rows / cols) ** 0.5 if shape_rule == "23" else \
+                (max(rows, cols) / min(rows, cols)) ** 0.5 * (2 if cols > rows else 1)
             expected -= 0.1 * scale * (update + 0.5 * 0.1 * (update * expected >= 0) * expected)
         assert (p.detach().double() - expected).norm() / (expected - start[i]).norm() < 1e-4
 

@@ -1,0 +1,74 @@
+"""Adam with cautious weight decay (record #89's), against an fp64 loop written from the formula."""
+import pytest
+import torch
+
+from train_gpt import Adam
+
+
+def params_and_grads(seed, shapes=((7, 5), (11,), (3, 4, 2))):
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.randn(shape, generator=g) for shape in shapes]
+    grads = [[torch.randn(shape, generator=g) for shape in shapes] for _ in range(5)]
+    return params, grads
+
+
+def run(optimizer_class, params, grads, lrs, **kwargs):
+    """params trained by steps of the given gradients, the lr set before each step as a schedule does."""
+    params = [torch.nn.Parameter(p.clone()) for p in params]
+    opt = optimizer_class(params, lr=lrs[0], **kwargs)
+    for step_grads, lr in zip(grads, lrs):
+        for p, grad in zip(params, step_grads):
+            p.grad = grad.clone()
+        opt.param_groups[0]["lr"] = lr
+        opt.step()
+    return [p.detach() for p in params]
+
+
+LRS = [0.1, 0.08, 0.05, 0.05, 0.02]
+
+
+def cautious_adam_by_hand(params, grads, lrs, betas, eps, cautious_weight_decay=0.0):
+    """Element by element in fp64: Adam's step u (eps added to the bias-corrected root, as torch's Adam does; #89
+    adds it before the correction, which at eps 1e-10 moves nothing measured here); where u and the weight share a
+    sign (the step pulls it towards zero), the weight also loses cautious_weight_decay x lr^2 of itself."""
+    weight_decay = cautious_weight_decay
+    beta1, beta2 = betas
+    out, decayed = [], 0
+    for i, p in enumerate(params):
+        p = p.double().flatten().tolist()
+        m, v = [0.0] * len(p), [0.0] * len(p)
+        for t, (step_grads, lr) in enumerate(zip(grads, lrs), start=1):
+            g = step_grads[i].double().flatten().tolist()
+            for j in range(len(p)):
+                m[j] = beta1 * m[j] + (1 - beta1) * g[j]
+                v[j] = beta2 * v[j] + (1 - beta2) * g[j] ** 2
+                u = lr / (1 - beta1 ** t) * m[j] / ((v[j] / (1 - beta2 ** t)) ** 0.5 + eps)
+                pulls_to_zero = u * p[j] > 0
+                decayed += pulls_to_zero
+                p[j] -= u + (weight_decay * lr * lr * p[j] if pulls_to_zero else 0.0)
+        out.append(torch.tensor(p, dtype=torch.float64).view(params[i].shape))
+    return out, decayed
+
+
+@pytest.mark.parametrize("cautious_weight_decay", [0.0, 5.0])  # 5: strong, so that the decay shows
+def test_adam_with_cautious_weight_decay_equals_the_formula_by_hand(cautious_weight_decay):
+    start, grads = params_and_grads(1)
+    kwargs = dict(betas=(0.5, 0.95), eps=1e-10, cautious_weight_decay=cautious_weight_decay)
+    ours = run(Adam, start, grads, LRS, **kwargs)
+    expected, decayed = cautious_adam_by_hand(start, grads, LRS, **kwargs)
+    for p, e, s in zip(ours, expected, start):
+        assert (p.double() - e).norm() <= 1e-6 * (e - s.double()).norm()
+        assert (p - s).norm() > 0.1 * LRS[-1]  # it moved
+    if cautious_weight_decay:
+        assert 0 < decayed < 5 * sum(p.numel() for p in start)  # some weights decayed, not all
+        undecayed = run(Adam, start, grads, LRS, betas=(0.5, 0.95), eps=1e-10)
+        assert all((p - u).norm() > 1e-3 * u.norm() for p, u in zip(ours, undecayed))  # the decay made a difference
+
+
+def test_a_parameter_without_a_gradient_is_left_alone():
+    # (another data-parallel rank's to update, under ZeRO)
+    p, q = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    opt = Adam([p, q], lr=0.1, cautious_weight_decay=1.0)
+    p.grad = torch.ones(3)
+    opt.step()
+    assert torch.equal(q.detach(), torch.ones(3)) and not opt.state[q] and (p < 1).all()
