@@ -214,28 +214,58 @@ MUON_SHAPE_RULES = {"23": lambda rows, cols: max(1, rows / cols) ** 0.5,
                     "89": lambda rows, cols: (max(rows, cols) / min(rows, cols)) ** 0.5 * (2 if cols > rows else 1)}
 
 class Adam(torch.optim.Adam):
-    """torch's Adam with cautious weight decay, as record #89 has it: where this step moves a weight towards zero
-    (its new momentum and the weight share a sign), the weight also loses cautious_weight_decay x lr^2 of itself."""
+    """torch's Adam with cautious weight decay, as record #89 has it: where the step moves a weight towards zero, the
+    weight also loses cautious_weight_decay x lr^2 of itself. A group with that decay steps here, step and decay
+    added before one rounding (a bf16 embedding would round a decay this small away on its own); torch's fused step
+    takes the others."""
 
     def __init__(self, params, lr=0.008, betas=(0.8, 0.95), eps=1e-10, cautious_weight_decay=0.0, fused=True):
         super().__init__(params, lr=lr, betas=betas, eps=eps, fused=fused)
+        self.defaults["cautious_weight_decay"] = cautious_weight_decay
         for group in self.param_groups:
             group.setdefault("cautious_weight_decay", cautious_weight_decay)
 
     @torch.no_grad()
     def step(self):
+        decayed = []
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]  # (none: another rank's to update)
             if group["cautious_weight_decay"] and params:
-                beta1, decay = group["betas"][0], group["cautious_weight_decay"] * group["lr"] ** 2
-                pulls_to_zero = [self.state[p]["exp_avg"].lerp(p.grad, 1 - beta1) if self.state[p] else p.grad.clone()
-                                 for p in params]  # the step's direction is -(new momentum)
-                torch._foreach_mul_(pulls_to_zero, params)
-                torch._foreach_sign_(pulls_to_zero)
-                torch._foreach_clamp_min_(pulls_to_zero, 0)  # 1 where the step pulls the weight to zero, else 0
-                torch._foreach_mul_(pulls_to_zero, params)
-                torch._foreach_add_(params, pulls_to_zero, alpha=-decay)
+                self.cautious_step(params, group)
+                decayed += params
+        grads = [p.grad for p in decayed]
+        for p in decayed:  # torch's step skips a parameter without a gradient
+            p.grad = None
         super().step()
+        for p, grad in zip(decayed, grads):
+            p.grad = grad
+
+    def cautious_step(self, params: list[Tensor], group: dict) -> None:
+        """torch's Adam update u of these parameters (its state kept as torch keeps it), and p -= u + decay where u
+        and p share a sign; on the device throughout (no host sync)."""
+        (beta1, beta2), lr, states = group["betas"], group["lr"], [self.state[p] for p in params]
+        for p, state in zip(params, states):
+            if not state:
+                state.update(step=torch.zeros((), dtype=torch.float32, device=p.device),
+                             exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+        grads, exp_avgs, exp_avg_sqs, steps = ([p.grad for p in params], [s["exp_avg"] for s in states],
+                                               [s["exp_avg_sq"] for s in states], [s["step"] for s in states])
+        torch._foreach_add_(steps, 1)
+        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+        step = steps[0]  # a group's parameters step together
+        denominators = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_div_(denominators, (1 - beta2 ** step).sqrt())
+        torch._foreach_add_(denominators, group["eps"])
+        updates = torch._foreach_div(exp_avgs, denominators)
+        torch._foreach_mul_(updates, lr / (1 - beta1 ** step))
+        decays = torch._foreach_mul(updates, params)
+        torch._foreach_sign_(decays)
+        torch._foreach_clamp_min_(decays, 0)  # 1 where the step pulls the weight towards zero, else 0
+        torch._foreach_mul_(decays, params)
+        torch._foreach_add_(updates, decays, alpha=group["cautious_weight_decay"] * lr * lr)
+        torch._foreach_sub_(params, updates)
 
 # ----------------------------------------------------------------------------------------------------
 # Model: the U-Net GPT with value embeddings and document-causal sliding-window attention

@@ -72,3 +72,38 @@ def test_a_parameter_without_a_gradient_is_left_alone():
     p.grad = torch.ones(3)
     opt.step()
     assert torch.equal(q.detach(), torch.ones(3)) and not opt.state[q] and (p < 1).all()
+
+
+def test_groups_with_and_without_decay_step_together_as_by_hand():
+    # a decayed group steps in Adam's own update, the other in torch's fused one, in the same step()
+    start, grads = params_and_grads(2)
+    params = [torch.nn.Parameter(p.clone()) for p in start]
+    opt = Adam([dict(params=params[:2], cautious_weight_decay=5.0), dict(params=params[2:], betas=(0.9, 0.99))],
+               lr=LRS[0], betas=(0.5, 0.95))
+    for step_grads, lr in zip(grads, LRS):
+        for p, grad in zip(params, step_grads):
+            p.grad = grad.clone()
+        for group in opt.param_groups:
+            group["lr"] = lr
+        opt.step()
+    expected = (cautious_adam_by_hand(start[:2], [g[:2] for g in grads], LRS, (0.5, 0.95), 1e-10, 5.0)[0]
+                + cautious_adam_by_hand(start[2:], [g[2:] for g in grads], LRS, (0.9, 0.99), 1e-10)[0])
+    for p, e, s in zip(params, expected, start):
+        assert p.grad is not None and (p.detach().double() - e).norm() <= 1e-6 * (e - s.double()).norm()
+
+
+def test_a_bf16_weight_keeps_its_small_decay_on_average():
+    # 0.025 x lr^2 at lr 0.2 is a thousandth of a weight: below half a bf16 step near 1, so a decay rounded on its
+    # own would vanish; added to the step before rounding it survives on average (within a quarter of fp64's)
+    g = torch.Generator().manual_seed(3)
+    start = ((torch.rand(4096, generator=g) + 0.5) * torch.randn(4096, generator=g).sign(),)
+    grads = [(torch.randn(4096, generator=g),) for _ in range(5)]
+    lrs = [0.2] * 5
+    decayed, undecayed = (run(Adam, [start[0].bfloat16()], [(grad[0].bfloat16(),) for grad in grads], lrs,
+                              betas=(0.75, 0.95), cautious_weight_decay=wd)[0].double() for wd in (0.025, 0.0))
+    exact_decayed, exact_undecayed = (cautious_adam_by_hand([start[0].bfloat16().double()],
+                                                            [(grad[0].bfloat16().double(),) for grad in grads], lrs,
+                                                            (0.75, 0.95), 1e-10, wd)[0][0] for wd in (0.025, 0.0))
+    shrink = (undecayed.abs() - decayed.abs()).mean()
+    exact_shrink = (exact_undecayed.abs() - exact_decayed.abs()).mean()
+    assert exact_shrink > 0 and abs(shrink - exact_shrink) < 0.25 * exact_shrink, (shrink, exact_shrink)
