@@ -654,7 +654,8 @@ class DistributedDataLoader:
         pin = self.device.type == "cuda"
         if self.tokens is None:
             self._load(pin)
-        while (batch := self._cut_batch()) is None:
+        while (batch := cut_batch(self.offset, len(self.tokens), self.doc_starts, self.seq_len, self.seqs_per_batch,
+                                  self.doc_max_tokens)) is None:
             need(self.shard_index + 1 < len(self.files), f"--{self.flag} {self.pattern!r}: out of data after "
                  f"{len(self.files)} shard(s); a batch needs {self.seqs_per_batch} sequences of "
                  f"{self.seq_len + 1} tokens in one shard" + (f", made of documents (each starting with token "
@@ -667,10 +668,6 @@ class DistributedDataLoader:
     def _load(self, pin: bool) -> None:
         self.tokens = load_data_shard(self.files[self.shard_index], pin_memory=pin)
         self.doc_starts = document_starts(self.tokens.numpy()) if self.doc_max_tokens else None
-
-    def _cut_batch(self) -> tuple[list[list[tuple[int, int]]], int] | None:
-        return cut_batch(self.offset, len(self.tokens), self.doc_starts, self.seq_len, self.seqs_per_batch,
-                         self.doc_max_tokens)
 
 def document_starts(tokens: np.ndarray) -> np.ndarray:
     return np.flatnonzero(tokens == EOT_TOKEN)
