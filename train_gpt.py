@@ -725,6 +725,8 @@ class Hyperparameters:
     lr_scalar: float = flag(0.04, "Adam lr of the vectors and scalars")
     optimizer_recipe: str = flag("89", "Adam's momenta and weight decay by kind and Muon's step size by shape, as "
                                        "record #23 or #89 sets them", choices=("23", "89"))
+    adam_every: int = flag(2, "Adam steps on every Nth step, with the gradients summed since its last step, so "
+                              "that the data-parallel ranks exchange them N times less often (#39, #50)")
     lr_muon: float = flag(0.023, "Muon lr of the hidden matrices")
     muon_weight_decay: float = flag(1.2, "Muon's cautious weight decay, per unit lr squared")
     muon_beta2: float = flag(0.9, "decay of Muon's running mean square of each neuron's update (NorMuon)")
@@ -787,8 +789,9 @@ PRESETS = {
     # the CPU track: ~4.5 minutes of training on 2 cores (~7.5 with evaluation), on the embedded Shakespeare shards.
     # Tuned for equal time: most of a step is the 50304-wide lm_head, so width and depth cost little next to it;
     # 8 sequences a step beat 4 (noisier) and 16 (too few steps), and such short runs want 0.35x record #23's lrs,
-    # its cooldown (#89's, from 40% of the run to 0.15, ends 0.002 higher here) and its optimizer recipe (#89's
-    # Muon step sizes end 0.04 higher; its Adam settings move the seeds either way): records/ABLATIONS.md.
+    # its cooldown (#89's, from 40% of the run to 0.15, ends 0.002 higher here), its optimizer recipe (#89's Muon
+    # step sizes end 0.04 higher; its Adam settings move the seeds either way) and Adam on every step (every other
+    # ends 0.02 higher, in 230 steps): records/ABLATIONS.md.
     "cpu": dict(train_files="data/shakespeare/shakespeare_train_*.bin",
                 val_files="data/shakespeare/shakespeare_val_*.bin",
                 val_tokens=128 * 1024, train_seq_len=256, val_seq_len=256, seqs_per_step=8, num_layers=6,
@@ -796,7 +799,7 @@ PRESETS = {
                 window_max_tokens=512, fp8_head=False, num_iterations=230, muon_momentum_warmup_steps=50,
                 muon_momentum_cooldown_steps=9, lr_head=0.077, lr_embed=0.21, lr_scalar=0.014, lr_muon=0.0175,
                 cooldown_frac=0.4, lr_final=0.1, val_loss_every=46, target_val_loss=5.15, fp64_grad_sum=True,
-                doc_max_tokens=0, optimizer_recipe="23",  # a stream: the shards hold 38 whole plays
+                doc_max_tokens=0, optimizer_recipe="23", adam_every=1,  # a stream: the shards hold 38 whole plays
                 save_every=230),  # (to sample from)
     # seconds, for tests and smoke runs
     "tiny": dict(train_files="data/shakespeare/shakespeare_train_*.bin",
@@ -852,8 +855,8 @@ def attention_free_layer_indices(args: Hyperparameters) -> tuple[int, ...]:
 # flags that must be above zero; every other number must be at least zero, and every count below 2**31 (counts
 # become int32 tensors and indices), a seed below 2**63
 POSITIVE = {"num_layers", "num_heads", "head_dim", "model_dim", "vocab_size", "window_max_tokens", "num_iterations",
-            "train_seq_len", "seqs_per_step", "val_tokens", "val_seq_len", "collective_timeout", "tp", "pp",
-            "max_new_tokens", "temperature", "num_samples"}
+            "adam_every", "train_seq_len", "seqs_per_step", "val_tokens", "val_seq_len", "collective_timeout", "tp",
+            "pp", "max_new_tokens", "temperature", "num_samples"}
 
 def check_hyperparameters(args: Hyperparameters) -> None:
     """Refuse values the run cannot use, before any model is built."""
@@ -962,6 +965,10 @@ def muon_momentum(step: int, args: Hyperparameters) -> float:
     warmup, cooldown = args.muon_momentum_warmup_steps, args.muon_momentum_cooldown_steps
     frac = min(step / warmup if warmup else 1, (args.num_iterations - step) / cooldown if cooldown else 1, 1)
     return (1 - frac) * 0.85 + frac * 0.95
+
+def adam_steps(step: int, args: Hyperparameters) -> bool:
+    """Whether Adam steps after step `step` (from 0): on the last of every adam_every steps, the gradients summed."""
+    return (step + 1) % args.adam_every == 0
 
 def set_schedules(optimizers: list[torch.optim.Optimizer], step: int, args: Hyperparameters) -> None:
     for opt in optimizers:
@@ -1113,13 +1120,14 @@ def warmup_and_restore(trainer: Trainer, steps: int) -> None:
     initial = copy.deepcopy(dict(model=trainer.model.state_dict(),
                                  optimizers=[opt.state_dict() for opt in trainer.optimizers]))
     batches = random_batches(trainer.args, trainer.ctx.device)
-    for _ in range(steps):
-        forward_backward(trainer, batches, 0)
-        optimizer_step(trainer, 0)
+    for step in range(steps):  # (steps on which Adam steps and steps on which it waits)
+        forward_backward(trainer, batches, step)
+        optimizer_step(trainer, step)
     trainer.model.load_state_dict(initial["model"])
     for opt, state in zip(trainer.optimizers, initial["optimizers"]):
         opt.load_state_dict(state)
     trainer.model.zero_grad(set_to_none=True)
+    trainer.layout.gradients.forget()
 
 def evaluate(trainer: Trainer, step: int) -> float:
     """Mean val loss over val_tokens, the same for every world size (each rank averages equal shares)."""
@@ -1142,6 +1150,7 @@ def forward_backward(trainer: Trainer, batches, step: int) -> Tensor:
     the global batch's mean over sequences of each sequence's summed token loss."""
     t, gradients = trainer, trainer.layout.gradients
     window = window_tensor(window_size_blocks(step, t.args), t.ctx.device)
+    gradients.hold(not adam_steps(step, t.args))  # Adam's gradients stay on each rank until the step it uses them
     if t.layout.pipeline is not None:  # pipeline parallel: the stages pass the micro-batches on in their schedule
         loss_sum = t.layout.pipeline.run_schedule(batches, window, t.micro_batches, gradients)
     else:
@@ -1152,15 +1161,19 @@ def forward_backward(trainer: Trainer, batches, step: int) -> Tensor:
             with gradients.micro_batch(last=i == t.micro_batches - 1):  # data parallel: the last one reduces
                 (loss / t.micro_batches).backward()
             loss_sum += loss.detach()
-    gradients.wait()  # every gradient averaged over the data-parallel ranks
+    gradients.wait()  # every gradient the step uses averaged over the data-parallel ranks
     return loss_sum
 
 def optimizer_step(trainer: Trainer, step: int) -> None:
+    """Muon's step, and on the last of every adam_every steps Adam's, whose gradients until then add up."""
     set_schedules(trainer.optimizers, step, trainer.args)
-    for opt in trainer.optimizers:
+    adam, muon = trainer.optimizers
+    stepping = [adam, muon] if adam_steps(step, trainer.args) else [muon]
+    for opt in stepping:
         opt.step()  # (a parameter without a gradient here is another rank's to update)
-    trainer.layout.send_updated_parameters()  # ZeRO: each owner's updated parameters to the other ranks
-    trainer.model.zero_grad(set_to_none=True)
+    trainer.layout.send_updated_parameters(stepping)  # ZeRO: each owner's updated parameters to the other ranks
+    for opt in stepping:
+        opt.zero_grad(set_to_none=True)
 
 def train(args: Hyperparameters, ctx: "ParallelContext") -> float:
     """Train this rank's part to --num_iterations; returns the final validation loss."""
@@ -1232,7 +1245,8 @@ def main(argv=None) -> float | None:
 # ----------------------------------------------------------------------------------------------------
 # Checkpoints and stopping: full tensors keyed by parameter name, so a run resumes under any world size
 
-CHECKPOINT_FORMAT = 3  # 2: the log's digest, so a resume never continues another run's log; 3: NorMuon's state
+# 2: the log's digest, so a resume never continues another run's log; 3: NorMuon's state; 4: the held gradients
+CHECKPOINT_FORMAT = 4
 EXIT_STOPPED = 3  # kill switch or signal: a checkpoint was saved; continue with --resume latest
 EXIT_DIVERGED = 4  # non-finite training loss or gradient norm
 EXIT_LOST = 5  # a rank stopped answering or died: no stop checkpoint; continue from the last one
@@ -1304,17 +1318,23 @@ def optimizer_state_owners(trainer: "Trainer") -> list[dict]:
             {p: zero.owner_of[p] for group in muon.param_groups for p in group["params"]}]  # (Muon: always its owner)
 
 def gather_training_state(trainer: "Trainer", weights_only: bool = False) -> dict | None:
-    """The weights and (unless weights_only) optimizer states as one-process CPU tensors by name on rank 0 (None
-    elsewhere), each sent by the one rank holding it. Under ZeRO 3, call it within whole_parameters()."""
-    ctx, (adam, muon) = trainer.ctx, trainer.optimizers
+    """The weights and (unless weights_only) optimizer states and held gradients as one-process CPU tensors by name
+    on rank 0 (None elsewhere), each sent by the one rank holding it. Under ZeRO 3, call it within
+    whole_parameters()."""
+    ctx, (adam, muon), gradients = trainer.ctx, trainer.optimizers, trainer.layout.gradients
     adam_owners, muon_owners = optimizer_state_owners(trainer)
-    part = dict(model={}, adam={}, muon={})
+    held_gradients = {} if weights_only else gradients.held_gradients()
+    if held_gradients:  # held from here on as a run resumed from this state holds them
+        gradients.hold_gradients(held_gradients)
+    part = dict(model={}, adam={}, muon={}, held_gradients={})
     for name, p in trainer.model.named_parameters():  # (every rank of a tensor-parallel group joins each whole())
         held = dict(model=whole(p, p.detach())) if ctx.dp.rank == 0 else {}
         if not weights_only and p in adam_owners and ctx.dp.rank == (adam_owners[p] or 0):  # moments shaped like p
             held["adam"] = {k: whole(p, v) if k.startswith("exp_avg") else v for k, v in adam.state[p].items()}
         if not weights_only and ctx.dp.rank == muon_owners.get(p):  # Muon keeps whole matrices
             held["muon"] = dict(muon.state[p])
+        if p in held_gradients and ctx.dp.rank == 0:
+            held["held_gradients"] = whole(p, held_gradients[p])
         for kind, value in held.items() if ctx.tp.rank == 0 else ():
             part[kind][name] = pytree.tree_map(lambda t: t.cpu(), value)
     parts = [part]
@@ -1383,6 +1403,7 @@ CHECKPOINT_FIELDS = {
     "model": ("tensors by name", _tensors_by_name),
     "adam": ("tensors by name and state", lambda v: _tensors_by_name(v, depth=2)),
     "muon": ("tensors by name and state", lambda v: _tensors_by_name(v, depth=2)),
+    "held_gradients": ("tensors by name", _tensors_by_name),
     "rng": ("{'cpu': tensor, 'cuda': ...}", lambda v: isinstance(v, dict) and isinstance(v.get("cpu"), Tensor)),
 }
 
@@ -1418,12 +1439,18 @@ def restore_checkpoint(state: dict, path: Path, trainer: "Trainer") -> None:
         need(here is not None and there is not None and here == there.shape, f"checkpoint {path} does not fit this "
              f"model: tensor {name} is {shape(there)} there and {shape(here)} here; resume with the model flags it was "
              "saved with (its 'hyperparameters' entry lists them)")
+    for name, grad in state["held_gradients"].items():  # (only Adam's gradients wait for a later step)
+        wrong = f"is {shape(current.get(name))} here" if current.get(name) != grad.shape else \
+            "is not one of Adam's parameters" if name not in state["adam"] else None
+        need(wrong is None, f"checkpoint {path} holds a gradient for {name} {shape(grad)}, which {wrong}: it is "
+             "damaged or of another model; resume from another one")
     adam_owners, muon_owners = optimizer_state_owners(trainer)
     names = {p: name for name, p in model.named_parameters()}
     for opt, owners, saved, keys in ((adam, adam_owners, state["adam"], ("step", "exp_avg", "exp_avg_sq")),
                                      (muon, muon_owners, state["muon"], ("momentum_buffer", "second_moment"))):
-        gaps = [f"{names[p]}{'.' + missing if missing else ''}" for p in owners
-                for missing in ([None] if names[p] not in saved else [k for k in keys if k not in saved[names[p]]])]
+        gaps = [f"{names[p]}{'.' + missing if missing else ''}" for p in owners  # (empty: not stepped yet)
+                for missing in ([None] if names[p] not in saved else [k for k in keys if k not in saved[names[p]]]
+                                if saved[names[p]] else [])]
         need(not gaps, f"checkpoint {path} has no {type(opt).__name__} state for {', '.join(gaps[:5])}"
              f"{' and more' if len(gaps) > 5 else ''}: it is incomplete; resume from another one")
     with trainer.layout.zero.whole_parameters():
@@ -1436,6 +1463,11 @@ def restore_checkpoint(state: dict, path: Path, trainer: "Trainer") -> None:
     for p, owner in muon_owners.items():
         if owner == ctx.dp.rank:
             muon.state[p] = {key: value.to(p.device, copy=True) for key, value in state["muon"][names[p]].items()}
+    gradients, params = trainer.layout.gradients, dict(model.named_parameters())
+    gradients.hold_gradients({  # (a pipeline stage: the gradients of its parameters)
+        params[name]: own_slice(params[name], grad).to(params[name].device, params[name].dtype if gradients.sums is
+                                                       None else gradients.sums[0].dtype, copy=True)
+        for name, grad in state["held_gradients"].items() if name in params})
     torch.set_rng_state(state["rng"]["cpu"])
     if ctx.device.type == "cuda" and state["rng"]["cuda"] is not None:
         torch.cuda.set_rng_state(state["rng"]["cuda"], ctx.device)
@@ -1636,7 +1668,7 @@ class RunKeeper:
         for note in notes:
             self.log(note, console=True)
         self.last_checkpoint, self.last_checkpoint_step = resume_path, self.start_step
-        self.last_comm_bytes, self.pending, self.stop_seen = collections.Counter(), None, False
+        self.comm_logged, self.pending, self.stop_seen = [collections.Counter()], None, False
         self.stop_requests = self.exits.enter_context(StopRequests(kill_switch_path(args)))
         self.watchdog = self.exits.enter_context(RankWatchdog(self))
         self.clock = TrainingClock(trainer.ctx.device, self.training_time_ms)
@@ -1688,8 +1720,8 @@ class RunKeeper:
         """Log the step, stop if it diverged, save a checkpoint when one is due, stop when asked."""
         args, clock = self.args, self.clock
         train_loss, grad_squares, stop_votes = read_stats()
-        if comm != self.last_comm_bytes:  # the same every step: logged when it first appears or changes
-            self.last_comm_bytes = comm
+        if comm not in self.comm_logged:  # a step's kind (Adam's or not) sends the same each time: logged once
+            self.comm_logged.append(comm)
             self.log(f"comm: step:{done} bytes per rank " + " ".join(f"{op}:{n}" for op, n in sorted(comm.items())))
         self.log(f"step:{done}/{args.num_iterations} train_loss:{train_loss:.4f} train_time:{clock.ms():.0f}ms "
                  f"step_avg:{clock.ms() / done:.2f}ms", console=True)
@@ -2438,9 +2470,10 @@ class Layout:
         self.zero = zero = Zero.build(args.zero, adam, muon, ctx.dp)
         if ctx.dp.size > 1 or ctx.tp.size > 1:
             muon = DataParallelMuon(muon, ctx.dp, exchange_updates=zero.stage < 3)
+        adam_params = {p for group in adam.param_groups for p in group["params"]}
         self.gradients = GradientBuckets(model.parameters(), sum_dtype=torch.float64 if args.fp64_grad_sum else None,
                                          dp=ctx.dp, owner_of=zero.gradient_owners(), reduce_to_owner=zero.stage >= 2,
-                                         summed_first=self.shared)
+                                         summed_first=self.shared, held=adam_params if args.adam_every > 1 else None)
         # the float64 sums take an embedding's few rows from a sparse gradient, for less work (the plan's meta
         # tensors have no values to find those rows in; torch.compile does not lower sparse embeddings)
         for module in model.modules() if args.fp64_grad_sum and ctx.device.type != "meta" and not args.compile else ():
@@ -2453,13 +2486,14 @@ class Layout:
                             and (hasattr(p, "slice_of") or ctx.tp.rank == 0)]  # each gradient counted once
         return [adam, muon]
 
-    def send_updated_parameters(self) -> None:
+    def send_updated_parameters(self, stepped: list[torch.optim.Optimizer]) -> None:
         """After the optimizers' steps: the parameters an owner updated alone, to the other ranks (ZeRO)."""
-        self.zero.send_updated_parameters()
+        self.zero.send_updated_parameters({p for opt in stepped for group in opt.param_groups for p in group["params"]})
 
     def gradient_squares(self) -> Tensor:
-        """This rank's share of the squared global gradient norm."""
-        grads = [p.grad for p in self.norm_params if p.grad is not None]
+        """This rank's share of the squared global gradient norm, of the gradients the step uses (not those held)."""
+        held = self.gradients.held if self.gradients.holding else set()
+        grads = [p.grad for p in self.norm_params if p.grad is not None and p not in held]
         return torch.nn.utils.get_total_norm(grads).square() if grads else torch.zeros((), device=self.ctx.device)
 
     def loss_share(self, loss: Tensor) -> Tensor:
@@ -2486,19 +2520,22 @@ class GradientBuckets:
     overlapping the rest of backward; only the last micro-batch reduces. Under ZeRO each rank keeps what it owns
     (owner_of), with reduce_to_owner (stages 2, 3) reducing each bucket to its owner alone. summed_first: pipeline
     stages sharing a parameter sum its gradient first. sum_dtype=torch.float64 sums and reduces in float64 and
-    rounds once, so every world size trains bit-identical models."""
+    rounds once, so every world size trains bit-identical models. held: parameters whose gradients, in a step that
+    holds them (hold()), stay on each rank and add up with the next step's, reduced only when a step uses them."""
 
     def __init__(self, params, bucket_mb: float = 25, sum_dtype: torch.dtype | None = None,
                  owner_of: dict | None = None, reduce_to_owner: bool = False, dp: Axis = Axis(),
-                 summed_first: dict | None = None):
+                 summed_first: dict | None = None, held: set | None = None):
         self.dp, self.owner_of, self.sum_dtype = dp, owner_of, sum_dtype
         self.reduce_to_owner, self.summed_first = reduce_to_owner and owner_of is not None, summed_first or {}
+        self.held, self.holding = held or set(), False
         self.buckets: list[list[Tensor]] = []
         for param in reversed([p for p in params if p.requires_grad]):
             last = self.buckets[-1] if self.buckets else None
             if last is None or sum(map(nbytes, last)) + nbytes(param) > bucket_mb * 2**20 or \
                     last[0].dtype != param.dtype or self.owner(last[0]) != self.owner(param) or \
-                    param in self.summed_first or last[0] in self.summed_first:
+                    param in self.summed_first or last[0] in self.summed_first or \
+                    (param in self.held) != (last[0] in self.held):
                 self.buckets.append([])
             self.buckets[-1].append(param)
         self.bucket_of = {param: i for i, bucket in enumerate(self.buckets) for param in bucket}
@@ -2521,17 +2558,26 @@ class GradientBuckets:
         """The rank a bucket with this parameter is reduced to; None: all-reduced."""
         return self.owner_of[param] if self.reduce_to_owner else None
 
+    def hold(self, holding: bool) -> None:
+        """Before a step's backward: whether its held gradients stay on this rank, for a later step's."""
+        self.holding = holding
+
+    def _waits(self, i: int) -> bool:
+        return self.holding and self.buckets[i][0] in self.held
+
     @contextlib.contextmanager
     def micro_batch(self, last: bool):
-        """Around one micro-batch's backward: the last reduces; the others' gradients go to the float64 sums."""
+        """Around one micro-batch's backward: the last reduces; the others' gradients, and the held ones, go to the
+        float64 sums."""
         self.sync = last
         yield
-        for i in range(len(self.buckets)) if not last and self.sums is not None else ():
-            self._add_to_sum(i)
+        for i in range(len(self.buckets)) if self.sums is not None else ():
+            if not last or self._waits(i):
+                self._add_to_sum(i)
 
     def _hook(self, param: Tensor) -> None:
-        if self.sync:
-            i = self.bucket_of[param]
+        i = self.bucket_of[param]
+        if self.sync and not self._waits(i):
             self.ready[i] += 1
             if self.ready[i] == len(self.buckets[i]):
                 self._launch(i)
@@ -2596,18 +2642,20 @@ class GradientBuckets:
         return grad
 
     def wait(self) -> None:
-        """Wait for every reduction and hand each parameter this rank keeps its averaged gradient."""
+        """Wait for every reduction and hand each parameter this rank keeps its averaged gradient (the held ones,
+        in a step that holds them: this rank's own sum, kept)."""
         if self.idle:
             return
-        for i, bucket in enumerate(self.buckets):
-            if bucket[0] in self.summed_first and self.reduced[i] is None:
+        reducing = [i for i in range(len(self.buckets)) if not self._waits(i)]
+        for i in reducing:
+            if self.buckets[i][0] in self.summed_first and self.reduced[i] is None:
                 self._launch(i)
-        missing = [i for i, reduced in enumerate(self.reduced) if reduced is None]
+        missing = [i for i in reducing if self.reduced[i] is None]
         if missing:
             shapes = [tuple(p.shape) for p in self.buckets[missing[0]] if p.grad is None]
             raise RuntimeError(f"gradient bucket {missing[0]} was never reduced; parameters without a gradient "
                                f"this step: {shapes}")
-        for bucket, reduced, handles in zip(self.buckets, self.reduced, self.handles):
+        for bucket, reduced, handles in ((self.buckets[i], self.reduced[i], self.handles[i]) for i in reducing):
             for handle in handles:
                 handle.wait()
             if self.owner(bucket[0]) == self.dp.rank and self.dp.size > 1:
@@ -2625,6 +2673,44 @@ class GradientBuckets:
                 offset += p.numel()
         self.ready, self.reduced = [0] * len(self.buckets), [None] * len(self.buckets)
         self.handles = [[] for _ in self.buckets]
+
+    def forget(self) -> None:
+        """Drop the float64 sums and what was held (the parameters' own gradients are the optimizers' to clear)."""
+        for sums in self.sums or []:
+            sums.zero_()
+        self.rows_summed.clear()
+        self.holding = False
+
+    def held_gradients(self) -> dict[Tensor, Tensor]:
+        """After a step that held gradients: each held gradient as the step using it will see it, summed over the
+        pipeline stages sharing its parameter and averaged over the data-parallel ranks (float64 with float64 sums).
+        Empty after a step that held none."""
+        held = {}
+        for p in (p for bucket in self.buckets if bucket[0] in self.held for p in bucket) if self.holding else ():
+            local = self.sum_of[p] if self.sums is not None else p.grad if p.grad is not None else torch.zeros_like(p)
+            held[p] = local.clone()
+            if p in self.summed_first:
+                count_comm("all_reduce", held[p])
+                dist.all_reduce(held[p], group=self.summed_first[p][0].group)
+            if self.dp.size > 1:
+                count_comm("all_reduce", held[p])
+                dist.all_reduce(held[p], op=dist.ReduceOp.AVG, group=self.dp.group)
+        return held
+
+    def hold_gradients(self, held: dict[Tensor, Tensor]) -> None:
+        """Hold these gradients (held_gradients()'s) as if this rank's steps had summed them: all on the first
+        data-parallel rank, times the ranks (the step using them averages), and on the first of the pipeline stages
+        sharing a parameter."""
+        for p, grad in held.items():
+            holder = self.dp.rank == 0 and (p not in self.summed_first or self.summed_first[p][0].rank == 0)
+            total = grad * self.dp.size if holder else torch.zeros_like(grad)
+            if self.sums is not None:
+                self.sum_of[p].copy_(total)
+                self.rows_summed[p] = None
+                p.grad = None
+            else:
+                p.grad = total.to(p.dtype) if holder else None
+        self.holding = bool(held)
 
 def muon_owners(params: list[Tensor], world_size: int) -> dict[Tensor, int]:
     """The data-parallel rank that orthogonalises each of Muon's matrices: r, r+W, ... of each size."""
@@ -2716,9 +2802,10 @@ class Zero:
         """For GradientBuckets: the rank that keeps each gradient (stage 1 and up), or None: every rank."""
         return self.owner_of if self.stage >= 1 else None
 
-    def send_updated_parameters(self) -> None:
-        """After the optimizers' steps: the parameters an owner updated alone, sent to the other ranks."""
-        for handle in [self.broadcast_from_owner(p) for p in self.sent_after_step]:
+    def send_updated_parameters(self, updated: set) -> None:
+        """After the optimizers' steps: of the parameters they updated, those an owner updated alone, sent to the
+        other ranks."""
+        for handle in [self.broadcast_from_owner(p) for p in self.sent_after_step if p in updated]:
             handle.wait()
 
     def broadcast_from_owner(self, param: Tensor):
@@ -3516,7 +3603,7 @@ def plan_layout(args: Hyperparameters, world_size: int, cuda: bool) -> dict:
                 with simulated_rank(rank, world_size):
                     trainer = build_trainer(args, build_parallel_context(rank, world_size, meta, args.tp, args.pp),
                                             cuda_dtypes=cuda, stream_specs=stream_specs)
-                    held = account_step(trainer, batches)
+                    held = account_step(trainer, batches, step=args.adam_every - 1)  # (Adam's: the most sent)
                 del held["loss_sum"]
                 held["activations"] = int(held["activations"] * (COMPILED_ACTIVATIONS if compiled else 1))
                 names = {p: name for name, p in trainer.model.named_parameters()}
@@ -3635,32 +3722,35 @@ def trains_like_one_process(ranks: list[dict], reference: dict, floors: tuple[fl
 
 def train_steps(rank: int, world_size: int, flags: list[str], steps: int, device_type: str = "cpu",
                 jitter: float = 0.0) -> dict:
-    """`steps` steps of the run flags describe, zero-initialised layers made non-zero, as this rank: losses, the first
-    step's bytes, the parameter names held, and on rank 0 the one-process training state after the last step. With
-    jitter, every gradient is multiplied by 1 + jitter x a normal draw (seeded) before each step: the noise floor."""
+    """`steps` steps of the run flags describe, zero-initialised layers made non-zero, as this rank: losses, the bytes
+    of the first step on which Adam steps, the parameter names held, and on rank 0 the one-process training state
+    after the last step. With jitter, every gradient (of those not held back) is multiplied by 1 + jitter x a normal
+    draw (seeded) before each step: the noise floor."""
     args = parse_args(flags, cuda=False)
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
     trainer = build_trainer(args, build_parallel_context(rank, world_size, device, args.tp, args.pp),
                             nonzero_init=True)
     batches = train_batches(trainer)
-    losses, no_gradient, first, draws = [], torch.zeros((), device=device), None, torch.Generator().manual_seed(0)
+    losses, no_gradient, accounted, draws = [], torch.zeros((), device=device), None, torch.Generator().manual_seed(0)
     for step in range(steps):
-        if step == 0 and not jitter:
-            first = account_step(trainer, batches, step)
-            loss_sum = first.pop("loss_sum")
+        if step == args.adam_every - 1 and not jitter:
+            accounted = account_step(trainer, batches, step)
+            loss_sum = accounted.pop("loss_sum")
         else:
             loss_sum = forward_backward(trainer, batches, step)
             for p in trainer.model.parameters() if jitter else ():
-                p.grad.mul_(1 + jitter * torch.randn(p.shape, generator=draws).to(p.grad))
+                if p.grad is not None:
+                    p.grad.mul_(1 + jitter * torch.randn(p.shape, generator=draws).to(p.grad))
             optimizer_step(trainer, step)
         losses.append(trainer.layout.step_stats(loss_sum, no_gradient, stop=False)[0].item())
     with trainer.layout.zero.whole_parameters():  # (copied: ZeRO 3 frees the gathered values afterwards)
         state = pytree.tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, gather_training_state(trainer))
-    return dict(losses=losses, first_step=first, state=state, held=list(dict(trainer.model.named_parameters())))
+    return dict(losses=losses, adam_step=accounted, state=state, held=list(dict(trainer.model.named_parameters())))
 
 def flat_state(state: dict) -> dict[str, Tensor]:
     """A training state as {"model/embed.weight": tensor, "adam/embed.weight/exp_avg": tensor, ...}."""
-    return {f"{part}/{name}" + (f"/{key}" if key else ""): value for part in ("model", "adam", "muon")
+    return {f"{part}/{name}" + (f"/{key}" if key else ""): value
+            for part in ("model", "adam", "muon", "held_gradients")
             for name, entry in state[part].items()
             for key, value in (entry.items() if isinstance(entry, dict) else [("", entry)])}
 

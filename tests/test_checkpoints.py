@@ -48,8 +48,9 @@ def flatten(tree: dict, prefix: str = "") -> dict:
 
 
 def trained_state(state: dict) -> dict:
-    """Every tensor that training changes (weights, Muon momentum, Adam moments), flattened to name -> tensor."""
-    return flatten({part: state[part] for part in ("model", "muon", "adam")})
+    """Every tensor that training changes (weights, Muon momentum, Adam moments, gradients held for Adam's next
+    step), flattened to name -> tensor."""
+    return flatten({part: state[part] for part in ("model", "muon", "adam", "held_gradients")})
 
 
 def after_source(log: str) -> str:
@@ -82,15 +83,30 @@ def assert_states_equal(a: dict, b: dict, relative_error: float = 0.0):
             assert (x - y).norm() <= relative_error * x.norm(), (name, ((x - y).norm() / x.norm()).item())
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_resumed_run_ends_bit_identical_to_the_uninterrupted_one(tmp_path, files, world_size):
-    full_log = run(tmp_path, files, world_size, "full", save_every=4)
-    resumed_log = run(tmp_path, files, world_size, "resumed", save_every=4,
-                      resume=tmp_path / "logs" / "full" / "step000004.pt")
-    assert f"resumed: step:4/{STEPS} from {tmp_path / 'logs' / 'full' / 'step000004.pt'}" in resumed_log
+def assert_holds_adam_gradients(state: dict, held: bool):
+    """Whether a checkpoint holds gradients for Adam's next step (after a step on which it did not step): then
+    every one of Adam's parameters has one, and they are not all zero (those behind the zero-initialised output
+    projections still are at step 3)."""
+    assert state["held_gradients"].keys() == (state["adam"].keys() if held else set())
+    assert not held or any(grad.any() for grad in state["held_gradients"].values())
+
+
+# saved at step 4, after Adam's step (the tiny preset's adam_every 2); at step 3, with Adam's gradients of step 3
+# held for step 4's
+@pytest.mark.parametrize("world_size, saved_at", [(1, 4), (2, 4), (1, 3), (2, 3)])
+def test_resumed_run_ends_bit_identical_to_the_uninterrupted_one(tmp_path, files, world_size, saved_at):
+    full_log = run(tmp_path, files, world_size, "full", save_every=saved_at)
+    path = tmp_path / "logs" / "full" / f"step{saved_at:06d}.pt"
+    resumed_log = run(tmp_path, files, world_size, "resumed", save_every=saved_at, resume=path)
+    assert f"resumed: step:{saved_at}/{STEPS} from {path}" in resumed_log
+    assert_holds_adam_gradients(checkpoint(tmp_path, "full", saved_at), held=saved_at % 2 == 1)
     assert_states_equal(checkpoint(tmp_path, "full", STEPS), checkpoint(tmp_path, "resumed", STEPS))
+    # a checkpoint does not change the run that saves it (held gradients averaged over the ranks and held again, in
+    # float64 sums, the tiny preset's, exactly as they were)
+    run(tmp_path, files, world_size, "unsaved", save_every=STEPS)
+    assert_states_equal(checkpoint(tmp_path, "unsaved", STEPS), checkpoint(tmp_path, "resumed", STEPS))
     assert checkpoint(tmp_path, "full", STEPS)["data"] == checkpoint(tmp_path, "resumed", STEPS)["data"]
-    assert step_lines(resumed_log) == after_step(step_lines(full_log), 4)
+    assert step_lines(resumed_log) == after_step(step_lines(full_log), saved_at)
 
 
 def assert_resumed_within_rounding(resumed: dict, reference: dict, floor_pair: tuple[dict, dict], multiple: float = 3):
@@ -107,13 +123,16 @@ def assert_resumed_within_rounding(resumed: dict, reference: dict, floor_pair: t
                                        f"{multiple} x the floor {floor:.2e} (in {floor_tensor})")
 
 
-@pytest.mark.parametrize("saved_on, resumed_on, fp64_grad_sum", [(2, 1, True), (1, 2, False)])
-def test_a_checkpoint_resumes_under_another_world_size(tmp_path, files, saved_on, resumed_on, fp64_grad_sum):
-    run(tmp_path, files, saved_on, "saved", True, save_every=4, fp64_grad_sum=fp64_grad_sum)
-    run(tmp_path, files, resumed_on, "reference", True, save_every=4, fp64_grad_sum=fp64_grad_sum)
-    log = run(tmp_path, files, resumed_on, "resumed", True, save_every=4, fp64_grad_sum=fp64_grad_sum,
-              resume=tmp_path / "logs" / "saved" / "step000004.pt")
-    assert f"\nresumed: step:4/{STEPS} from " in log
+@pytest.mark.parametrize("saved_on, resumed_on, fp64_grad_sum, saved_at", [(2, 1, True, 4), (1, 2, False, 4),
+                                                                          (1, 2, True, 3), (2, 1, False, 3)])
+def test_a_checkpoint_resumes_under_another_world_size(tmp_path, files, saved_on, resumed_on, fp64_grad_sum,
+                                                       saved_at):
+    # saved at step 3, Adam's gradients held: their average over the old ranks is all the new ones need
+    run(tmp_path, files, saved_on, "saved", True, save_every=saved_at, fp64_grad_sum=fp64_grad_sum)
+    run(tmp_path, files, resumed_on, "reference", True, save_every=STEPS, fp64_grad_sum=fp64_grad_sum)
+    log = run(tmp_path, files, resumed_on, "resumed", True, save_every=saved_at, fp64_grad_sum=fp64_grad_sum,
+              resume=tmp_path / "logs" / "saved" / f"step{saved_at:06d}.pt")
+    assert f"\nresumed: step:{saved_at}/{STEPS} from " in log
     resumed, reference = checkpoint(tmp_path, "resumed", STEPS), checkpoint(tmp_path, "reference", STEPS)
     if fp64_grad_sum:  # float64 gradient sums (--fp64_grad_sum, on in the tiny preset): world sizes bit-identical
         assert_states_equal(reference, resumed)
@@ -121,19 +140,21 @@ def test_a_checkpoint_resumes_under_another_world_size(tmp_path, files, saved_on
         assert_resumed_within_rounding(resumed, reference, (checkpoint(tmp_path, "saved", STEPS), reference))
 
 
-@pytest.mark.parametrize("saved, resumed", [(dict(zero=3), dict(pp=2)), (dict(pp=2), dict(tp=2, sp=True)),
-                                            (dict(tp=2), dict(zero=1))])
-def test_a_checkpoint_resumes_under_another_layout(tmp_path, files, saved, resumed):
+@pytest.mark.parametrize("saved, resumed, saved_at", [(dict(zero=3), dict(pp=2), 4), (dict(pp=2), dict(tp=2, sp=True), 4),
+                                                      (dict(tp=2), dict(zero=1), 4), (dict(pp=2), dict(zero=2), 3),
+                                                      (dict(tp=2), dict(pp=2), 3)])
+def test_a_checkpoint_resumes_under_another_layout(tmp_path, files, saved, resumed, saved_at):
     # sharded optimizer state, tensor-parallel slices and pipeline stages are gathered into full tensors on save,
-    # and cut the new layout's way on load
-    run(tmp_path, files, 2, "saved", save_every=4, **saved)
-    run(tmp_path, files, 2, "resumed", save_every=4, resume=tmp_path / "logs" / "saved" / "step000004.pt", **resumed)
+    # and cut the new layout's way on load; so are the gradients held for Adam's next step (saved at step 3)
+    run(tmp_path, files, 2, "saved", save_every=saved_at, **saved)
+    run(tmp_path, files, 2, "resumed", save_every=saved_at,
+        resume=tmp_path / "logs" / "saved" / f"step{saved_at:06d}.pt", **resumed)
     saved_state, resumed_state = checkpoint(tmp_path, "saved", STEPS), checkpoint(tmp_path, "resumed", STEPS)
     if "tp" not in saved | resumed:  # with float64 sums, data, ZeRO and pipeline layouts train one process exactly
         assert_states_equal(saved_state, resumed_state)
         return
     # tensor parallelism adds activations in another order: the new layout from the start is the reference
-    run(tmp_path, files, 2, "reference", save_every=4, **resumed)
+    run(tmp_path, files, 2, "reference", save_every=STEPS, **resumed)
     reference = checkpoint(tmp_path, "reference", STEPS)
     assert_resumed_within_rounding(resumed_state, reference, (saved_state, reference))
 
@@ -239,6 +260,16 @@ def test_bad_checkpoints_are_refused_by_name(tmp_path, files):
     with pytest.raises(train_gpt.UserError, match=r"tensor embed.weight is of shape \(50257, 32\) there and of "
                                                   r"shape \(50257, 64\) here"):
         run(tmp_path, files, 1, "small", model_dim=64, head_dim=32, resume=path)  # same run id: its log is at stake
+    for name, value, words in [("lm_head.weight", torch.zeros(3), r"a gradient for lm_head.weight of shape \(3,\), "
+                                r"which is of shape \(50304, 32\) here"),
+                               ("blocks.0.mlp.c_fc.weight", torch.zeros(128, 32), r"a gradient for "
+                                r"blocks.0.mlp.c_fc.weight of shape \(128, 32\), which is not one of Adam's")]:
+        state = checkpoint(tmp_path, "small", 4)
+        state["held_gradients"][name] = value
+        edited = tmp_path / "edited.pt"
+        torch.save(state, edited)
+        with pytest.raises(train_gpt.UserError, match=f"checkpoint {edited} holds {words}"):
+            run(tmp_path, files, 1, "x", resume=edited)
     garbage = tmp_path / "garbage.pt"
     garbage.write_bytes(b"not a checkpoint")
     with pytest.raises(train_gpt.UserError, match=f"cannot read checkpoint {garbage}"):

@@ -61,6 +61,55 @@ def build(files, **overrides):
     return args, train_gpt.build_trainer(args, train_gpt.build_parallel_context(0, 1, torch.device("cpu")))
 
 
+def test_adam_steps_on_the_last_of_every_adam_every_steps():
+    assert [train_gpt.adam_steps(step, train_gpt.Hyperparameters(adam_every=2)) for step in range(5)] == \
+        [False, True, False, True, False]  # #89's odd steps
+    assert [train_gpt.adam_steps(step, train_gpt.Hyperparameters(adam_every=3)) for step in range(6)] == \
+        [False, False, True, False, False, True]
+    assert all(train_gpt.adam_steps(step, train_gpt.Hyperparameters(adam_every=1)) for step in range(3))
+
+
+@pytest.mark.parametrize("fp64_grad_sum", [True, False])
+def test_adam_steps_every_other_step_with_the_sum_of_both_steps_gradients(tmp_path, fp64_grad_sum):
+    # the reference: a run whose Adam steps every step at lr 0 (its parameters stay put, as held ones do) gives each
+    # step's gradients at the same weights; one Adam step with their sum from the start must be the held run's
+    files = write_synthetic_shards(tmp_path)
+    _, held = build(files, fp64_grad_sum=fp64_grad_sum)
+    _, frozen = build(files, fp64_grad_sum=fp64_grad_sum, adam_every=1, lr_head=0, lr_embed=0, lr_scalar=0)
+    adam, reference_adam = held.optimizers[0], frozen.optimizers[0]
+    adam_params = [p for group in adam.param_groups for p in group["params"]]
+    start = [p.detach().clone() for p in adam_params]
+    loader = lambda: train_gpt.DistributedDataLoader(files["train_files"], 128, 4, 0, 1, torch.device("cpu"),
+                                                     doc_max_tokens=256)
+    batches, frozen_batches, summed = loader(), loader(), None
+    for step in range(2):
+        train_step(held, batches, step)
+        train_gpt.forward_backward(frozen, frozen_batches, step)
+        grads = [p.grad.clone() for group in reference_adam.param_groups for p in group["params"]]
+        summed = grads if summed is None else [a + b for a, b in zip(summed, grads)]
+        train_gpt.optimizer_step(frozen, step)
+        if step == 0:
+            assert all(torch.equal(p, q) for p, q in zip(adam_params, start))  # Adam waited
+            assert all(p.grad is None for p in adam_params) == fp64_grad_sum  # (float64 sums: held in them)
+        for (name, p), q in zip(held.model.named_parameters(), frozen.model.parameters()):
+            if not any(p is a for a in adam_params):  # Muon steps every step, alike in both runs
+                assert torch.allclose(p, q, rtol=0, atol=1e-6), (step, name)
+    # the reference step: a fresh Adam with the same groups, at step 1's learning rates, on the summed gradients
+    copies = [p.clone().requires_grad_() for p in start]
+    by_param = dict(zip(adam_params, range(len(adam_params))))
+    reference = train_gpt.Adam([dict(group, params=[copies[by_param[p]] for p in group["params"]])
+                                for group in adam.param_groups], fused=True)
+    for copy, grad in zip(copies, summed):
+        copy.grad = grad
+    reference.step()
+    assert all(adam.state[p]["step"].item() == 1 for p in adam_params)  # one Adam step in two training steps
+    moved = 0
+    for p, copy, begin in zip(adam_params, copies, start):
+        assert torch.allclose(p, copy, rtol=0, atol=1e-6), (p.shape, (p - copy).abs().max().item())
+        moved = max(moved, (p - begin).abs().max().item())
+    assert moved > 1e-3  # a real step, against which 1e-6 is small
+
+
 def test_warmup_leaves_no_trace(tmp_path):
     files = write_synthetic_shards(tmp_path)
     args, trainer = build(files)
@@ -199,8 +248,9 @@ def test_float64_sums_of_sparse_embedding_gradients_equal_those_of_dense_ones(tm
             m.sparse = sparse
         batches = train_gpt.DistributedDataLoader(args.train_files, 128, args.seqs_per_step, 0, 1,
                                                   trainer.ctx.device)
-        train_step(trainer, batches, 0)  # a second step: the zero-initialised head no longer zeroes every gradient
-        train_gpt.forward_backward(trainer, batches, 1)
+        for step in (0, 1):  # a third step: Adam has stepped, and the zero-initialised head no longer zeroes every
+            train_step(trainer, batches, step)  # gradient
+        train_gpt.forward_backward(trainer, batches, 3)  # (one on which Adam steps: no gradient is held back)
         grads.append({name: p.grad for name, p in trainer.model.named_parameters()})
     for name, grad in grads[1].items():
         assert not grad.is_sparse and torch.equal(grads[0][name], grad), name
