@@ -311,64 +311,64 @@ class Rotary(nn.Module):
         x1, x2 = x_BTHD.float().chunk(2, dim=-1)
         return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1).type_as(x_BTHD)
 
-ATTENTION_BLOCK_SIZE = 128  # FlexAttention's block granularity, and the unit of the sliding window
+ATTENTION_BLOCK_SIZE = 128  # FlexAttention's block granularity, and the unit of the sliding window's schedule
 
 @dataclass
 class AttentionMask:
-    """Document-causal sliding-window mask as FlexAttention block lists nearest-first (`full` blocks need no mask_mod,
-    `partial` ones do; the window keeps window-1 full blocks and partial ones up to it), and its dense twin."""
+    """Document-causal sliding-window mask: query t sees the keys s of its own document with 0 <= t - s <= window
+    tokens (FlashAttention's window (window, 0), as record #89 has it), as FlexAttention block lists (`full` blocks
+    allow every pair and skip mask_mod, `partial` ones apply it), and its dense twin."""
     docs: Tensor  # (T,) document id of each token
-    partial_num: Tensor  # (1, 1, NB) after the window clamp
+    window: Tensor  # () int32, in tokens: a tensor, so that a new window is no new graph
+    partial_num: Tensor  # (1, 1, NB)
     partial_idx: Tensor  # (1, 1, NB, NB)
     full_num: Tensor
     full_idx: Tensor
 
     def mask_mod(self, b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (self.docs[q_idx] == self.docs[kv_idx])
+        return (q_idx >= kv_idx) & (q_idx - kv_idx <= self.window) & (self.docs[q_idx] == self.docs[kv_idx])
 
     def flex(self) -> BlockMask:
         return BlockMask.from_kv_blocks(self.partial_num, self.partial_idx, self.full_num, self.full_idx,
                                         BLOCK_SIZE=ATTENTION_BLOCK_SIZE, mask_mod=self.mask_mod)
 
     def dense(self) -> Tensor:
-        """(T, T) boolean mask that allows exactly what the flex block mask allows."""
-        nb = self.partial_idx.size(-1)
-        rank = torch.arange(nb, device=self.docs.device)
-        allowed = torch.zeros(nb, nb, dtype=torch.bool, device=self.docs.device)
-        for num, idx in ((self.partial_num, self.partial_idx), (self.full_num, self.full_idx)):
-            kept = rank[None, :] < num[0, 0, :, None]  # the first `num` entries of each row's list
-            allowed |= torch.zeros_like(allowed).scatter_(1, idx[0, 0].long(), kept)
-        allowed = allowed.repeat_interleave(ATTENTION_BLOCK_SIZE, 0).repeat_interleave(ATTENTION_BLOCK_SIZE, 1)
+        """(T, T) boolean mask that allows exactly what the flex block mask allows: every pair of a full block,
+        mask_mod's pairs of a partial one."""
+        def blocks(num: Tensor, idx: Tensor) -> Tensor:  # the first `num` entries of each row's list, as (T, T)
+            nb = idx.size(-1)
+            kept = torch.arange(nb, device=idx.device)[None, :] < num[0, 0, :, None]
+            listed = torch.zeros(nb, nb, dtype=torch.bool, device=idx.device).scatter_(1, idx[0, 0].long(), kept)
+            return listed.repeat_interleave(ATTENTION_BLOCK_SIZE, 0).repeat_interleave(ATTENTION_BLOCK_SIZE, 1)
         pos = torch.arange(len(self.docs), device=self.docs.device)
-        return allowed & self.mask_mod(None, None, pos[:, None], pos[None, :])
+        return blocks(self.full_num, self.full_idx) | (blocks(self.partial_num, self.partial_idx) &
+                                                       self.mask_mod(None, None, pos[:, None], pos[None, :]))
 
-def document_causal_masks(input_seq: Tensor, window_blocks: Tensor) -> tuple[AttentionMask, AttentionMask]:
-    """Long (window_blocks) and short (window_blocks // 2) masks for one sequence; documents start at EOT_TOKEN."""
+def document_causal_masks(input_seq: Tensor, window: Tensor) -> tuple[AttentionMask, AttentionMask]:
+    """Long (window tokens) and short (half of it) masks for one sequence; documents start at EOT_TOKEN."""
     docs = (input_seq == EOT_TOKEN).cumsum(0)
-    nb = len(input_seq) // ATTENTION_BLOCK_SIZE
+    nb, bs = len(input_seq) // ATTENTION_BLOCK_SIZE, ATTENTION_BLOCK_SIZE
     block = torch.arange(nb, dtype=torch.int32, device=input_seq.device)
-    docs_low = docs.view(nb, ATTENTION_BLOCK_SIZE)[:, 0].contiguous()
-    docs_high = docs.view(nb, ATTENTION_BLOCK_SIZE)[:, -1].contiguous()
-    any_causal = block[:, None] >= block
-    all_causal = block[:, None] > block
+    docs_low = docs.view(nb, bs)[:, 0].contiguous()
+    docs_high = docs.view(nb, bs)[:, -1].contiguous()
+    gap = (block[:, None] - block) * bs  # from a key block's first token to the query block's first
     any_same_doc = (docs_low[:, None] <= docs_high) & (docs_high[:, None] >= docs_low)
     all_same_doc = (docs_low[:, None] == docs_high) & (docs_high[:, None] == docs_low)
-    full = all_causal & all_same_doc
-    partial = any_causal & any_same_doc & ~full
 
-    def nearest_first(dense: Tensor) -> tuple[Tensor, Tensor]:
-        num = dense.sum(dim=-1, dtype=torch.int32)
-        idx = dense.argsort(dim=-1, descending=False, stable=True).flip(-1).to(torch.int32)
+    def as_lists(allowed: Tensor) -> tuple[Tensor, Tensor]:
+        num = allowed.sum(dim=-1, dtype=torch.int32)
+        idx = allowed.to(torch.int32).argsort(dim=-1, descending=True, stable=True).to(torch.int32)
         return num[None, None].contiguous(), idx[None, None].contiguous()
-    (partial_num, partial_idx), (full_num, full_idx) = nearest_first(partial), nearest_first(full)
 
-    def windowed(blocks: Tensor) -> AttentionMask:
-        # clamp_min(0) on the full count: a 0-block window (short mask at window 1) keeps just the diagonal
-        return AttentionMask(docs, torch.clamp_max(partial_num, torch.clamp_min(blocks - full_num, 1)), partial_idx,
-                             torch.clamp_max(full_num, torch.clamp_min(blocks - 1, 0)), full_idx)
-    return windowed(window_blocks), windowed(window_blocks // 2)
+    def windowed(window: Tensor) -> AttentionMask:
+        # a pair of blocks is full when its farthest pair (gap + bs - 1 apart) is in the window, causal (an
+        # earlier block) and of one document; partial when its nearest pair (gap - bs + 1, or 0 on the diagonal) is
+        full = (gap > 0) & (gap + bs - 1 <= window) & all_same_doc
+        partial = (gap >= 0) & (gap - bs + 1 <= window) & any_same_doc & ~full
+        return AttentionMask(docs, window, *as_lists(partial), *as_lists(full))
+    return windowed(window), windowed(window // 2)
 
-# always compiled: eager flex_attention applies only mask_mod and ignores the block lists, i.e. the window
+# always compiled: eager flex_attention ignores the block lists, scoring every pair of the sequence
 compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask | Tensor) -> Tensor:
@@ -502,13 +502,13 @@ class GPT(nn.Module):
         # the stream between them)
         self.stream_enters, self.stream_leaves = nn.Identity(), nn.Identity()
 
-    def forward(self, input_seq: Tensor, target_seq: Tensor | None, window_blocks: Tensor, stream: dict | None = None,
+    def forward(self, input_seq: Tensor, target_seq: Tensor | None, window: Tensor, stream: dict | None = None,
                 layers: range | None = None) -> Tensor | dict:
         """(T,) tokens: the loss, summed over tokens in training and averaged in evaluation; no targets: the logits.
         Layouts run it in parts (a pipeline stage; the layouts' trace, a layer at a time): `layers` from `stream`,
         the stream entering the first of them (None: from the tokens), returning the stream unless they reach the
         head."""
-        masks = self.attention_masks(input_seq, window_blocks)
+        masks = self.attention_masks(input_seq, window)
         if stream is None:
             stream = self.stream_enters(self.embed_tokens(input_seq))
         layers = range(len(self.blocks)) if layers is None else layers
@@ -518,9 +518,10 @@ class GPT(nn.Module):
             return stream
         return self.head_loss(self.stream_leaves(stream), target_seq)
 
-    def attention_masks(self, input_seq: Tensor, window_blocks: Tensor) -> dict[str, BlockMask | Tensor]:
-        """FlexAttention's block masks on CUDA; elsewhere the dense twin (FlexAttention has no CPU backward)."""
-        long_mask, short_mask = document_causal_masks(input_seq, window_blocks)
+    def attention_masks(self, input_seq: Tensor, window: Tensor) -> dict[str, BlockMask | Tensor]:
+        """The long window's mask and the short one's: FlexAttention's block masks on CUDA; elsewhere the dense twin
+        (FlexAttention has no CPU backward)."""
+        long_mask, short_mask = document_causal_masks(input_seq, window)
         return {letter: mask.flex() if input_seq.is_cuda else mask.dense()
                 for letter, mask in (("L", long_mask), ("S", short_mask))}
 
@@ -950,15 +951,16 @@ def lr_multiplier(step: int, args: Hyperparameters) -> float:
     w = (1 - x) / args.cooldown_frac
     return w * 1.0 + (1 - w) * args.lr_final
 
-def window_size_blocks(step: int, args: Hyperparameters) -> int:
-    """Sliding window in 128-token blocks, growing linearly with progress from 1 block to window_max_tokens."""
+def window_tokens(step: int, args: Hyperparameters) -> int:
+    """The long sliding window in tokens, growing linearly with progress in steps of a 128-token block, from one
+    block to window_max_tokens (the short window is half of it)."""
     x = step / args.num_iterations
-    return next_multiple_of_n(args.window_max_tokens * x, n=ATTENTION_BLOCK_SIZE) // ATTENTION_BLOCK_SIZE
+    return next_multiple_of_n(args.window_max_tokens * x, n=ATTENTION_BLOCK_SIZE)
 
 @functools.lru_cache(maxsize=8)
-def window_tensor(blocks: int, device: torch.device) -> Tensor:
+def window_tensor(tokens: int, device: torch.device) -> Tensor:
     # a tensor, not an int, so torch.compile(dynamic=False) does not recompile as the window grows
-    return torch.tensor(blocks, dtype=torch.int32, device=device)
+    return torch.tensor(tokens, dtype=torch.int32, device=device)
 
 def muon_momentum(step: int, args: Hyperparameters) -> float:
     """0.85, rising linearly to 0.95 over the warm-up steps, and falling back to 0.85 over the cooldown steps."""
@@ -1135,7 +1137,7 @@ def evaluate(trainer: Trainer, step: int) -> float:
     val_seqs = args.val_tokens // args.val_seq_len
     loader = DistributedDataLoader(args.val_files, args.val_seq_len, val_seqs, ctx.dp.rank, ctx.dp.size,
                                    ctx.device, flag="val_files")
-    window = window_tensor(window_size_blocks(step, args), ctx.device)
+    window = window_tensor(window_tokens(step, args), ctx.device)
     forward = trainer.model if layout.pipeline is None else layout.pipeline.forward_only
     trainer.model.eval()
     total = torch.zeros((), device=ctx.device, dtype=torch.float32)
@@ -1149,7 +1151,7 @@ def forward_backward(trainer: Trainer, batches, step: int) -> Tensor:
     """Forward and backward of this rank's micro-batches of a step; their summed loss. Each gradient is then that of
     the global batch's mean over sequences of each sequence's summed token loss."""
     t, gradients = trainer, trainer.layout.gradients
-    window = window_tensor(window_size_blocks(step, t.args), t.ctx.device)
+    window = window_tensor(window_tokens(step, t.args), t.ctx.device)
     gradients.hold(not adam_steps(step, t.args))  # Adam's gradients stay on each rank until the step it uses them
     if t.layout.pipeline is not None:  # pipeline parallel: the stages pass the micro-batches on in their schedule
         loss_sum = t.layout.pipeline.run_schedule(batches, window, t.micro_batches, gradients)
@@ -2094,13 +2096,13 @@ def gpt2_encoding():
         raise UserError(str(e)) from None
 
 @torch.no_grad()
-def generate(model: GPT, prompt: list[int], new_tokens: int, temperature: float, top_k: int, window_blocks: int,
+def generate(model: GPT, prompt: list[int], new_tokens: int, temperature: float, top_k: int, window: int,
              context: int, vocab_size: int, generator: torch.Generator) -> list[int]:
     """Tokens continuing prompt up to an end-of-text token, drawn from softmax(logits / temperature) over the top_k,
     from GPT.forward over the last `context` tokens padded to whole attention blocks (no cache)."""
     model.eval()
     device = next(model.parameters()).device
-    tokens, window = list(prompt), window_tensor(window_blocks, device)
+    tokens, window = list(prompt), window_tensor(window, device)
     while len(tokens) < len(prompt) + new_tokens:
         seq = tokens[-context:]
         padded = seq + [EOT_TOKEN] * (next_multiple_of_n(len(seq), ATTENTION_BLOCK_SIZE) - len(seq))
@@ -2139,7 +2141,7 @@ def sample_from_checkpoint(args: Hyperparameters) -> list[str]:
     generator, texts, count, start = torch.Generator().manual_seed(args.seed), [], 0, time.perf_counter()
     for i in range(args.num_samples):
         tokens = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k,
-                          window_size_blocks(run.num_iterations, run), context, run.vocab_size, generator)
+                          window_tokens(run.num_iterations, run), context, run.vocab_size, generator)
         count += len(tokens)
         texts.append(encoding.decode(prompt[1:] + [t for t in tokens if t != EOT_TOKEN]))
         print(f"--- sample {i + 1} of {args.num_samples} ({len(tokens)} tokens)\n{texts[-1]}", flush=True)
@@ -2158,7 +2160,7 @@ def print_sample(trainer: "Trainer", step: int) -> None:
     model.load_state_dict(state["model"])
     encoding, context = gpt2_encoding(), max(args.train_seq_len, args.val_seq_len)
     tokens = generate(model, sampling_prompt(args, encoding, context), 48, args.temperature, args.top_k,
-                      window_size_blocks(step, args), context, args.vocab_size, torch.Generator().manual_seed(step))
+                      window_tokens(step, args), context, args.vocab_size, torch.Generator().manual_seed(step))
     print(f"sample: step:{step} {encoding.decode(tokens)!r}", flush=True)
 
 # ----------------------------------------------------------------------------------------------------
@@ -2354,7 +2356,7 @@ class ModelTrace(torch.overrides.TorchFunctionMode):
         model, n = self.model, len(self.model.blocks)
         tokens = torch.arange(self.seq_len + 1, device=next(model.parameters()).device) % EOT_TOKEN
         tokens[0] = EOT_TOKEN
-        inputs, targets, window = tokens[:-1].to(torch.int32), tokens[1:], window_tensor(1, tokens.device)
+        inputs, targets, window = tokens[:-1].to(torch.int32), tokens[1:], window_tensor(ATTENTION_BLOCK_SIZE, tokens.device)
         self.probe = inputs, targets, window
 
         def leave(module, args, kwargs, output):

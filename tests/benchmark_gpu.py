@@ -146,7 +146,7 @@ def time_steps(trainer, batches, at_step: int, steps: int, device: torch.device)
 def report(args, ctx, source: str, at_step: int, steps: int, phases: dict) -> None:
     ms = phases["wall_ms"] / steps
     tokens_per_gpu = args.seqs_per_step * args.train_seq_len / ctx.world_size
-    window = train_gpt.window_size_blocks(at_step, args) * train_gpt.ATTENTION_BLOCK_SIZE
+    window = train_gpt.window_tokens(at_step, args)
     flops_per_gpu = model_flops_per_token(args, window) * tokens_per_gpu
     peak = next((flops for name, flops in PEAK_BF16 if name in torch.cuda.get_device_name(ctx.device)), None) \
         if ctx.device.type == "cuda" else None

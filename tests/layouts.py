@@ -183,18 +183,18 @@ class GPTStretchingRotary(train_gpt.GPT):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.rotary_window = 1  # the window, in blocks, the rotaries are stretched for
+        self.rotary_window = train_gpt.ATTENTION_BLOCK_SIZE  # the window, in tokens, the rotaries are stretched for
 
-    def stretch_rotaries(self, window_blocks):
-        if int(window_blocks) != self.rotary_window:
+    def stretch_rotaries(self, window):
+        if int(window) != self.rotary_window:
             for module in self.modules():
                 if isinstance(module, train_gpt.Rotary):
-                    stretch_rotary(module, int(window_blocks))
-            self.rotary_window = int(window_blocks)
+                    stretch_rotary(module, int(window) / train_gpt.ATTENTION_BLOCK_SIZE)
+            self.rotary_window = int(window)
 
-    def forward(self, input_seq, target_seq, window_blocks, stream=None, layers=None):
-        self.stretch_rotaries(window_blocks)
-        return super().forward(input_seq, target_seq, window_blocks, stream, layers)
+    def forward(self, input_seq, target_seq, window, stream=None, layers=None):
+        self.stretch_rotaries(window)
+        return super().forward(input_seq, target_seq, window, stream, layers)
 
 
 class GPTWithLaterKinds(GPTStretchingRotary):
@@ -203,9 +203,9 @@ class GPTWithLaterKinds(GPTStretchingRotary):
         self.out_scale = nn.Parameter(torch.tensor(1.5))
         self.attention_scales = nn.Parameter(torch.linspace(0.8, 1.2, num_layers))
 
-    def forward(self, input_seq, target_seq, window_blocks, stream=None, layers=None):
-        self.stretch_rotaries(window_blocks)
-        masks = self.attention_masks(input_seq, window_blocks)
+    def forward(self, input_seq, target_seq, window, stream=None, layers=None):
+        self.stretch_rotaries(window)
+        masks = self.attention_masks(input_seq, window)
         if stream is None:
             stream = self.stream_enters(self.embed_tokens(input_seq))
         layers = range(len(self.blocks)) if layers is None else layers

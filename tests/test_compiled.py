@@ -44,11 +44,11 @@ def compiled_over_the_schedule():
     counters.clear()
     compiled = torch.compile(model, dynamic=False)
     tokens = sequence_with_documents(DOC_STARTS, SEQ_LEN + 1)
-    windows = sorted({train_gpt.window_size_blocks(step, args) for step in range(args.num_iterations + 1)})
+    windows = sorted({train_gpt.window_tokens(step, args) for step in range(args.num_iterations + 1)})
     graphs_after_first_window, losses = None, []
     with torch._dynamo.config.patch(error_on_recompile=True):  # a recompile raises
-        for blocks in windows:
-            window = train_gpt.window_tensor(blocks, torch.device("cpu"))
+        for tokens_seen in windows:
+            window = train_gpt.window_tensor(tokens_seen, torch.device("cpu"))
             loss = compiled(tokens[:-1].to(torch.int32), tokens[1:], window)
             loss.backward()
             losses.append((loss.item(), eager(tokens[:-1].to(torch.int32), tokens[1:], window)))
@@ -61,7 +61,7 @@ def compiled_over_the_schedule():
 
 def test_the_model_compiles_once_across_the_window_schedule_with_no_graph_break(compiled_over_the_schedule):
     run = compiled_over_the_schedule
-    assert run["windows"] == [1, 2, 3, 4]  # every window size from 1 to 4 blocks
+    assert run["windows"] == [128, 256, 384, 512]  # every window size from 1 to 4 blocks, in tokens
     assert not run["graph_breaks"], run["graph_breaks"]
     assert run["unique_graphs"] == run["graphs_after_first_window"]
 
@@ -82,7 +82,7 @@ def test_the_fp8_head_runs_inside_the_compiled_model(compiled_over_the_schedule)
     # and its quantisation shows: an fp32 head's gradient differs from it by more than rounding, by less than 10%
     args = small_args()
     tokens = sequence_with_documents(DOC_STARTS, SEQ_LEN + 1)
-    batch = (tokens[:-1].to(torch.int32), tokens[1:], train_gpt.window_tensor(1, torch.device("cpu")))
+    batch = (tokens[:-1].to(torch.int32), tokens[1:], train_gpt.window_tensor(train_gpt.ATTENTION_BLOCK_SIZE, torch.device("cpu")))
     explained = torch._dynamo.explain(nonzero_model(args))(*batch)
     assert any("nanogpt.mm" in str(graph.graph) for graph in explained.graphs)
     grads = []

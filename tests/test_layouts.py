@@ -152,11 +152,11 @@ def test_a_matrix_no_module_kind_claims_is_muons_when_of_the_stream_width_and_re
 
 def test_code_between_gpt_forwards_steps_that_runs_once_per_part_is_refused_naming_gpt_forward(layout_files):
     class GPTShiftingEveryPart(train_gpt.GPT):  # a shift put after the embedding's branch: every part applies it
-        def forward(self, input_seq, target_seq, window_blocks, stream=None, layers=None):
+        def forward(self, input_seq, target_seq, window, stream=None, layers=None):
             if stream is None:
                 stream = self.stream_enters(self.embed_tokens(input_seq))
             stream = dict(stream, x=stream["x"] + 0.5)
-            return super().forward(input_seq, target_seq, window_blocks, stream, layers)
+            return super().forward(input_seq, target_seq, window, stream, layers)
     args = train_gpt.parse_args(tiny_flags(layout_files, **LAYOUT_TEST_FLAGS), cuda=False)
     model = GPTShiftingEveryPart(args.vocab_size, args.num_layers, args.num_heads, args.head_dim, args.model_dim,
                                 args.train_seq_len, args.window_pattern)
@@ -224,6 +224,6 @@ def test_check_layout_finds_a_layout_that_mixes_positions_or_skips_gpt_forward_w
 def test_the_layout_checks_steps_cross_a_change_of_window_learning_rate_and_momentum(flags):
     args = train_gpt.parse_args([f"--{k}={v}" for k, v in dict(dict(preset="tiny"), **flags).items()], cuda=False)
     steps = range(3)
-    assert len({train_gpt.window_size_blocks(step, args) for step in steps}) > 1
+    assert len({train_gpt.window_tokens(step, args) for step in steps}) > 1
     assert len({train_gpt.lr_multiplier(step, args) for step in steps}) > 1
     assert len({train_gpt.muon_momentum(step, args) for step in steps}) > 1

@@ -32,7 +32,7 @@ def model_of(path):
 def test_greedy_samples_follow_the_argmax_of_the_training_forward_on_each_prefix(saved):
     args, model = model_of(saved)
     prompt = [train_gpt.EOT_TOKEN, 464, 3290, 318]
-    window = train_gpt.window_size_blocks(args.num_iterations, args)
+    window = train_gpt.window_tokens(args.num_iterations, args)
     new = train_gpt.generate(model, prompt, 40, 1.0, 1, window, 128, args.vocab_size, torch.Generator())
     assert len(new) >= 10 and len(set(new)) > 1  # (up to an end-of-text token)
     # the reference: the training forward (train mode, the whole sequence at once, padded with another token) and its

@@ -45,9 +45,9 @@ def test_schedules_at_hand_computed_points():
     assert train_gpt.lr_multiplier(399, args) == 1.0
     assert train_gpt.lr_multiplier(700, args) == pytest.approx(0.5 * 1 + 0.5 * 0.15)
     assert train_gpt.lr_multiplier(1000, args) == pytest.approx(0.15)
-    assert train_gpt.window_size_blocks(0, args) == 1  # at least one 128-token block
-    assert train_gpt.window_size_blocks(500, args) == 7  # 864 tokens -> 896 = 7 blocks
-    assert train_gpt.window_size_blocks(1000, args) == 14  # 1728 -> 1792 tokens
+    assert train_gpt.window_tokens(0, args) == 128  # at least one 128-token block
+    assert train_gpt.window_tokens(500, args) == 896  # 864 tokens -> 7 blocks
+    assert train_gpt.window_tokens(1000, args) == 1792  # 1728 -> 14 blocks
     assert train_gpt.muon_momentum(0, args) == pytest.approx(0.85)
     assert train_gpt.muon_momentum(150, args) == pytest.approx(0.90)
     assert train_gpt.muon_momentum(300, args) == pytest.approx(0.95)
