@@ -969,8 +969,9 @@ def muon_momentum(step: int, args: Hyperparameters) -> float:
     return (1 - frac) * 0.85 + frac * 0.95
 
 def adam_steps(step: int, args: Hyperparameters) -> bool:
-    """Whether Adam steps after step `step` (from 0): on the last of every adam_every steps, the gradients summed."""
-    return (step + 1) % args.adam_every == 0
+    """Whether Adam steps after step `step` (from 0): on the last of every adam_every steps, the gradients summed,
+    and on the run's last step (its gradients would go unused)."""
+    return (step + 1) % args.adam_every == 0 or step + 1 == args.num_iterations
 
 def set_schedules(optimizers: list[torch.optim.Optimizer], step: int, args: Hyperparameters) -> None:
     for opt in optimizers:
@@ -1425,7 +1426,7 @@ def load_checkpoint(path: Path) -> dict:
             shown = f" {value!r}"[:60] if isinstance(value, (str, int, float, type(None))) else ""
             raise UserError(f"checkpoint {path} has a bad {field} field{shown} (expected {expected}): it is damaged or "
                             "was edited; resume from another one")
-    for name, tensor in state["model"].items():
+    for name, tensor in [*state["model"].items(), *state["held_gradients"].items()]:
         need(torch.isfinite(tensor).all(), f"checkpoint {path} holds non-finite values in tensor {name}: training from "
              "it would diverge at once; resume from an earlier one")
     return state
@@ -1450,9 +1451,9 @@ def restore_checkpoint(state: dict, path: Path, trainer: "Trainer") -> None:
     names = {p: name for name, p in model.named_parameters()}
     for opt, owners, saved, keys in ((adam, adam_owners, state["adam"], ("step", "exp_avg", "exp_avg_sq")),
                                      (muon, muon_owners, state["muon"], ("momentum_buffer", "second_moment"))):
-        gaps = [f"{names[p]}{'.' + missing if missing else ''}" for p in owners  # (empty: not stepped yet)
+        gaps = [f"{names[p]}{'.' + missing if missing else ''}" for p in owners  # (Adam's empty: not stepped yet)
                 for missing in ([None] if names[p] not in saved else [k for k in keys if k not in saved[names[p]]]
-                                if saved[names[p]] else [])]
+                                if saved[names[p]] or opt is muon else [])]
         need(not gaps, f"checkpoint {path} has no {type(opt).__name__} state for {', '.join(gaps[:5])}"
              f"{' and more' if len(gaps) > 5 else ''}: it is incomplete; resume from another one")
     with trainer.layout.zero.whole_parameters():
@@ -2523,7 +2524,8 @@ class GradientBuckets:
     (owner_of), with reduce_to_owner (stages 2, 3) reducing each bucket to its owner alone. summed_first: pipeline
     stages sharing a parameter sum its gradient first. sum_dtype=torch.float64 sums and reduces in float64 and
     rounds once, so every world size trains bit-identical models. held: parameters whose gradients, in a step that
-    holds them (hold()), stay on each rank and add up with the next step's, reduced only when a step uses them."""
+    holds them (hold()), stay on each rank and add up with the following steps', reduced only when a step uses
+    them."""
 
     def __init__(self, params, bucket_mb: float = 25, sum_dtype: torch.dtype | None = None,
                  owner_of: dict | None = None, reduce_to_owner: bool = False, dp: Axis = Axis(),
@@ -2616,6 +2618,8 @@ class GradientBuckets:
         first in token order, as the dense backward sums it."""
         for p in self.buckets[i]:
             grad, p.grad = p.grad, None
+            if grad is None:  # (none yet: wait() names a bucket that is never complete)
+                continue
             if not grad.is_sparse:
                 self.sum_of[p] += grad
                 self.rows_summed[p] = None
@@ -3567,6 +3571,17 @@ def account_step(trainer: Trainer, batches, step: int = 0) -> dict:
                 comm=dict(comm_bytes), loss_sum=loss_sum)
     return held
 
+def accounted_steps(args: Hyperparameters) -> list[int]:
+    """The steps the plan runs: one that holds Adam's gradients (each rank keeps them whole) and one on which Adam
+    steps (the most sent)."""
+    return sorted({0, args.adam_every - 1})
+
+def most_held(accounts: list[dict]) -> dict:
+    """account_step's figures of accounted_steps, as the plan shows them: each byte count at its largest, and the
+    collectives and loss of the last step, Adam's."""
+    return {kind: accounts[-1][kind] if kind in ("comm", "loss_sum") else max(a[kind] for a in accounts)
+            for kind in accounts[-1]}
+
 @contextlib.contextmanager
 def simulated_rank(rank: int, world_size: int):
     """This process as rank `rank` under PyTorch's fake process group, whose collectives send nothing."""
@@ -3605,7 +3620,7 @@ def plan_layout(args: Hyperparameters, world_size: int, cuda: bool) -> dict:
                 with simulated_rank(rank, world_size):
                     trainer = build_trainer(args, build_parallel_context(rank, world_size, meta, args.tp, args.pp),
                                             cuda_dtypes=cuda, stream_specs=stream_specs)
-                    held = account_step(trainer, batches, step=args.adam_every - 1)  # (Adam's: the most sent)
+                    held = most_held([account_step(trainer, batches, step) for step in accounted_steps(args)])
                 del held["loss_sum"]
                 held["activations"] = int(held["activations"] * (COMPILED_ACTIVATIONS if compiled else 1))
                 names = {p: name for name, p in trainer.model.named_parameters()}
@@ -3725,19 +3740,20 @@ def trains_like_one_process(ranks: list[dict], reference: dict, floors: tuple[fl
 def train_steps(rank: int, world_size: int, flags: list[str], steps: int, device_type: str = "cpu",
                 jitter: float = 0.0) -> dict:
     """`steps` steps of the run flags describe, zero-initialised layers made non-zero, as this rank: losses, the bytes
-    of the first step on which Adam steps, the parameter names held, and on rank 0 the one-process training state
-    after the last step. With jitter, every gradient (of those not held back) is multiplied by 1 + jitter x a normal
-    draw (seeded) before each step: the noise floor."""
+    the plan shows (most_held of its accounted steps), the parameter names held, and on rank 0 the one-process
+    training state
+    after the last step. With jitter, every gradient in a parameter's .grad (those held in float64 sums are not) is
+    multiplied by 1 + jitter x a normal draw (seeded) before each step: the noise floor."""
     args = parse_args(flags, cuda=False)
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
     trainer = build_trainer(args, build_parallel_context(rank, world_size, device, args.tp, args.pp),
                             nonzero_init=True)
     batches = train_batches(trainer)
-    losses, no_gradient, accounted, draws = [], torch.zeros((), device=device), None, torch.Generator().manual_seed(0)
+    losses, no_gradient, accounts, draws = [], torch.zeros((), device=device), [], torch.Generator().manual_seed(0)
     for step in range(steps):
-        if step == args.adam_every - 1 and not jitter:
-            accounted = account_step(trainer, batches, step)
-            loss_sum = accounted.pop("loss_sum")
+        if step in accounted_steps(args) and not jitter:
+            accounts.append(account_step(trainer, batches, step))
+            loss_sum = accounts[-1].pop("loss_sum")
         else:
             loss_sum = forward_backward(trainer, batches, step)
             for p in trainer.model.parameters() if jitter else ():
@@ -3747,7 +3763,8 @@ def train_steps(rank: int, world_size: int, flags: list[str], steps: int, device
         losses.append(trainer.layout.step_stats(loss_sum, no_gradient, stop=False)[0].item())
     with trainer.layout.zero.whole_parameters():  # (copied: ZeRO 3 frees the gathered values afterwards)
         state = pytree.tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, gather_training_state(trainer))
-    return dict(losses=losses, adam_step=accounted, state=state, held=list(dict(trainer.model.named_parameters())))
+    return dict(losses=losses, accounted=most_held(accounts) if accounts else None, state=state,
+                held=list(dict(trainer.model.named_parameters())))
 
 def flat_state(state: dict) -> dict[str, Tensor]:
     """A training state as {"model/embed.weight": tensor, "adam/embed.weight/exp_avg": tensor, ...}."""

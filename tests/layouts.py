@@ -345,7 +345,7 @@ def assert_holds_and_sends_what_the_plan_predicts(ranks, files, **layout):
     args = train_gpt.parse_args(tiny_flags(files, **LAYOUT_TEST_FLAGS, **layout), cuda=False)
     plan = train_gpt.plan_layout(args, len(ranks), cuda=False)
     for rank, predicted in zip(ranks, plan["ranks"]):
-        held = rank["adam_step"]
+        held = rank["accounted"]
         for kind in ("parameters", "peak_parameters", "gradients", "gradient_sums", "optimizer_states", "comm"):
             assert held[kind] == predicted[kind], kind
 

@@ -263,7 +263,9 @@ def test_bad_checkpoints_are_refused_by_name(tmp_path, files):
     for name, value, words in [("lm_head.weight", torch.zeros(3), r"a gradient for lm_head.weight of shape \(3,\), "
                                 r"which is of shape \(50304, 32\) here"),
                                ("blocks.0.mlp.c_fc.weight", torch.zeros(128, 32), r"a gradient for "
-                                r"blocks.0.mlp.c_fc.weight of shape \(128, 32\), which is not one of Adam's")]:
+                                r"blocks.0.mlp.c_fc.weight of shape \(128, 32\), which is not one of Adam's"),
+                               ("lm_head.weight", torch.full((50304, 32), float("nan")),
+                                "non-finite values in tensor lm_head.weight")]:
         state = checkpoint(tmp_path, "small", 4)
         state["held_gradients"][name] = value
         edited = tmp_path / "edited.pt"

@@ -67,6 +67,7 @@ def test_adam_steps_on_the_last_of_every_adam_every_steps():
     assert [train_gpt.adam_steps(step, train_gpt.Hyperparameters(adam_every=3)) for step in range(6)] == \
         [False, False, True, False, False, True]
     assert all(train_gpt.adam_steps(step, train_gpt.Hyperparameters(adam_every=1)) for step in range(3))
+    assert train_gpt.adam_steps(4, train_gpt.Hyperparameters(adam_every=2, num_iterations=5))  # the last step's too
 
 
 @pytest.mark.parametrize("fp64_grad_sum", [True, False])
@@ -248,7 +249,7 @@ def test_float64_sums_of_sparse_embedding_gradients_equal_those_of_dense_ones(tm
             m.sparse = sparse
         batches = train_gpt.DistributedDataLoader(args.train_files, 128, args.seqs_per_step, 0, 1,
                                                   trainer.ctx.device)
-        for step in (0, 1):  # a third step: Adam has stepped, and the zero-initialised head no longer zeroes every
+        for step in (0, 1):  # then a step after Adam's first: the zero-initialised head no longer zeroes every
             train_step(trainer, batches, step)  # gradient
         train_gpt.forward_backward(trainer, batches, 3)  # (one on which Adam steps: no gradient is held back)
         grads.append({name: p.grad for name, p in trainer.model.named_parameters()})

@@ -2,6 +2,8 @@
 plan of the record on eight GPUs. (tests/test_layouts.py: the same training as one process.)"""
 import re
 
+import torch
+
 import pytest
 
 import train_gpt
@@ -13,8 +15,8 @@ from test_checkpoints import main_on_rank
 @pytest.mark.parametrize("zero", [1, 2, 3])
 def test_zero_on_two_ranks_splits_what_each_rank_holds(layout_runs, zero):
     ranks, single = layout_runs(f"dp2_zero{zero}"), layout_runs("one process")
-    held = [rank["adam_step"] for rank in ranks]
-    full = single["adam_step"]
+    held = [rank["accounted"] for rank in ranks]
+    full = single["accounted"]
     # after the step's reduction each rank keeps the gradients of the parameters it updates: one copy in all
     assert sum(rank["gradients"] for rank in held) == full["gradients"]
     if zero >= 3:  # one copy of the parameters across the ranks between uses, and more while a step runs
@@ -54,3 +56,18 @@ def test_plan_prints_per_rank_memory_for_the_record_on_eight_gpus(capsys):
     out = capsys.readouterr().out
     assert "8 processes = pipeline 1 x data parallel 8 x tensor parallel 1, ZeRO stage 1" in out
     assert len(re.findall(r"^\s+\d+\s+\d+\s+\d+\.\d+ ", out, flags=re.M)) == 8  # one memory row per rank
+
+
+def test_the_plan_counts_adams_gradients_held_whole_on_every_rank(files):
+    # without float64 sums, a step that holds Adam's gradients keeps each rank's own, whole, until Adam's step
+    # reduces them to their owners: the plan shows the larger of the two steps
+    flags = dict(zero=1, fp64_grad_sum=False, num_iterations=3)
+    plans = {every: train_gpt.plan_layout(train_gpt.parse_args(tiny_flags(files, adam_every=every, **flags),
+                                                               cuda=False), 2, cuda=False) for every in (1, 2)}
+    args = train_gpt.parse_args(tiny_flags(files, **flags), cuda=False)
+    model = train_gpt.build_model(args, torch.device("meta"))
+    params = dict(model.named_parameters())
+    groups = train_gpt.optimizer_param_groups(model, args.vocab_size, args.model_dim)
+    adam_bytes = sum(train_gpt.nbytes(params[name]) for kind in ("head", "embed", "scalar") for name in groups[kind])
+    owned, held = ([rank["gradients"] for rank in plans[every]["ranks"]] for every in (1, 2))
+    assert adam_bytes > 0 and sum(held) == sum(owned) + adam_bytes  # each of Adam's on both ranks, not on one
