@@ -1174,7 +1174,7 @@ def optimizer_step(trainer: Trainer, step: int) -> None:
     stepping = [adam, muon] if adam_steps(step, trainer.args) else [muon]
     for opt in stepping:
         opt.step()  # (a parameter without a gradient here is another rank's to update)
-    trainer.layout.send_updated_parameters(stepping)  # ZeRO: each owner's updated parameters to the other ranks
+    trainer.layout.send_updated_parameters()  # ZeRO: each owner's updated parameters to the other ranks
     for opt in stepping:
         opt.zero_grad(set_to_none=True)
 
@@ -1466,11 +1466,9 @@ def restore_checkpoint(state: dict, path: Path, trainer: "Trainer") -> None:
     for p, owner in muon_owners.items():
         if owner == ctx.dp.rank:
             muon.state[p] = {key: value.to(p.device, copy=True) for key, value in state["muon"][names[p]].items()}
-    gradients, params = trainer.layout.gradients, dict(model.named_parameters())
-    gradients.hold_gradients({  # (a pipeline stage: the gradients of its parameters)
-        params[name]: own_slice(params[name], grad).to(params[name].device, params[name].dtype if gradients.sums is
-                                                       None else gradients.sums[0].dtype, copy=True)
-        for name, grad in state["held_gradients"].items() if name in params})
+    params = dict(model.named_parameters())  # (a pipeline stage holds its own parameters' gradients)
+    trainer.layout.gradients.hold_gradients({params[name]: own_slice(params[name], grad).to(params[name].device)
+                                             for name, grad in state["held_gradients"].items() if name in params})
     torch.set_rng_state(state["rng"]["cpu"])
     if ctx.device.type == "cuda" and state["rng"]["cuda"] is not None:
         torch.cuda.set_rng_state(state["rng"]["cuda"], ctx.device)
@@ -2357,7 +2355,8 @@ class ModelTrace(torch.overrides.TorchFunctionMode):
         model, n = self.model, len(self.model.blocks)
         tokens = torch.arange(self.seq_len + 1, device=next(model.parameters()).device) % EOT_TOKEN
         tokens[0] = EOT_TOKEN
-        inputs, targets, window = tokens[:-1].to(torch.int32), tokens[1:], window_tensor(ATTENTION_BLOCK_SIZE, tokens.device)
+        inputs, targets = tokens[:-1].to(torch.int32), tokens[1:]
+        window = window_tensor(ATTENTION_BLOCK_SIZE, tokens.device)
         self.probe = inputs, targets, window
 
         def leave(module, args, kwargs, output):
@@ -2489,14 +2488,15 @@ class Layout:
                             and (hasattr(p, "slice_of") or ctx.tp.rank == 0)]  # each gradient counted once
         return [adam, muon]
 
-    def send_updated_parameters(self, stepped: list[torch.optim.Optimizer]) -> None:
-        """After the optimizers' steps: the parameters an owner updated alone, to the other ranks (ZeRO)."""
-        self.zero.send_updated_parameters({p for opt in stepped for group in opt.param_groups for p in group["params"]})
+    def send_updated_parameters(self) -> None:
+        """After the optimizers' steps: the parameters an owner updated alone, to the other ranks (ZeRO); not those
+        whose gradients wait."""
+        self.zero.send_updated_parameters(skip=self.gradients.waiting())
 
     def gradient_squares(self) -> Tensor:
         """This rank's share of the squared global gradient norm, of the gradients the step uses (not those held)."""
-        held = self.gradients.held if self.gradients.holding else set()
-        grads = [p.grad for p in self.norm_params if p.grad is not None and p not in held]
+        waiting = self.gradients.waiting()
+        grads = [p.grad for p in self.norm_params if p.grad is not None and p not in waiting]
         return torch.nn.utils.get_total_norm(grads).square() if grads else torch.zeros((), device=self.ctx.device)
 
     def loss_share(self, loss: Tensor) -> Tensor:
@@ -2565,6 +2565,10 @@ class GradientBuckets:
     def hold(self, holding: bool) -> None:
         """Before a step's backward: whether its held gradients stay on this rank, for a later step's."""
         self.holding = holding
+
+    def waiting(self) -> set:
+        """The parameters whose gradients this step leaves waiting (so their optimizer does not step)."""
+        return self.held if self.holding else set()
 
     def _waits(self, i: int) -> bool:
         return self.holding and self.buckets[i][0] in self.held
@@ -2706,7 +2710,7 @@ class GradientBuckets:
     def hold_gradients(self, held: dict[Tensor, Tensor]) -> None:
         """Hold these gradients (held_gradients()'s) as if this rank's steps had summed them: all on the first
         data-parallel rank, times the ranks (the step using them averages), and on the first of the pipeline stages
-        sharing a parameter."""
+        sharing a parameter; in the float64 sums, or as the parameter's gradient in its dtype."""
         for p, grad in held.items():
             holder = self.dp.rank == 0 and (p not in self.summed_first or self.summed_first[p][0].rank == 0)
             total = grad * self.dp.size if holder else torch.zeros_like(grad)
@@ -2808,10 +2812,10 @@ class Zero:
         """For GradientBuckets: the rank that keeps each gradient (stage 1 and up), or None: every rank."""
         return self.owner_of if self.stage >= 1 else None
 
-    def send_updated_parameters(self, updated: set) -> None:
-        """After the optimizers' steps: of the parameters they updated, those an owner updated alone, sent to the
-        other ranks."""
-        for handle in [self.broadcast_from_owner(p) for p in self.sent_after_step if p in updated]:
+    def send_updated_parameters(self, skip: set) -> None:
+        """After the optimizers' steps: the parameters an owner updated alone, sent to the other ranks (but those in
+        skip, which no optimizer stepped)."""
+        for handle in [self.broadcast_from_owner(p) for p in self.sent_after_step if p not in skip]:
             handle.wait()
 
     def broadcast_from_owner(self, param: Tensor):
@@ -3741,9 +3745,8 @@ def train_steps(rank: int, world_size: int, flags: list[str], steps: int, device
                 jitter: float = 0.0) -> dict:
     """`steps` steps of the run flags describe, zero-initialised layers made non-zero, as this rank: losses, the bytes
     the plan shows (most_held of its accounted steps), the parameter names held, and on rank 0 the one-process
-    training state
-    after the last step. With jitter, every gradient in a parameter's .grad (those held in float64 sums are not) is
-    multiplied by 1 + jitter x a normal draw (seeded) before each step: the noise floor."""
+    training state after the last step. With jitter, every gradient in a parameter's .grad (those held in float64
+    sums are not) is multiplied by 1 + jitter x a normal draw (seeded) before each step: the noise floor."""
     args = parse_args(flags, cuda=False)
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
     trainer = build_trainer(args, build_parallel_context(rank, world_size, device, args.tp, args.pp),
