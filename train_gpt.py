@@ -268,7 +268,7 @@ class Adam(torch.optim.Adam):
         torch._foreach_sub_(params, updates)
 
 # ----------------------------------------------------------------------------------------------------
-# Model: the U-Net GPT with value embeddings and document-causal sliding-window attention
+# Model: a GPT with record #89's layer stack, value embeddings and document-causal sliding-window attention
 
 def next_multiple_of_n(v: float, n: int) -> int:
     return max(n, n * math.ceil(v / n))
@@ -406,24 +406,32 @@ class MLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return self.c_proj(F.relu(self.c_fc(x)).square())  # ReLU^2
 
+# a gated skip starts at #89's weight: sigmoid(-1.5) times its gate's 0.5
+SKIP_GATE_START = -math.log(2 * (1 + math.exp(1.5)) - 1)  # the logit of 0.5 / (1 + e^1.5)
+
 class Block(nn.Module):
+    """Attention (none in an attention-free layer), then the MLP. Each sublayer scales the residual and its own output
+    by learned scalars, the residual's starting at sqrt(1.1), so 1.1 a layer (#45); the embedding x0 re-enters after
+    attention, its scale starting at 0. A skip from an earlier layer joins first through a sigmoid gate; attention
+    may read another layer's output than the block's input."""
+
     def __init__(self, dim: int, num_heads: int, head_dim: int, max_seq_len: int, has_attention: bool,
                  takes_skip: bool):
         super().__init__()
         self.attn = CausalSelfAttention(dim, num_heads, head_dim, max_seq_len) if has_attention else None
         self.mlp = MLP(dim)
-        self.lambdas = nn.Parameter(torch.tensor([1.0, 0.0]))  # mix of the residual stream and the embedding x0
-        # decoder blocks weigh the U-Net skip from their mirror encoder block
-        self.skip_weight = nn.Parameter(torch.tensor(1.0)) if takes_skip else None
+        self.attn_scales = nn.Parameter(torch.tensor([1.1 ** 0.5, 1.0, 0.0])) if has_attention else None  # x, out, x0
+        self.mlp_scales = nn.Parameter(torch.tensor([1.1 ** 0.5, 1.0]))  # x, out
+        self.skip_gate = nn.Parameter(torch.tensor(SKIP_GATE_START)) if takes_skip else None
 
-    def forward(self, x: Tensor, skip: Tensor | None, ve: Tensor | None, x0: Tensor,
-                mask: BlockMask | Tensor) -> Tensor:
+    def forward(self, x: Tensor, skip: Tensor | None, ve: Tensor | None, x0: Tensor, mask: BlockMask | Tensor,
+                attend_over: Tensor | None = None, **for_attention) -> Tensor:
         if skip is not None:
-            x = x + self.skip_weight * skip
-        x = self.lambdas[0] * x + self.lambdas[1] * x0
+            x = x + torch.sigmoid(self.skip_gate) * skip
         if self.attn is not None:
-            x = x + self.attn(norm(x), ve, mask)
-        return x + self.mlp(norm(x))
+            out = self.attn(norm(x if attend_over is None else attend_over), ve, mask, **for_attention)
+            x = self.attn_scales[0] * x + self.attn_scales[1] * out + self.attn_scales[2] * x0
+        return self.mlp_scales[0] * x + self.mlp_scales[1] * self.mlp(norm(x))
 
 class SoftCap(torch.autograd.Function):
     """30 * sigmoid(logits / scale) and its gradient, writing two fewer (tokens x vocabulary) tensors than autograd
@@ -477,23 +485,28 @@ def value_embedding_of_layers(num_layers: int, num_value_embeds: int) -> list[in
     return [i if i < n else i - (num_layers - n) if i >= num_layers - n else None for i in range(num_layers)]
 
 class GPT(nn.Module):
-    """U-Net GPT: encoder outputs feed the mirrored decoder blocks through learnable skip weights, value embeddings
-    the first and last layers' values. The stream (a dict of tensors) goes from the embedding through each block to
-    the head; layouts run the forward in parts along it, and hook its two seams."""
+    """The GPT of record #89's layer stack: value embeddings feed the first and last layers' values, a gated skip
+    carries one layer's output to a later layer's input (#32, #45, #55), the layers after a chosen one attend over its
+    output (#73, #77), and the head's input takes a learned share of that output back out ("backout", starting at
+    -0.5). The stream (a dict of tensors) goes from the embedding through each block to the head; layouts run the
+    forward in parts along it, and hook its two seams."""
     NUM_VALUE_EMBEDS = 3
 
     def __init__(self, vocab_size: int, num_layers: int, num_heads: int, head_dim: int, model_dim: int,
-                 max_seq_len: int, window_pattern: str, layers_without_attention=(), fp8_head=True):
+                 max_seq_len: int, window_pattern: str, layers_without_attention=(),
+                 skip: tuple[int, int] | None = None, attend_over: int | None = None, fp8_head=True):
         super().__init__()
         self.window_pattern = window_pattern
-        self.num_encoder_layers = num_layers // 2
+        self.skip, self.attend_over = skip, attend_over
+        self.kept_layers = {i for i in (*(skip or ()), attend_over) if i is not None}  # outputs the stream carries on
         self.value_embed_of_layer = value_embedding_of_layers(num_layers, self.NUM_VALUE_EMBEDS)
         self.embed = nn.Embedding(vocab_size, model_dim)
         self.value_embeds = nn.ModuleList([nn.Embedding(vocab_size, model_dim)
                                            for _ in range(self.NUM_VALUE_EMBEDS)])
         self.blocks = nn.ModuleList([Block(model_dim, num_heads, head_dim, max_seq_len,
-                                           i not in layers_without_attention, i >= self.num_encoder_layers)
+                                           i not in layers_without_attention, skip is not None and i == skip[1])
                                      for i in range(num_layers)])
+        self.backout = nn.Parameter(torch.tensor(-0.5)) if attend_over is not None else None
         # vocab padded to a multiple of 128 for faster kernels; the FP8 scales are the record's
         self.lm_head = LMHead(model_dim, next_multiple_of_n(vocab_size, n=128), use_fp8=fp8_head,
                               x_s=model_dim ** 0.5 / 448, w_s=24 / 448, grad_s=1 / 448)
@@ -526,22 +539,28 @@ class GPT(nn.Module):
                 for letter, mask in (("L", long_mask), ("S", short_mask))}
 
     def embed_tokens(self, input_seq: Tensor) -> dict:
-        """The stream from block to block: residual x, normed embedding x0, value embeddings, pending U-Net skips."""
+        """The stream from block to block: residual x, normed embedding x0, value embeddings, and the outputs of the
+        layers read later (`layer3`: layer 3's)."""
         x = norm(self.embed(input_seq)[None])  # (1, T, D)
-        return dict(x=x, x0=x, ve=[value_embed(input_seq) for value_embed in self.value_embeds], skips=[])
+        return dict(x=x, x0=x, ve=[value_embed(input_seq) for value_embed in self.value_embeds])
 
     def run_block(self, i: int, stream: dict, masks: dict) -> dict:
-        skips = list(stream["skips"])
-        skip = skips.pop() if i >= self.num_encoder_layers else None  # the mirror encoder block's output
-        k = self.value_embed_of_layer[i]
-        x = self.blocks[i](stream["x"], skip, stream["ve"][k] if k is not None else None, stream["x0"],
-                           masks[self.window_pattern[i]])
-        if i < self.num_encoder_layers:
-            skips.append(x)
-        return dict(stream, x=x, skips=skips)
+        return self.keep_output(i, dict(stream, x=self.blocks[i](**self.block_inputs(i, stream, masks))))
+
+    def block_inputs(self, i: int, stream: dict, masks: dict) -> dict:
+        """What block i takes from the stream."""
+        k, skip, over = self.value_embed_of_layer[i], self.skip, self.attend_over
+        return dict(x=stream["x"], skip=stream[f"layer{skip[0]}"] if skip is not None and i == skip[1] else None,
+                    ve=stream["ve"][k] if k is not None else None, x0=stream["x0"], mask=masks[self.window_pattern[i]],
+                    attend_over=stream[f"layer{over}"] if over is not None and i > over else None)
+
+    def keep_output(self, i: int, stream: dict) -> dict:
+        """The stream after block i, carrying its output on where a later layer or the head reads it."""
+        return dict(stream, **{f"layer{i}": stream["x"]}) if i in self.kept_layers else stream
 
     def head_loss(self, stream: dict, target_seq: Tensor | None) -> Tensor:
-        out = self.lm_head(norm(stream["x"])[0], target_seq)
+        x = stream["x"] if self.backout is None else stream["x"] + self.backout * stream[f"layer{self.attend_over}"]
+        out = self.lm_head(norm(x)[0], target_seq)
         return out if self.training or target_seq is None else out / len(target_seq)
 
 # ----------------------------------------------------------------------------------------------------
@@ -709,13 +728,16 @@ def flag(default, help: str, group: str = "", choices: tuple = ()):
 
 @dataclass
 class Hyperparameters:
-    num_layers: int = flag(12, "transformer blocks (even: the U-Net's halves)", "model")
+    num_layers: int = flag(11, "transformer blocks", "model")
     num_heads: int = flag(6, "attention heads per layer")
     head_dim: int = flag(128, "dimensions per head (a multiple of 4)")
     model_dim: int = flag(768, "residual stream width (= num_heads x head_dim)")
     vocab_size: int = flag(50257, "tokens in the vocabulary (the head is padded to a multiple of 128)")
-    window_pattern: str = flag("LSSSLSSLSSSL", "per layer, a long (L) or short (S, half) sliding window")
-    attention_free_layers: str = flag("7", "comma-separated layer indices without attention")
+    window_pattern: str = flag("SSSLSSSSSSL", "per layer, a long (L) or short (S, half) sliding window")
+    attention_free_layers: str = flag("6", "comma-separated layer indices without attention")
+    skip_layers: str = flag("3,6", "a gated skip: the first layer's output joins the second's input (empty: none)")
+    attend_over_layer: str = flag("7", "the later layers attend over this layer's output, and the head's input takes "
+                                       "a learned share of it back out (empty: none)")
     window_max_tokens: int = flag(1728, "tokens: the sliding window grows linearly to this over the run")
     fp8_head: bool = flag(True, "FP8 matmul for the head in training")
     num_iterations: int = flag(1770, "optimizer steps", "optimizer and schedule")
@@ -798,7 +820,8 @@ PRESETS = {
                 val_tokens=128 * 1024, train_seq_len=256, val_seq_len=256, seqs_per_step=8, num_layers=6,
                 num_heads=2, head_dim=64, model_dim=128, window_pattern="LSSSSL", attention_free_layers="",
                 window_max_tokens=512, fp8_head=False, num_iterations=230, muon_momentum_warmup_steps=50,
-                muon_momentum_cooldown_steps=9, lr_head=0.077, lr_embed=0.21, lr_scalar=0.014, lr_muon=0.0175,
+                skip_layers="1,3", attend_over_layer="3", muon_momentum_cooldown_steps=9, lr_head=0.077,
+                lr_embed=0.21, lr_scalar=0.014, lr_muon=0.0175,
                 cooldown_frac=0.4, lr_final=0.1, val_loss_every=46, target_val_loss=5.15, fp64_grad_sum=True,
                 doc_max_tokens=0, optimizer_recipe="23", adam_every=1,  # a stream: the shards hold 38 whole plays
                 save_every=230),  # (to sample from)
@@ -806,7 +829,8 @@ PRESETS = {
     "tiny": dict(train_files="data/shakespeare/shakespeare_train_*.bin",
                  val_files="data/shakespeare/shakespeare_val_*.bin",
                  val_tokens=4 * 256, train_seq_len=256, val_seq_len=256, num_layers=6, num_heads=2, head_dim=16,
-                 model_dim=32, window_pattern="LSSSSL", attention_free_layers="4", window_max_tokens=256,
+                 model_dim=32, window_pattern="LSSSSL", attention_free_layers="4", skip_layers="1,4",
+                 attend_over_layer="3", window_max_tokens=256,
                  fp8_head=False, num_iterations=20, muon_momentum_warmup_steps=5, muon_momentum_cooldown_steps=1,
                  val_loss_every=10, target_val_loss=8.0, fp64_grad_sum=True, doc_max_tokens=0),
 }
@@ -846,12 +870,19 @@ def parse_args(argv=None, cuda: bool | None = None) -> Hyperparameters:
     check_hyperparameters(args)
     return args
 
-def attention_free_layer_indices(args: Hyperparameters) -> tuple[int, ...]:
+def layer_indices(args: Hyperparameters, name: str, count: tuple[int, ...] = ()) -> tuple[int, ...]:
+    """The layers flag `name` lists (comma-separated), refused unless each is a layer and there are `count` of them
+    (one of those numbers; any number where count is empty)."""
+    text = getattr(args, name)
     try:
-        return tuple(int(i) for i in args.attention_free_layers.split(",") if i.strip())
+        layers = tuple(int(i) for i in text.split(",") if i.strip())
     except ValueError:
-        raise UserError(f"--attention_free_layers {args.attention_free_layers!r}: expected comma-separated "
-                        "layer indices such as '7'") from None
+        layers = None
+    need(layers is not None and (not count or len(layers) in count) and
+         all(0 <= i < args.num_layers for i in layers), f"--{name} {text!r}: expected "
+         f"{' or '.join(map(str, count)) or 'any number of'} comma-separated layer indices from 0 to "
+         f"{args.num_layers - 1} (--num_layers {args.num_layers})")
+    return layers
 
 # flags that must be above zero; every other number must be at least zero, and every count below 2**31 (counts
 # become int32 tensors and indices), a seed below 2**63
@@ -891,16 +922,17 @@ def check_hyperparameters(args: Hyperparameters) -> None:
              f"--{name} {getattr(args, name)} must be a multiple of {ATTENTION_BLOCK_SIZE} (the attention block)")
     need(args.val_tokens % args.val_seq_len == 0,
          f"--val_tokens {args.val_tokens} must be a multiple of --val_seq_len {args.val_seq_len}")
-    need(args.num_layers % 2 == 0, f"--num_layers {args.num_layers} must be even (the U-Net's two halves)")
     need(len(args.window_pattern) == args.num_layers and set(args.window_pattern) <= {"L", "S"},
          f"--window_pattern {args.window_pattern!r} must have one letter L or S per layer ({args.num_layers})")
     need(args.head_dim % 4 == 0, f"--head_dim {args.head_dim} must be a multiple of 4 (half-truncated rotary)")
-    bad = [i for i in attention_free_layer_indices(args) if not 0 <= i < args.num_layers]
-    need(not bad, f"--attention_free_layers names layers {bad} outside 0..{args.num_layers - 1}")
+    skip = layer_indices(args, "skip_layers", (0, 2))
+    need(not skip or skip[0] < skip[1], f"--skip_layers {args.skip_layers!r}: the skip goes from an earlier layer "
+         "to a later one")
+    layer_indices(args, "attend_over_layer", (0, 1))
     fed = value_embedding_of_layers(args.num_layers, GPT.NUM_VALUE_EMBEDS)
     for k in range(GPT.NUM_VALUE_EMBEDS):
         layers = [i for i, j in enumerate(fed) if j == k]
-        need(not set(layers) <= set(attention_free_layer_indices(args)),
+        need(not set(layers) <= set(layer_indices(args, "attention_free_layers")),
              f"--num_layers {args.num_layers} with --attention_free_layers {args.attention_free_layers!r} leaves value "
              f"embedding {k} nothing to feed: it is added to the values of layers {layers}, which have no "
              "attention; keep attention in one of them")
@@ -990,7 +1022,9 @@ def build_model(args: Hyperparameters, device: torch.device, cuda_dtypes: bool |
         model = GPT(vocab_size=args.vocab_size, num_layers=args.num_layers, num_heads=args.num_heads,
                     head_dim=args.head_dim, model_dim=args.model_dim,
                     max_seq_len=max(args.train_seq_len, args.val_seq_len), window_pattern=args.window_pattern,
-                    layers_without_attention=attention_free_layer_indices(args), fp8_head=args.fp8_head)
+                    layers_without_attention=layer_indices(args, "attention_free_layers"),
+                    skip=layer_indices(args, "skip_layers") or None,
+                    attend_over=next(iter(layer_indices(args, "attend_over_layer")), None), fp8_head=args.fp8_head)
     return to_device(model, device, cuda_dtypes)
 
 def to_device(model: nn.Module, device: torch.device, cuda_dtypes: bool | None = None) -> nn.Module:
@@ -3354,6 +3388,15 @@ def stage_layers(num_layers: int, stages: int, stage: int) -> range:
     """Stage `stage`'s contiguous share of the blocks; shares differ by at most one block."""
     return range(stage * num_layers // stages, (stage + 1) * num_layers // stages)
 
+def distinct_tensors(stream: dict) -> tuple[list[Tensor], list[int], "pytree.TreeSpec"]:
+    """The stream's tensors, each once (a tensor in two places, as a layer's output kept beside the residual, is one
+    tensor: sent once, and one tensor again where it arrives, so that its gradient sums as in one process), each
+    place's index among them, and the stream's structure."""
+    leaves, spec = pytree.tree_flatten(stream)
+    index: dict[int, int] = {}
+    places = [index.setdefault(id(t), len(index)) for t in leaves]
+    return list({id(t): t for t in leaves}.values()), places, spec
+
 def keep_only_parameters(module: nn.Module, keep: set[Tensor]) -> None:
     """Drop every parameter not in keep; a submodule left with none becomes None, so names stay the model's."""
     for name, p in list(module.named_parameters(recurse=False)):
@@ -3409,12 +3452,12 @@ class PipelineStage:
             ops += self._sends(to_prev, prev)
         stream = grads = None
         if from_prev and not self.first:
-            spec, shapes = self._structure((self.layers.start, seq_len, mode), prev)
+            spec, places, shapes = self._structure((self.layers.start, seq_len, mode), prev)
             tensors = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in shapes]
             ops += [dist.P2POp(dist.irecv, t, self.pp.global_rank(prev), self.pp.group) for t in tensors]
-            stream = pytree.tree_unflatten(tensors, pytree.treespec_loads(spec))
+            stream = pytree.tree_unflatten([tensors[i] for i in places], pytree.treespec_loads(spec))
         if from_next and not self.last:
-            _, shapes = self.stream_specs[(self.layers.stop, seq_len, mode)]
+            _, _, shapes = self.stream_specs[(self.layers.stop, seq_len, mode)]
             grads = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in shapes
                      if dtype.is_floating_point]
             ops += [dist.P2POp(dist.irecv, t, self.pp.global_rank(nxt), self.pp.group) for t in grads]
@@ -3426,18 +3469,18 @@ class PipelineStage:
             works = dist.batch_isend_irecv(ops) if ops else []
         for work in works:
             work.wait()
-        for t in pytree.tree_leaves(stream) if stream is not None and mode else ():
+        for t in tensors if stream is not None and mode else ():
             if t.is_floating_point():
                 t.requires_grad_()  # its gradient goes back to the stage before
         return stream, grads
 
     def _announce(self, stream: dict, key: tuple, peer: int) -> list[Tensor]:
-        """The stream's tensors, its structure sent ahead the first time one crosses at key."""
-        tensors, spec = pytree.tree_flatten(stream)
+        """The stream's distinct tensors, its structure sent ahead the first time one crosses at key."""
+        tensors, places, spec = distinct_tensors(stream)
         if not all(isinstance(t, Tensor) for t in tensors):
             raise TypeError(f"the stream crossing pipeline stages holds only tensors (in lists and dicts), got "
                             f"{[type(t).__name__ for t in tensors if not isinstance(t, Tensor)]}")
-        structure = (pytree.treespec_dumps(spec), [(tuple(t.shape), t.dtype) for t in tensors])
+        structure = (pytree.treespec_dumps(spec), places, [(tuple(t.shape), t.dtype) for t in tensors])
         known = self.stream_specs.get(key)
         if known is None:
             dist.send_object_list([structure], self.pp.global_rank(peer), group=self.pp.group)
@@ -3482,13 +3525,13 @@ class PipelineStage:
                 if self.last:
                     (out / micro_batches).backward()
                 else:
-                    outs = [t for t in pytree.tree_leaves(out) if t.is_floating_point()]
+                    outs = [t for t in distinct_tensors(out)[0] if t.is_floating_point()]
                     pairs = [(t, g) for t, g in zip(outs, grads) if t.requires_grad]
                     torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
             backwards_done += 1
             if stream_in is None:
                 return None
-            return [t.grad if t.grad is not None else torch.zeros_like(t) for t in pytree.tree_leaves(stream_in)
+            return [t.grad if t.grad is not None else torch.zeros_like(t) for t in distinct_tensors(stream_in)[0]
                     if t.is_floating_point()]
 
         def exchange(**kwargs):

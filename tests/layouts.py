@@ -25,13 +25,13 @@ class BlockWithAttentionGate(train_gpt.Block):
         super().__init__(*args)
         self.attn_gate = nn.Parameter(torch.tensor(0.7)) if self.attn is not None else None
 
-    def forward(self, x, skip, ve, x0, mask, **for_attention):  # (for_attention: what a GPT hands attention)
+    def forward(self, x, skip, ve, x0, mask, attend_over=None, **for_attention):  # (what a GPT hands attention)
         if skip is not None:
-            x = x + self.skip_weight * skip
-        x = self.lambdas[0] * x + self.lambdas[1] * x0
+            x = x + torch.sigmoid(self.skip_gate) * skip
         if self.attn is not None:
-            x = x + self.attn_gate * self.attn(norm(x), ve, mask, **for_attention)
-        return x + self.mlp(norm(x))
+            out = self.attn_gate * self.attn(norm(x if attend_over is None else attend_over), ve, mask, **for_attention)
+            x = self.attn_scales[0] * x + self.attn_scales[1] * out + self.attn_scales[2] * x0
+        return self.mlp_scales[0] * x + self.mlp_scales[1] * self.mlp(norm(x))
 
 
 class GatedMLP(train_gpt.MLP):
@@ -114,7 +114,7 @@ class GPTWithRecordEdits(train_gpt.GPT):
 
     def run_block(self, i, stream, masks):
         stream = super().run_block(i, stream, masks)
-        return dict(stream, x=stream["x"] + 0.1 * self.blocks[i].lambdas[1] * stream["x0"])
+        return dict(stream, x=stream["x"] + 0.1 * self.blocks[i].mlp_scales[1] * stream["x0"])
 
     def head_loss(self, stream, target_seq):
         loss = super().head_loss(stream, target_seq)
@@ -129,8 +129,8 @@ class BlockWithTokenShift(train_gpt.Block):
         super().__init__(*args)
         self.shift_gain = nn.Parameter(torch.tensor(0.5))
 
-    def forward(self, x, skip, ve, x0, mask):
-        return super().forward(x + self.shift_gain * shift(x), skip, ve, x0, mask)
+    def forward(self, x, *args, **kwargs):
+        return super().forward(x + self.shift_gain * shift(x), *args, **kwargs)
 
 
 class AttentionWithUnplacedMatrix(train_gpt.CausalSelfAttention):
@@ -173,8 +173,8 @@ class AttentionWithInputScale(AttentionWithHeadTemperature):
 class BlockWithSecondStream(BlockWithAttentionGate):
     """Returns its update beside the residual: a second stream, which the GPT sums over the layers."""
 
-    def forward(self, x, skip, ve, x0, mask, **for_attention):
-        out = super().forward(x, skip, ve, x0, mask, **for_attention)
+    def forward(self, x, *args, **kwargs):
+        out = super().forward(x, *args, **kwargs)
         return out, out - x
 
 
@@ -221,14 +221,9 @@ class GPTWithLaterKinds(GPTStretchingRotary):
         return dict(stream, updates=torch.zeros_like(stream["x"]))
 
     def run_block(self, i, stream, masks):
-        skips, k, block = list(stream["skips"]), self.value_embed_of_layer[i], self.blocks[i]
-        skip = skips.pop() if i >= self.num_encoder_layers else None
-        for_attention = dict(scale=self.attention_scales[i]) if block.attn is not None else {}
-        x, update = block(stream["x"], skip, stream["ve"][k] if k is not None else None, stream["x0"],
-                          masks[self.window_pattern[i]], **for_attention)
-        if i < self.num_encoder_layers:
-            skips.append(x)
-        return dict(stream, x=x, skips=skips, updates=stream["updates"] + update)
+        for_attention = dict(scale=self.attention_scales[i]) if self.blocks[i].attn is not None else {}
+        x, update = self.blocks[i](**self.block_inputs(i, stream, masks), **for_attention)
+        return self.keep_output(i, dict(stream, x=x, updates=stream["updates"] + update))
 
     def head_loss(self, stream, target_seq):
         return super().head_loss(dict(stream, x=stream["x"] + 0.1 * stream["updates"]), target_seq)
@@ -278,14 +273,9 @@ class GPTWithQKVBank(train_gpt.GPT):
         self.qkv_bank = nn.Parameter(torch.empty(shape).uniform_(-bound, bound))
 
     def run_block(self, i, stream, masks):
-        skips, k, block = list(stream["skips"]), self.value_embed_of_layer[i], self.blocks[i]
-        skip = skips.pop() if i >= self.num_encoder_layers else None
-        for_attention = dict(qkv=self.qkv_bank[i]) if block.attn is not None else {}
-        x = block(stream["x"], skip, stream["ve"][k] if k is not None else None, stream["x0"],
-                  masks[self.window_pattern[i]], **for_attention)
-        if i < self.num_encoder_layers:
-            skips.append(x)
-        return dict(stream, x=x, skips=skips)
+        for_attention = dict(qkv=self.qkv_bank[i]) if self.blocks[i].attn is not None else {}
+        return self.keep_output(i, dict(stream, x=self.blocks[i](**self.block_inputs(i, stream, masks),
+                                                                 **for_attention)))
 
 
 # edit name -> the train_gpt classes it replaces by subclasses

@@ -11,8 +11,8 @@ from synthetic import tiny_flags
 
 @pytest.mark.parametrize("name", ["pp2_afab", "pp3_1f1b"])
 def test_each_parameter_lives_on_one_stage_the_embeddings_first_and_the_head_last(layout_runs, name):
-    # the tiny model's 6 blocks: 2 stages split at the U-Net's middle (three skips cross); 3 stages give a middle
-    # stage that both receives and sends, with encoder skips passing through it
+    # the tiny model's 6 blocks: 2 stages, with layer 1's output crossing to the skip into layer 4 (a parameter of
+    # stage 1); 3 stages give a middle stage that both receives and sends, layer 1's output passing through it
     ranks = layout_runs(name)
     assert "embed.weight" in ranks[0]["held"] and "lm_head.weight" in ranks[-1]["held"]
     for rank in ranks:
@@ -39,8 +39,9 @@ def stream_structures(rank, world_size, files, layout):
 
 
 def test_what_crosses_each_boundary_is_what_the_one_process_forward_holds_there(files):
-    # 3 stages of 2 blocks: x, x0, the three value embeddings and the encoder outputs not yet taken as skips
-    # (blocks 0-1 after stage 0: two skips; blocks 0-2 minus the one block 3 took after stage 1: two skips)
+    # 3 stages of 2 blocks: x, x0, the three value embeddings and the outputs of the layers read later (the tiny
+    # model's skip from layer 1 into layer 4, and layer 3's output, which layer 5 attends over and the head reads):
+    # layer 1's after stage 0, layers 1 and 3's after stage 1
     layout = dict(pp=3)
     specs = {}
     for rank_specs in run_on_ranks(stream_structures, 3, files, layout):
@@ -56,10 +57,16 @@ def test_what_crosses_each_boundary_is_what_the_one_process_forward_holds_there(
             for layer in range(6):
                 stream = model.run_block(layer, stream, masks)
                 if layer + 1 in (2, 4):
+                    kept = {"layer1"} if layer + 1 == 2 else {"layer1", "layer3"}
+                    assert set(stream) == {"x", "x0", "ve"} | kept and len(stream["ve"]) == 3
+                    # the kept output is the residual itself: one tensor, sent once
+                    assert stream[f"layer{layer}"] is stream["x"]
                     leaves, spec = torch.utils._pytree.tree_flatten(stream)
+                    distinct = list({id(t): t for t in leaves}.values())
+                    assert len(distinct) == len(leaves) - 1
                     assert specs[layer + 1, seq_len, training] == (
-                        torch.utils._pytree.treespec_dumps(spec), [(tuple(t.shape), t.dtype) for t in leaves])
-                    assert len(stream["skips"]) == 2 and len(stream["ve"]) == 3
+                        torch.utils._pytree.treespec_dumps(spec), [[id(d) for d in distinct].index(id(t)) for t in leaves],
+                        [(tuple(t.shape), t.dtype) for t in distinct])
     assert len(specs) == 4  # two boundaries, in training and in evaluation
 
 

@@ -32,6 +32,9 @@ def test_flags_override_preset_values():
     (["--cooldown_frac", "1.5"], "--cooldown_frac must be in"),
     (["--muon_beta2", "1"], "--muon_beta2 must be in [0, 1), got 1.0"),
     (["--attention_free_layers", "3,x"], "--attention_free_layers '3,x'"),
+    (["--skip_layers", "4,1"], "--skip_layers '4,1': the skip goes from an earlier layer to a later one"),
+    (["--skip_layers", "1"], "--skip_layers '1': expected 0 or 2 comma-separated layer indices from 0 to 5"),
+    (["--attend_over_layer", "6"], "--attend_over_layer '6': expected 0 or 1 comma-separated layer indices from 0 to 5"),
     (["--val_tokens", "1000"], "--val_tokens 1000 must be a multiple of --val_seq_len"),
 ])
 def test_bad_flag_values_are_refused_by_name(flags, words):

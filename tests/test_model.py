@@ -1,0 +1,75 @@
+"""The model's layer stack (record #89's): the residual stream against its formulas written out, and where each
+learned scale starts."""
+import math
+
+import torch
+
+import train_gpt
+from train_gpt import norm
+
+
+def tiny_model_with_every_weight_nonzero():
+    args = train_gpt.parse_args(["--preset", "tiny"], cuda=False)
+    model = train_gpt.build_model(args, torch.device("cpu"))
+    draws = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():  # every scale away from its start, and the zero-initialised layers not zero
+            spread = (p.std().item() or p.size(-1) ** -0.5) if p.numel() > 1 else 1.0
+            p.add_(0.3 * spread * torch.randn(p.shape, generator=draws))
+    return args, model
+
+
+def logits_by_the_formulas(model, tokens, window, backout=True, attend_over=True):
+    """#89's residual stream spelled out, each block's attention and MLP taken as they are: the gated skip into its
+    layer's input, attention over the kept layer's output after it, scales on the residual and each output, x0
+    after attention, and the kept output's share taken back out before the head."""
+    masks = model.attention_masks(tokens[:-1], window)
+    embed = norm(model.embed(tokens[:-1])[None])
+    x, x0, outputs = embed, embed, {}
+    (skip_from, skip_to), over = model.skip, model.attend_over
+    for i, block in enumerate(model.blocks):
+        if i == skip_to:
+            x = x + torch.sigmoid(block.skip_gate) * outputs[skip_from]
+        if block.attn is not None:
+            k = model.value_embed_of_layer[i]
+            ve = model.value_embeds[k](tokens[:-1]) if k is not None else None
+            read = outputs[over] if attend_over and i > over else x
+            out = block.attn(norm(read), ve, masks[model.window_pattern[i]])
+            x = block.attn_scales[0] * x + block.attn_scales[1] * out + block.attn_scales[2] * x0
+        x = block.mlp_scales[0] * x + block.mlp_scales[1] * block.mlp(norm(x))
+        outputs[i] = x
+    if backout:
+        x = x + model.backout * outputs[over]
+    return model.lm_head(norm(x)[0], None)  # the logits
+
+
+def test_the_layer_stack_computes_the_formulas_of_record_89():
+    args, model = tiny_model_with_every_weight_nonzero()
+    assert model.skip == (1, 4) and model.attend_over == 3 and model.blocks[4].attn is None  # the tiny preset's
+    tokens = torch.randint(0, args.vocab_size, (args.train_seq_len + 1,), generator=torch.Generator().manual_seed(2))
+    tokens[::37] = train_gpt.EOT_TOKEN
+    window = train_gpt.window_tensor(128, torch.device("cpu"))
+    with torch.no_grad():
+        logits = model(tokens[:-1], None, window)
+        expected = logits_by_the_formulas(model, tokens, window)
+        spread = (expected - expected.mean()).abs().max()  # (the soft cap centres the logits on 15)
+        # what the comparison can see: without the backout, or with layer 5 attending over its own input
+        for changed in (logits_by_the_formulas(model, tokens, window, backout=False),
+                        logits_by_the_formulas(model, tokens, window, attend_over=False)):
+            assert (changed - expected).abs().max() > 1e-3 * spread
+    assert (logits - expected).abs().max() <= 1e-5 * spread  # the same float32 ops: rounding only
+
+
+def test_each_learned_scale_starts_where_record_89_starts_it():
+    args = train_gpt.parse_args(["--preset", "tiny"], cuda=False)
+    model = train_gpt.build_model(args, torch.device("cpu"))
+    # the skip: sigmoid(-1.5) x its gate's starting 0.5, by hand 0.5 / (1 + e^1.5)
+    assert math.isclose(torch.sigmoid(model.blocks[4].skip_gate).item(), 0.0912128, rel_tol=1e-6)
+    assert [i for i, block in enumerate(model.blocks) if block.skip_gate is not None] == [4]
+    for block in model.blocks:  # the residual grows by 1.1 a layer; outputs at 1; x0 starts out
+        scales = block.mlp_scales if block.attn is None else block.mlp_scales * block.attn_scales[0]
+        assert math.isclose(scales[0].item(), 1.1 if block.attn is not None else 1.1 ** 0.5, rel_tol=1e-6)
+        assert block.mlp_scales[1].item() == 1.0
+        if block.attn is not None:
+            assert (block.attn_scales[1].item(), block.attn_scales[2].item()) == (1.0, 0.0)
+    assert model.backout.item() == -0.5
