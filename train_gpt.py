@@ -411,9 +411,9 @@ SKIP_GATE_START = -math.log(2 * (1 + math.exp(1.5)) - 1)  # the logit of 0.5 / (
 
 class Block(nn.Module):
     """Attention (none in an attention-free layer), then the MLP. Each sublayer scales the residual and its own output
-    by learned scalars, the residual's starting at sqrt(1.1), so 1.1 a layer (#45); the embedding x0 re-enters after
-    attention, its scale starting at 0. A skip from an earlier layer joins first through a sigmoid gate; attention
-    may read another layer's output than the block's input."""
+    by learned scalars, the residual's starting at sqrt(1.1), so 1.1 a layer with attention (#45); the embedding x0
+    re-enters after attention, its scale starting at 0. A skip from an earlier layer joins first through a sigmoid
+    gate; attention may read another layer's output than the block's input."""
 
     def __init__(self, dim: int, num_heads: int, head_dim: int, max_seq_len: int, has_attention: bool,
                  takes_skip: bool):
@@ -434,20 +434,20 @@ class Block(nn.Module):
         return self.mlp_scales[0] * x + self.mlp_scales[1] * self.mlp(norm(x))
 
 class SoftCap(torch.autograd.Function):
-    """30 * sigmoid(logits / scale) and its gradient, writing two fewer (tokens x vocabulary) tensors than autograd
-    would (on a CPU the head's element-wise passes are a third of a step)."""
+    """cap * sigmoid((logits + shift) / divisor) and its gradient, writing two fewer (tokens x vocabulary) tensors than
+    autograd would (on a CPU the head's element-wise passes are a third of a step)."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, scale: float) -> Tensor:
-        capped = (logits / scale).sigmoid_()
+    def forward(ctx, logits: Tensor, cap: float, shift: float, divisor: float) -> Tensor:
+        capped = ((logits + shift) / divisor).sigmoid_()
         ctx.save_for_backward(capped)
-        ctx.scale = scale
-        return capped * 30
+        ctx.cap, ctx.divisor = cap, divisor
+        return capped * cap
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         capped, = ctx.saved_tensors
-        return torch.ops.aten.sigmoid_backward(grad * 30, capped).div_(ctx.scale), None
+        return torch.ops.aten.sigmoid_backward(grad * ctx.cap, capped).div_(ctx.divisor), None, None, None
 
 class CrossEntropy(nn.Module):
     """Cross-entropy over the vocabulary, summed over tokens. A layout that splits the vocabulary hands the forward
@@ -460,11 +460,13 @@ class CrossEntropy(nn.Module):
         return F.cross_entropy(logits, targets, reduction="sum")
 
 class LMHead(CastedLinear):
-    """The output layer and the loss: soft-capped logits, cross-entropy summed over tokens (no targets: the logits)."""
+    """The output layer and the loss: soft-capped logits (soft_cap: cap, shift, divisor), cross-entropy summed over
+    tokens (no targets: the logits)."""
     EVAL_ROWS = 16384  # evaluated this many tokens at a time: a 262K-token sequence's fp32 logits are 53 GB
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, soft_cap: tuple[float, float, float] = (23.0, 5.0, 7.5), **kwargs):
         super().__init__(*args, **kwargs)
+        self.soft_cap = soft_cap
         self.cross_entropy = CrossEntropy()
 
     def forward(self, x: Tensor, targets: Tensor | None) -> Tensor:
@@ -474,7 +476,7 @@ class LMHead(CastedLinear):
         return sum(self.summed_loss(x[i:i + rows], targets[i:i + rows]) for i in range(0, len(x), rows))
 
     def logits(self, x: Tensor) -> Tensor:
-        return SoftCap.apply(super().forward(x).float(), 7.5 * x.size(-1) ** 0.5)
+        return SoftCap.apply(super().forward(x).float(), *self.soft_cap)
 
     def summed_loss(self, x: Tensor, targets: Tensor) -> Tensor:
         return self.cross_entropy(self.logits(x), targets)
@@ -494,11 +496,15 @@ class GPT(nn.Module):
 
     def __init__(self, vocab_size: int, num_layers: int, num_heads: int, head_dim: int, model_dim: int,
                  max_seq_len: int, window_pattern: str, layers_without_attention=(),
-                 skip: tuple[int, int] | None = None, attend_over: int | None = None, fp8_head=True):
+                 skip: tuple[int, int] | None = None, attend_over: int | None = None, fp8_head=True,
+                 soft_cap: tuple[float, float, float] = (23.0, 5.0, 7.5)):
         super().__init__()
         self.window_pattern = window_pattern
         self.skip, self.attend_over = skip, attend_over
-        self.kept_layers = {i for i in (*(skip or ()), attend_over) if i is not None}  # outputs the stream carries on
+        # layer -> the last layer reading its output (the number of layers: the head), which the stream carries on
+        self.read_until = {} if skip is None else {skip[0]: skip[1]}
+        if attend_over is not None:
+            self.read_until[attend_over] = num_layers
         self.value_embed_of_layer = value_embedding_of_layers(num_layers, self.NUM_VALUE_EMBEDS)
         self.embed = nn.Embedding(vocab_size, model_dim)
         self.value_embeds = nn.ModuleList([nn.Embedding(vocab_size, model_dim)
@@ -507,9 +513,9 @@ class GPT(nn.Module):
                                            i not in layers_without_attention, skip is not None and i == skip[1])
                                      for i in range(num_layers)])
         self.backout = nn.Parameter(torch.tensor(-0.5)) if attend_over is not None else None
-        # vocab padded to a multiple of 128 for faster kernels; the FP8 scales are the record's
-        self.lm_head = LMHead(model_dim, next_multiple_of_n(vocab_size, n=128), use_fp8=fp8_head,
-                              x_s=model_dim ** 0.5 / 448, w_s=24 / 448, grad_s=1 / 448)
+        # vocab padded to a multiple of 128 for faster kernels; the FP8 scales are #89's, for its soft cap's logits
+        self.lm_head = LMHead(model_dim, next_multiple_of_n(vocab_size, n=128), soft_cap=soft_cap, use_fp8=fp8_head,
+                              x_s=100 / 448, w_s=1.6 / 448, grad_s=0.75 / 448)
         self.lm_head.weight.detach().zero_()
         # where the stream enters the blocks and leaves them: identities a layout may hook (sequence parallelism cuts
         # the stream between them)
@@ -555,8 +561,11 @@ class GPT(nn.Module):
                     attend_over=stream[f"layer{over}"] if over is not None and i > over else None)
 
     def keep_output(self, i: int, stream: dict) -> dict:
-        """The stream after block i, carrying its output on where a later layer or the head reads it."""
-        return dict(stream, **{f"layer{i}": stream["x"]}) if i in self.kept_layers else stream
+        """The stream after block i: its output carried on where a later layer or the head reads it, and the outputs
+        block i was the last to read dropped."""
+        stream = {key: value for key, value in stream.items()
+                  if key not in {f"layer{j}" for j, last in self.read_until.items() if last == i}}
+        return dict(stream, **{f"layer{i}": stream["x"]}) if i in self.read_until else stream
 
     def head_loss(self, stream: dict, target_seq: Tensor | None) -> Tensor:
         x = stream["x"] if self.backout is None else stream["x"] + self.backout * stream[f"layer{self.attend_over}"]
@@ -738,12 +747,15 @@ class Hyperparameters:
     skip_layers: str = flag("3,6", "a gated skip: the first layer's output joins the second's input (empty: none)")
     attend_over_layer: str = flag("7", "the later layers attend over this layer's output, and the head's input takes "
                                        "a learned share of it back out (empty: none)")
+    soft_cap: str = flag("23,5,7.5", "the logits' soft cap C,S,D: C x sigmoid((logits + S) / D) (#89's, #54; record "
+                                     "#23's was 30,0,7.5 x the root of the width)")
     window_max_tokens: int = flag(1728, "tokens: the sliding window grows linearly to this over the run")
     fp8_head: bool = flag(True, "FP8 matmul for the head in training")
     num_iterations: int = flag(1770, "optimizer steps", "optimizer and schedule")
     cooldown_frac: float = flag(0.6, "final fraction of the steps with the lr falling linearly to lr_final")
     lr_final: float = flag(0.15, "the lr multiplier the cooldown ends at")
-    lr_head: float = flag(0.22, "Adam lr of the head")
+    lr_head: float = flag(0.008, "Adam lr of the head (#89's; record #23's 0.22 moved logits divided by the root "
+                                 "of the width, 768, before the soft cap)")
     lr_embed: float = flag(0.6, "Adam lr of the embeddings")
     lr_scalar: float = flag(0.04, "Adam lr of the vectors and scalars")
     optimizer_recipe: str = flag("89", "Adam's momenta and weight decay by kind and Muon's step size by shape, as "
@@ -812,6 +824,7 @@ PRESETS = {
     # the CPU track: ~4.5 minutes of training on 2 cores (~7.5 with evaluation), on the embedded Shakespeare shards.
     # Tuned for equal time: most of a step is the 50304-wide lm_head, so width and depth cost little next to it;
     # 8 sequences a step beat 4 (noisier) and 16 (too few steps), and such short runs want 0.35x record #23's lrs,
+    # its soft cap (#89's, 23 sigmoid((z + 5) / 7.5), ends 0.08 higher: its logits start 8 below their cap),
     # its cooldown (#89's, from 40% of the run to 0.15, ends 0.002 higher here), its optimizer recipe (#89's Muon
     # step sizes end 0.04 higher; its Adam settings move the seeds either way) and Adam on every step (every other
     # ends 0.02 higher, in 230 steps): records/ABLATIONS.md.
@@ -821,16 +834,16 @@ PRESETS = {
                 num_heads=2, head_dim=64, model_dim=128, window_pattern="LSSSSL", attention_free_layers="",
                 window_max_tokens=512, fp8_head=False, num_iterations=230, muon_momentum_warmup_steps=50,
                 skip_layers="1,3", attend_over_layer="3", muon_momentum_cooldown_steps=9, lr_head=0.077,
-                lr_embed=0.21, lr_scalar=0.014, lr_muon=0.0175,
+                lr_embed=0.21, lr_scalar=0.014, lr_muon=0.0175, soft_cap=f"30,0,{7.5 * 128 ** 0.5}",
                 cooldown_frac=0.4, lr_final=0.1, val_loss_every=46, target_val_loss=5.15, fp64_grad_sum=True,
                 doc_max_tokens=0, optimizer_recipe="23", adam_every=1,  # a stream: the shards hold 38 whole plays
                 save_every=230),  # (to sample from)
-    # seconds, for tests and smoke runs
+    # seconds, for tests and smoke runs (record #23's soft cap and head lr, which learn visibly in 20 steps)
     "tiny": dict(train_files="data/shakespeare/shakespeare_train_*.bin",
                  val_files="data/shakespeare/shakespeare_val_*.bin",
                  val_tokens=4 * 256, train_seq_len=256, val_seq_len=256, num_layers=6, num_heads=2, head_dim=16,
                  model_dim=32, window_pattern="LSSSSL", attention_free_layers="4", skip_layers="1,4",
-                 attend_over_layer="3", window_max_tokens=256,
+                 attend_over_layer="3", window_max_tokens=256, lr_head=0.22, soft_cap=f"30,0,{7.5 * 32 ** 0.5}",
                  fp8_head=False, num_iterations=20, muon_momentum_warmup_steps=5, muon_momentum_cooldown_steps=1,
                  val_loss_every=10, target_val_loss=8.0, fp64_grad_sum=True, doc_max_tokens=0),
 }
@@ -870,18 +883,24 @@ def parse_args(argv=None, cuda: bool | None = None) -> Hyperparameters:
     check_hyperparameters(args)
     return args
 
-def layer_indices(args: Hyperparameters, name: str, count: tuple[int, ...] = ()) -> tuple[int, ...]:
-    """The layers flag `name` lists (comma-separated), refused unless each is a layer and there are `count` of them
-    (one of those numbers; any number where count is empty)."""
-    text = getattr(args, name)
+# what each flag of layer indices takes
+LAYER_FLAGS = {"attention_free_layers": (None, "comma-separated layer indices such as '6', or '' for none"),
+               "skip_layers": (2, "two layer indices FROM,TO such as '3,6', or '' for none"),
+               "attend_over_layer": (1, "one layer index such as '7', or '' for none")}
+
+def layer_indices(args: Hyperparameters, name: str) -> tuple[int, ...]:
+    """The layers flag `name` lists, refused unless each is a layer and there are as many as the flag takes."""
+    text, (count, expected) = getattr(args, name), LAYER_FLAGS[name]
     try:
         layers = tuple(int(i) for i in text.split(",") if i.strip())
     except ValueError:
         layers = None
-    need(layers is not None and (not count or len(layers) in count) and
-         all(0 <= i < args.num_layers for i in layers), f"--{name} {text!r}: expected "
-         f"{' or '.join(map(str, count)) or 'any number of'} comma-separated layer indices from 0 to "
-         f"{args.num_layers - 1} (--num_layers {args.num_layers})")
+    origin = "" if name in getattr(args, "given", ()) else f" (the {args.preset} preset's; set it to fit --num_layers)"
+    need(layers is not None and len(layers) in (0, count or len(layers)), f"--{name} {text!r}{origin}: expected "
+         f"{expected}")
+    bad = [i for i in layers if not 0 <= i < args.num_layers]
+    need(not bad, f"--{name} {text!r}{origin} names layers {bad}, outside 0 to {args.num_layers - 1} (--num_layers "
+         f"{args.num_layers})")
     return layers
 
 # flags that must be above zero; every other number must be at least zero, and every count below 2**31 (counts
@@ -889,6 +908,16 @@ def layer_indices(args: Hyperparameters, name: str, count: tuple[int, ...] = ())
 POSITIVE = {"num_layers", "num_heads", "head_dim", "model_dim", "vocab_size", "window_max_tokens", "num_iterations",
             "adam_every", "train_seq_len", "seqs_per_step", "val_tokens", "val_seq_len", "collective_timeout", "tp",
             "pp", "max_new_tokens", "temperature", "num_samples"}
+
+def soft_cap_terms(args: Hyperparameters) -> tuple[float, float, float]:
+    try:
+        cap, shift, divisor = (float(term) for term in args.soft_cap.split(","))
+    except ValueError:
+        cap = shift = divisor = math.nan
+    need(all(map(math.isfinite, (cap, shift, divisor))) and cap > 0 and divisor > 0, f"--soft_cap {args.soft_cap!r}: "
+         "expected three numbers C,S,D, the logits' soft cap C x sigmoid((logits + S) / D), C and D above 0, such as "
+         "'23,5,7.5'")
+    return cap, shift, divisor
 
 def check_hyperparameters(args: Hyperparameters) -> None:
     """Refuse values the run cannot use, before any model is built."""
@@ -903,6 +932,7 @@ def check_hyperparameters(args: Hyperparameters) -> None:
             need(math.isfinite(value) and (value > 0 if name in POSITIVE else value >= 0),
                  f"--{name} must be a finite number {low}, got {value}")
         need(not choices or value in choices, f"--{name} must be one of {', '.join(map(str, choices))}, got {value!r}")
+    soft_cap_terms(args)
     need(args.pp <= args.num_layers, f"--pp {args.pp} must be between 1 and --num_layers {args.num_layers}: each "
          "pipeline stage holds at least one block")
     need(args.sp or not args.async_tp, "--async_tp overlaps the all-gather of sequence-parallel shards with the "
@@ -925,10 +955,12 @@ def check_hyperparameters(args: Hyperparameters) -> None:
     need(len(args.window_pattern) == args.num_layers and set(args.window_pattern) <= {"L", "S"},
          f"--window_pattern {args.window_pattern!r} must have one letter L or S per layer ({args.num_layers})")
     need(args.head_dim % 4 == 0, f"--head_dim {args.head_dim} must be a multiple of 4 (half-truncated rotary)")
-    skip = layer_indices(args, "skip_layers", (0, 2))
+    skip = layer_indices(args, "skip_layers")
     need(not skip or skip[0] < skip[1], f"--skip_layers {args.skip_layers!r}: the skip goes from an earlier layer "
          "to a later one")
-    layer_indices(args, "attend_over_layer", (0, 1))
+    need(all(i < args.num_layers - 1 for i in layer_indices(args, "attend_over_layer")),
+         f"--attend_over_layer {args.attend_over_layer!r}: no layer comes after the last to attend over it; name an "
+         "earlier layer, or '' for none")
     fed = value_embedding_of_layers(args.num_layers, GPT.NUM_VALUE_EMBEDS)
     for k in range(GPT.NUM_VALUE_EMBEDS):
         layers = [i for i, j in enumerate(fed) if j == k]
@@ -1024,7 +1056,8 @@ def build_model(args: Hyperparameters, device: torch.device, cuda_dtypes: bool |
                     max_seq_len=max(args.train_seq_len, args.val_seq_len), window_pattern=args.window_pattern,
                     layers_without_attention=layer_indices(args, "attention_free_layers"),
                     skip=layer_indices(args, "skip_layers") or None,
-                    attend_over=next(iter(layer_indices(args, "attend_over_layer")), None), fp8_head=args.fp8_head)
+                    attend_over=next(iter(layer_indices(args, "attend_over_layer")), None), fp8_head=args.fp8_head,
+                    soft_cap=soft_cap_terms(args))
     return to_device(model, device, cuda_dtypes)
 
 def to_device(model: nn.Module, device: torch.device, cuda_dtypes: bool | None = None) -> nn.Module:
@@ -1282,8 +1315,9 @@ def main(argv=None) -> float | None:
 # ----------------------------------------------------------------------------------------------------
 # Checkpoints and stopping: full tensors keyed by parameter name, so a run resumes under any world size
 
-# 2: the log's digest, so a resume never continues another run's log; 3: NorMuon's state; 4: the held gradients
-CHECKPOINT_FORMAT = 4
+# 2: the log's digest, so a resume never continues another run's log; 3: NorMuon's state; 4: the held gradients;
+# 5: record #89's layer stack, whose flags an older file's hyperparameters lack
+CHECKPOINT_FORMAT = 5
 EXIT_STOPPED = 3  # kill switch or signal: a checkpoint was saved; continue with --resume latest
 EXIT_DIVERGED = 4  # non-finite training loss or gradient norm
 EXIT_LOST = 5  # a rank stopped answering or died: no stop checkpoint; continue from the last one
@@ -1450,8 +1484,11 @@ def load_checkpoint(path: Path) -> dict:
     except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
         raise UserError(f"cannot read checkpoint {path} ({type(e).__name__}: {' '.join(str(e).split())[:300]}): "
                         "the file is damaged or not a checkpoint; resume from an earlier one") from None
-    need(isinstance(state, dict) and state.get("format") == CHECKPOINT_FORMAT, f"{path} is not a checkpoint of this "
-         f"trainer (format {CHECKPOINT_FORMAT})")
+    need(isinstance(state, dict) and "format" in state, f"{path} is not a checkpoint of this trainer (format "
+         f"{CHECKPOINT_FORMAT})")
+    need(state["format"] == CHECKPOINT_FORMAT, f"{path} is a checkpoint of format {state['format']!r}, written by "
+         f"another version of train_gpt.py; this one reads format {CHECKPOINT_FORMAT}: resume or sample it with the "
+         "train_gpt.py that wrote it (its run's log starts with that file's source)")
     missing = [field for field in CHECKPOINT_FIELDS if field not in state]
     need(not missing, f"checkpoint {path} lacks {', '.join(missing)}: it is incomplete; resume from another one")
     for field, (expected, ok) in CHECKPOINT_FIELDS.items():

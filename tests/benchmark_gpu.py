@@ -33,7 +33,8 @@ def model_flops_per_token(args: train_gpt.Hyperparameters, window_tokens: int) -
     head dimension, counting each query's keys as its sliding window (long layers the window, short ones half;
     documents end it sooner, so this is an upper bound)."""
     d, hdim = args.model_dim, args.num_heads * args.head_dim
-    attention_layers = [i for i in range(args.num_layers) if i not in train_gpt.layer_indices(args, "attention_free_layers")]
+    attention_free = train_gpt.layer_indices(args, "attention_free_layers")
+    attention_layers = [i for i in range(args.num_layers) if i not in attention_free]
     matmul_weights = (len(attention_layers) * 4 * hdim * d + args.num_layers * 8 * d * d
                       + train_gpt.next_multiple_of_n(args.vocab_size, n=128) * d)
     keys = sum(min(window_tokens if args.window_pattern[i] == "L" else window_tokens // 2, args.train_seq_len)

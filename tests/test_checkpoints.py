@@ -272,6 +272,11 @@ def test_bad_checkpoints_are_refused_by_name(tmp_path, files):
         torch.save(state, edited)
         with pytest.raises(train_gpt.UserError, match=f"checkpoint {edited} holds {words}"):
             run(tmp_path, files, 1, "x", resume=edited)
+    older = tmp_path / "older.pt"
+    torch.save(dict(checkpoint(tmp_path, "small", 4), format=train_gpt.CHECKPOINT_FORMAT - 1), older)
+    with pytest.raises(train_gpt.UserError, match=f"{older} is a checkpoint of format {train_gpt.CHECKPOINT_FORMAT - 1}"
+                                                  ", written by another version of train_gpt.py"):
+        run(tmp_path, files, 1, "x", resume=older)
     garbage = tmp_path / "garbage.pt"
     garbage.write_bytes(b"not a checkpoint")
     with pytest.raises(train_gpt.UserError, match=f"cannot read checkpoint {garbage}"):

@@ -73,3 +73,33 @@ def test_each_learned_scale_starts_where_record_89_starts_it():
         if block.attn is not None:
             assert (block.attn_scales[1].item(), block.attn_scales[2].item()) == (1.0, 0.0)
     assert model.backout.item() == -0.5
+
+
+def test_the_stream_carries_a_layers_output_only_while_a_later_layer_or_the_head_reads_it():
+    args = train_gpt.parse_args(["--preset", "tiny"], cuda=False)
+    model = train_gpt.build_model(args, torch.device("cpu"))
+    tokens = torch.full((args.train_seq_len,), train_gpt.EOT_TOKEN)
+    masks = model.attention_masks(tokens, train_gpt.window_tensor(128, torch.device("cpu")))
+    stream, carried = model.embed_tokens(tokens), []
+    for i in range(len(model.blocks)):
+        stream = model.run_block(i, stream, masks)
+        carried.append({key for key in stream if key.startswith("layer")})
+    # the tiny preset: layer 1's output until the skip into layer 4 takes it, layer 3's (attended over by layer 5,
+    # taken back out before the head) to the end
+    assert carried == [set(), {"layer1"}, {"layer1"}, {"layer1", "layer3"}, {"layer3"}, {"layer3"}]
+
+
+def test_without_the_skip_and_the_attended_layer_the_model_has_neither_and_its_blocks_read_their_own_stream():
+    args = train_gpt.parse_args(["--preset", "tiny", "--skip_layers", "", "--attend_over_layer", ""], cuda=False)
+    model = train_gpt.build_model(args, torch.device("cpu"))
+    assert model.backout is None and all(block.skip_gate is None for block in model.blocks)
+    tokens = torch.randint(0, args.vocab_size, (args.train_seq_len + 1,), generator=torch.Generator().manual_seed(3))
+    masks = model.attention_masks(tokens[:-1], train_gpt.window_tensor(128, torch.device("cpu")))
+    stream = model.embed_tokens(tokens[:-1])
+    for i in range(len(model.blocks)):
+        inputs = model.block_inputs(i, stream, masks)
+        assert inputs["skip"] is None and inputs["attend_over"] is None
+        stream = model.run_block(i, stream, masks)
+    assert set(stream) == {"x", "x0", "ve"}
+    model(tokens[:-1], tokens[1:], train_gpt.window_tensor(128, torch.device("cpu"))).backward()
+    assert model.lm_head.weight.grad.abs().sum() > 0  # (the head starts at zero: only its gradient is non-zero)

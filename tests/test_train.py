@@ -32,9 +32,14 @@ def test_flags_override_preset_values():
     (["--cooldown_frac", "1.5"], "--cooldown_frac must be in"),
     (["--muon_beta2", "1"], "--muon_beta2 must be in [0, 1), got 1.0"),
     (["--attention_free_layers", "3,x"], "--attention_free_layers '3,x'"),
+    (["--soft_cap", "23,5"], "--soft_cap '23,5': expected three numbers C,S,D"),
+    (["--soft_cap", "23,5,0"], "--soft_cap '23,5,0': expected three numbers C,S,D"),
     (["--skip_layers", "4,1"], "--skip_layers '4,1': the skip goes from an earlier layer to a later one"),
-    (["--skip_layers", "1"], "--skip_layers '1': expected 0 or 2 comma-separated layer indices from 0 to 5"),
-    (["--attend_over_layer", "6"], "--attend_over_layer '6': expected 0 or 1 comma-separated layer indices from 0 to 5"),
+    (["--skip_layers", "1"], "--skip_layers '1': expected two layer indices FROM,TO such as '3,6', or '' for none"),
+    (["--attend_over_layer", "6"], "--attend_over_layer '6' names layers [6], outside 0 to 5 (--num_layers 6)"),
+    (["--attend_over_layer", "5"], "--attend_over_layer '5': no layer comes after the last"),
+    (["--num_layers", "4", "--window_pattern", "LSSL"],
+     "--skip_layers '1,4' (the tiny preset's; set it to fit --num_layers) names layers [4]"),
     (["--val_tokens", "1000"], "--val_tokens 1000 must be a multiple of --val_seq_len"),
 ])
 def test_bad_flag_values_are_refused_by_name(flags, words):
@@ -155,7 +160,7 @@ def test_evaluation_runs_the_head_in_slices_and_averages_over_every_token():
     assert [len(x) for x in head_inputs] == [256, 100, 100, 56]
     # fp64 reference: the soft-capped logits of every token, averaged once
     x = torch.cat(head_inputs[1:]).double()
-    logits = 30 * torch.sigmoid(x @ model.lm_head.weight.double().T / (7.5 * 32 ** 0.5))
+    logits = 23 * torch.sigmoid((x @ model.lm_head.weight.double().T + 5) / 7.5)
     expected = torch.nn.functional.cross_entropy(logits, targets).item()
     assert sliced.item() == pytest.approx(expected, rel=1e-6) and whole.item() == pytest.approx(expected, rel=1e-6)
 
@@ -223,13 +228,14 @@ def test_two_process_run_ends_with_the_single_process_val_loss(tmp_path):
         assert abs(val_loss - single) < 1e-5
 
 
-def test_soft_cap_computes_the_plain_expression_and_its_autograd_gradient_bit_for_bit():
+@pytest.mark.parametrize("cap, shift, divisor", [(23.0, 5.0, 7.5), (30.0, 0.0, 7.5 * 128 ** 0.5)])  # #89's, #23's
+def test_soft_cap_computes_the_plain_expression_and_its_autograd_gradient_bit_for_bit(cap, shift, divisor):
     torch.manual_seed(0)
-    logits = torch.randn(64, 1000) * 20  # the sigmoid's flat tails and its steep middle
+    logits = torch.randn(64, 1000) * 20 * divisor / 7.5  # the sigmoid's flat tails and its steep middle
     targets = torch.randint(0, 1000, (64,))
-    scale = 7.5 * 128 ** 0.5
     results = []
-    for soft_cap in (lambda x: 30 * torch.sigmoid(x / scale), lambda x: train_gpt.SoftCap.apply(x, scale)):
+    for soft_cap in (lambda x: cap * torch.sigmoid((x + shift) / divisor),
+                     lambda x: train_gpt.SoftCap.apply(x, cap, shift, divisor)):
         x = logits.clone().requires_grad_()
         capped = soft_cap(x)
         torch.nn.functional.cross_entropy(capped, targets, reduction="sum").div(3).backward()
