@@ -433,6 +433,8 @@ class Block(nn.Module):
             x = self.attn_scales[0] * x + self.attn_scales[1] * out + self.attn_scales[2] * x0
         return self.mlp_scales[0] * x + self.mlp_scales[1] * self.mlp(norm(x))
 
+RECORD_SOFT_CAP = (23.0, 5.0, 7.5)  # #89's (#54): 23 * sigmoid((logits + 5) / 7.5)
+
 class SoftCap(torch.autograd.Function):
     """cap * sigmoid((logits + shift) / divisor) and its gradient, writing two fewer (tokens x vocabulary) tensors than
     autograd would (on a CPU the head's element-wise passes are a third of a step)."""
@@ -464,7 +466,7 @@ class LMHead(CastedLinear):
     tokens (no targets: the logits)."""
     EVAL_ROWS = 16384  # evaluated this many tokens at a time: a 262K-token sequence's fp32 logits are 53 GB
 
-    def __init__(self, *args, soft_cap: tuple[float, float, float] = (23.0, 5.0, 7.5), **kwargs):
+    def __init__(self, *args, soft_cap: tuple[float, float, float] = RECORD_SOFT_CAP, **kwargs):
         super().__init__(*args, **kwargs)
         self.soft_cap = soft_cap
         self.cross_entropy = CrossEntropy()
@@ -497,7 +499,7 @@ class GPT(nn.Module):
     def __init__(self, vocab_size: int, num_layers: int, num_heads: int, head_dim: int, model_dim: int,
                  max_seq_len: int, window_pattern: str, layers_without_attention=(),
                  skip: tuple[int, int] | None = None, attend_over: int | None = None, fp8_head=True,
-                 soft_cap: tuple[float, float, float] = (23.0, 5.0, 7.5)):
+                 soft_cap: tuple[float, float, float] = RECORD_SOFT_CAP):
         super().__init__()
         self.window_pattern = window_pattern
         self.skip, self.attend_over = skip, attend_over
@@ -747,8 +749,8 @@ class Hyperparameters:
     skip_layers: str = flag("3,6", "a gated skip: the first layer's output joins the second's input (empty: none)")
     attend_over_layer: str = flag("7", "the later layers attend over this layer's output, and the head's input takes "
                                        "a learned share of it back out (empty: none)")
-    soft_cap: str = flag("23,5,7.5", "the logits' soft cap C,S,D: C x sigmoid((logits + S) / D) (#89's, #54; record "
-                                     "#23's was 30,0,7.5 x the root of the width)")
+    soft_cap: str = flag(",".join(f"{term:g}" for term in RECORD_SOFT_CAP), "the logits' soft cap C,S,D: C x "
+                         "sigmoid((logits + S) / D) (#89's, #54; record #23's was 30,0,7.5 x the root of the width)")
     window_max_tokens: int = flag(1728, "tokens: the sliding window grows linearly to this over the run")
     fp8_head: bool = flag(True, "FP8 matmul for the head in training")
     num_iterations: int = flag(1770, "optimizer steps", "optimizer and schedule")
@@ -961,10 +963,11 @@ def check_hyperparameters(args: Hyperparameters) -> None:
     need(all(i < args.num_layers - 1 for i in layer_indices(args, "attend_over_layer")),
          f"--attend_over_layer {args.attend_over_layer!r}: no layer comes after the last to attend over it; name an "
          "earlier layer, or '' for none")
-    fed = value_embedding_of_layers(args.num_layers, GPT.NUM_VALUE_EMBEDS)
+    fed, attention_free = value_embedding_of_layers(args.num_layers, GPT.NUM_VALUE_EMBEDS), set(
+        layer_indices(args, "attention_free_layers"))
     for k in range(GPT.NUM_VALUE_EMBEDS):
         layers = [i for i, j in enumerate(fed) if j == k]
-        need(not set(layers) <= set(layer_indices(args, "attention_free_layers")),
+        need(not set(layers) <= attention_free,
              f"--num_layers {args.num_layers} with --attention_free_layers {args.attention_free_layers!r} leaves value "
              f"embedding {k} nothing to feed: it is added to the values of layers {layers}, which have no "
              "attention; keep attention in one of them")
