@@ -406,6 +406,32 @@ class MLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return self.c_proj(F.relu(self.c_fc(x)).square())  # ReLU^2
 
+class Gate(nn.Module):
+    """A learned per-token gate's logits: a linear map of the first `reads` channels of its input, starting at zero.
+    Adam trains it (a few rows are no hidden matrix for Muon) at lr_scale times the gates' lr (--lr_gate)."""
+
+    def __init__(self, reads: int, outputs: int, lr_scale: float = 1.0):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(outputs, reads))
+        self.lr_scale = lr_scale
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x[..., :self.weight.size(-1)], self.weight.type_as(x))
+
+class Smear(nn.Module):
+    """Each token's embedding takes in a gated share of the previous token's (#89's smear, by @classiclarryd):
+    x_t + scale sigmoid(gate(x_t)) x_(t-1), the scale starting at 0 and the gate, reading 12 channels, learning at
+    1/100 of the gates' lr."""
+
+    def __init__(self, gate_channels: int = 12):
+        super().__init__()
+        self.gate = Gate(gate_channels, 1, lr_scale=0.01)
+        self.scale = nn.Parameter(torch.zeros(()))
+
+    def forward(self, x: Tensor) -> Tensor:  # (T, D): one sequence's embeddings
+        share = self.scale * torch.sigmoid(self.gate(x[1:]))
+        return torch.cat([x[:1], x[1:] + share * x[:-1]])
+
 # a gated skip starts at #89's weight: sigmoid(-1.5) times its gate's 0.5
 SKIP_GATE_START = -math.log(2 * (1 + math.exp(1.5)) - 1)  # the logit of 0.5 / (1 + e^1.5)
 
@@ -489,7 +515,8 @@ def value_embedding_of_layers(num_layers: int, num_value_embeds: int) -> list[in
     return [i if i < n else i - (num_layers - n) if i >= num_layers - n else None for i in range(num_layers)]
 
 class GPT(nn.Module):
-    """The GPT of record #89's layer stack: value embeddings feed the first and last layers' values, a gated skip
+    """The GPT of record #89's layer stack: each token's embedding takes in some of the previous token's (the smear),
+    value embeddings feed the first and last layers' values, a gated skip
     carries one layer's output to a later layer's input (#32, #45, #55), the layers after a chosen one attend over its
     output (#73, #77), and the head's input takes a learned share of that output back out ("backout", starting at
     -0.5). The stream (a dict of tensors) goes from the embedding through each block to the head; layouts run the
@@ -498,7 +525,7 @@ class GPT(nn.Module):
 
     def __init__(self, vocab_size: int, num_layers: int, num_heads: int, head_dim: int, model_dim: int,
                  max_seq_len: int, window_pattern: str, layers_without_attention=(),
-                 skip: tuple[int, int] | None = None, attend_over: int | None = None, fp8_head=True,
+                 skip: tuple[int, int] | None = None, attend_over: int | None = None, smear=True, fp8_head=True,
                  soft_cap: tuple[float, float, float] = RECORD_SOFT_CAP):
         super().__init__()
         self.window_pattern = window_pattern
@@ -509,6 +536,7 @@ class GPT(nn.Module):
             self.read_until[attend_over] = num_layers
         self.value_embed_of_layer = value_embedding_of_layers(num_layers, self.NUM_VALUE_EMBEDS)
         self.embed = nn.Embedding(vocab_size, model_dim)
+        self.smear = Smear() if smear else None
         self.value_embeds = nn.ModuleList([nn.Embedding(vocab_size, model_dim)
                                            for _ in range(self.NUM_VALUE_EMBEDS)])
         self.blocks = nn.ModuleList([Block(model_dim, num_heads, head_dim, max_seq_len,
@@ -549,7 +577,8 @@ class GPT(nn.Module):
     def embed_tokens(self, input_seq: Tensor) -> dict:
         """The stream from block to block: residual x, normed embedding x0, value embeddings, and the outputs of the
         layers read later (`layer3`: layer 3's)."""
-        x = norm(self.embed(input_seq)[None])  # (1, T, D)
+        x = self.embed(input_seq)
+        x = norm((x if self.smear is None else self.smear(x))[None])  # (1, T, D)
         return dict(x=x, x0=x, ve=[value_embed(input_seq) for value_embed in self.value_embeds])
 
     def run_block(self, i: int, stream: dict, masks: dict) -> dict:
@@ -749,6 +778,7 @@ class Hyperparameters:
     skip_layers: str = flag("3,6", "a gated skip: the first layer's output joins the second's input (empty: none)")
     attend_over_layer: str = flag("7", "the later layers attend over this layer's output, and the head's input takes "
                                        "a learned share of it back out (empty: none)")
+    smear: bool = flag(True, "each token's embedding takes in a gated share of the previous token's (#89)")
     soft_cap: str = flag(",".join(f"{term:g}" for term in RECORD_SOFT_CAP), "the logits' soft cap C,S,D: C x "
                          "sigmoid((logits + S) / D) (#89's, #54; record #23's was 30,0,7.5 x the root of the width)")
     window_max_tokens: int = flag(1728, "tokens: the sliding window grows linearly to this over the run")
@@ -760,6 +790,7 @@ class Hyperparameters:
                                  "of the width, 768, before the soft cap)")
     lr_embed: float = flag(0.6, "Adam lr of the embeddings")
     lr_scalar: float = flag(0.04, "Adam lr of the vectors and scalars")
+    lr_gate: float = flag(0.008, "Adam lr of the gates (times each gate's own scale: the smear's 0.01)")
     optimizer_recipe: str = flag("89", "Adam's momenta and weight decay by kind and Muon's step size by shape, as "
                                        "record #23 or #89 sets them", choices=("23", "89"))
     adam_every: int = flag(2, "Adam steps on every Nth step, with the gradients summed since its last step, so "
@@ -836,7 +867,7 @@ PRESETS = {
                 num_heads=2, head_dim=64, model_dim=128, window_pattern="LSSSSL", attention_free_layers="",
                 window_max_tokens=512, fp8_head=False, num_iterations=230, muon_momentum_warmup_steps=50,
                 skip_layers="1,3", attend_over_layer="3", muon_momentum_cooldown_steps=9, lr_head=0.077,
-                lr_embed=0.21, lr_scalar=0.014, lr_muon=0.0175, soft_cap=f"30,0,{7.5 * 128 ** 0.5}",
+                lr_embed=0.21, lr_scalar=0.014, lr_gate=0.0028, lr_muon=0.0175, soft_cap=f"30,0,{7.5 * 128 ** 0.5}",
                 cooldown_frac=0.4, lr_final=0.1, val_loss_every=46, target_val_loss=5.15, fp64_grad_sum=True,
                 doc_max_tokens=0, optimizer_recipe="23", adam_every=1,  # a stream: the shards hold 38 whole plays
                 save_every=230),  # (to sample from)
@@ -1059,8 +1090,8 @@ def build_model(args: Hyperparameters, device: torch.device, cuda_dtypes: bool |
                     max_seq_len=max(args.train_seq_len, args.val_seq_len), window_pattern=args.window_pattern,
                     layers_without_attention=layer_indices(args, "attention_free_layers"),
                     skip=layer_indices(args, "skip_layers") or None,
-                    attend_over=next(iter(layer_indices(args, "attend_over_layer")), None), fp8_head=args.fp8_head,
-                    soft_cap=soft_cap_terms(args))
+                    attend_over=next(iter(layer_indices(args, "attend_over_layer")), None), smear=args.smear,
+                    fp8_head=args.fp8_head, soft_cap=soft_cap_terms(args))
     return to_device(model, device, cuda_dtypes)
 
 def to_device(model: nn.Module, device: torch.device, cuda_dtypes: bool | None = None) -> nn.Module:
@@ -1079,16 +1110,19 @@ def is_head(module: nn.Module, vocab_size: int) -> bool:
 
 # Each parameter goes to one group, by the kind of module that holds it; where two modules hold it (tied
 # weights), the first kind in this order wins
-OPTIMIZER_GROUPS = ("scalar", "head", "embed", "muon")
+OPTIMIZER_GROUPS = ("scalar", "gate", "head", "embed", "muon")
 
-# Adam's momenta and cautious weight decay (x lr^2) by kind, as a record sets them (--optimizer_recipe): #23's, and
-# #89's where its lrs are this file's: the token and value embeddings share the lr of its value embeddings (0.6),
-# the scalars that of its scalars (0.04); the head #89's (its decay 150 x its base 0.005), at its lr 0.008 (#89 ties
-# it to the token embedding until two thirds of the run; not yet here)
+# Adam's momenta and cautious weight decay (x lr^2) by kind, as a record sets them (--optimizer_recipe): #23's (its
+# betas for gates too, which it had none of), and #89's where its lrs are this file's: the token and value embeddings
+# share the lr of its value embeddings (0.6), the scalars that of its scalars (0.04); the head #89's (its decay 150 x
+# its base 0.005), at its lr 0.008 (#89 ties it to the token embedding until two thirds of the run; not yet here);
+# the gates its base lr 0.008 and decay 0.005 (the smear's gate has none there: 0.005 x (0.01 x 0.008)^2 is nothing)
 ADAM_RECIPES = {
-    "23": dict(head=dict(betas=(0.8, 0.95)), embed=dict(betas=(0.8, 0.95)), scalar=dict(betas=(0.8, 0.95))),
+    "23": dict(head=dict(betas=(0.8, 0.95)), embed=dict(betas=(0.8, 0.95)), scalar=dict(betas=(0.8, 0.95)),
+               gate=dict(betas=(0.8, 0.95))),
     "89": dict(head=dict(betas=(0.5, 0.95), cautious_weight_decay=0.75),
-               embed=dict(betas=(0.75, 0.95), cautious_weight_decay=0.025), scalar=dict(betas=(0.9, 0.99))),
+               embed=dict(betas=(0.75, 0.95), cautious_weight_decay=0.025), scalar=dict(betas=(0.9, 0.99)),
+               gate=dict(betas=(0.9, 0.99), cautious_weight_decay=0.005)),
 }
 
 def optimizer_param_groups(model: nn.Module, vocab_size: int, model_dim: int) -> dict[str, list[str]]:
@@ -1098,7 +1132,8 @@ def optimizer_param_groups(model: nn.Module, vocab_size: int, model_dim: int) ->
     for module in model.modules():
         linear = isinstance(module, (CastedLinear, nn.Linear))
         for p in module.parameters(recurse=False):
-            kinds[p].add("scalar" if p.ndim < 2 else "head" if is_head(module, vocab_size) else "muon" if linear
+            kinds[p].add("scalar" if p.ndim < 2 else "gate" if isinstance(module, Gate) else
+                         "head" if is_head(module, vocab_size) else "muon" if linear
                          else "embed" if isinstance(module, nn.Embedding) else
                          "muon" if model_dim in p.shape[-2:] else None)
     groups = {kind: [] for kind in OPTIMIZER_GROUPS}
@@ -1112,13 +1147,16 @@ def optimizer_param_groups(model: nn.Module, vocab_size: int, model_dim: int) ->
 
 def build_optimizers(model: nn.Module, groups: dict[str, list[str]], args: Hyperparameters, device: torch.device,
                      cuda_dtypes: bool) -> list[torch.optim.Optimizer]:
-    """Adam for the heads, embeddings and scalars, Muon for the hidden matrices: of each group, the parameters this
-    rank's part of the model holds."""
+    """Adam for the heads, embeddings, scalars and gates, Muon for the hidden matrices: of each group, the parameters
+    this rank's part of the model holds. A module's `lr_scale` (a Gate's) scales its parameters' Adam lr."""
     params = dict(model.named_parameters())
     held = {kind: [params[name] for name in names if name in params] for kind, names in groups.items()}
-    lrs = dict(head=args.lr_head, embed=args.lr_embed, scalar=args.lr_scalar)
-    adam = Adam([dict(params=held[kind], lr=lrs[kind], **ADAM_RECIPES[args.optimizer_recipe][kind])
-                 for kind in lrs if held[kind]], fused=device.type != "meta")  # (stages lack some; meta: the plan)
+    lr_scale = {p: getattr(module, "lr_scale", 1.0) for module in model.modules() for p in module.parameters(False)}
+    lrs = dict(head=args.lr_head, embed=args.lr_embed, scalar=args.lr_scalar, gate=args.lr_gate)
+    adam = Adam([dict(params=[p for p in held[kind] if lr_scale[p] == scale], lr=lrs[kind] * scale,
+                      **ADAM_RECIPES[args.optimizer_recipe][kind])
+                 for kind in lrs for scale in sorted({lr_scale[p] for p in held[kind]})],
+                fused=device.type != "meta")  # (stages lack some kinds; meta: the plan)
     orthogonalize = torch.compile(polar_express) if device.type == "cuda" else polar_express
     muon = Muon(held["muon"], lr=args.lr_muon, momentum=0.95, beta2=args.muon_beta2,
                 weight_decay=args.muon_weight_decay, shape_rule=args.optimizer_recipe, orthogonalize=orthogonalize,
@@ -2921,18 +2959,25 @@ class Zero:
 class ShardedParameters:
     """ZeRO 3: each unit (a block, or another module holding parameters) is gathered from the owners just before
     its forward (a block prefetching the next), dropped after, gathered again when backward reaches it, and dropped
-    once its gradients are in. A parameter read outside its unit's forward stays whole, sent after each step."""
+    once its gradients are in. A parameter belongs to the outermost unit holding it whose forward makes all its
+    reads; one read outside every such forward (tied weights, the GPT's own) stays whole, sent after each step."""
 
     def __init__(self, model: GPT, zero: Zero, trace: ModelTrace):
         self.zero = zero
         blocks = [(f"blocks.{i}", block) for i, block in enumerate(model.blocks) if block is not None]
         others = [(name, module) for name, module in model.named_modules() if name and not name.startswith("blocks")
                   and next(module.parameters(recurse=False), None) is not None]
-        held_by = collections.Counter(p for _, module in blocks + others for p in module.parameters())
         names = {p: name for name, p in model.named_parameters()}
-        self.units = [[p for p in module.parameters() if held_by[p] == 1 and
-                       all(unit in op.modules for op in trace.parameter_reads(names[p]))]
-                      for unit, module in blocks + others]
+
+        def unit_of(p: Tensor) -> str | None:
+            holders = [name for name, module in blocks + others if any(p is q for q in module.parameters())
+                       and all(name in op.modules for op in trace.parameter_reads(names[p]))]
+            return min(holders, key=lambda name: name.count("."), default=None)
+        members = collections.defaultdict(list)
+        for p in model.parameters():
+            members[unit_of(p)].append(p)
+        others = [(name, module) for name, module in others if members[name]]  # (nested in another unit: none)
+        self.units = [members[name] for name, _ in blocks + others]
         self.unit_of = {p: u for u, unit in enumerate(self.units) for p in unit}
         self.handles: dict[int, list] = {}  # unit -> broadcasts in flight
         self.resident: set[int] = set(range(len(self.units)))

@@ -298,8 +298,9 @@ def test_a_plan_without_a_preset_plans_the_record_and_says_so(capsys):
     out = capsys.readouterr().out
     assert "preset record" in out and "8 processes = pipeline 1 x data parallel 8" in out
     # the record model, not the cpu preset's; by hand: the token and 3 value embeddings 4 x 50257 x 768, the head
-    # 50304 x 768, 10 attention layers 4 x 768^2 + 5 scalars, 11 MLPs 8 x 768^2 + 2 scalars, the skip and the backout
-    assert "268,520,522 parameters" in out
+    # 50304 x 768, 10 attention layers 4 x 768^2 + 5 scalars, 11 MLPs 8 x 768^2 + 2 scalars, the skip and the backout,
+    # the smear's gate (12) and scale
+    assert "268,520,535 parameters" in out
 
 
 # exit status 2 and one line, not a traceback, as a user sees it

@@ -19,12 +19,22 @@ def tiny_model_with_every_weight_nonzero():
     return args, model
 
 
-def logits_by_the_formulas(model, tokens, window, backout=True, attend_over=True):
-    """#89's residual stream spelled out, each block's attention and MLP taken as they are: the gated skip into its
-    layer's input, attention over the kept layer's output after it, scales on the residual and each output, x0
-    after attention, and the kept output's share taken back out before the head."""
+def smeared_by_the_formula(model, embeddings):
+    """#89's smear, a token at a time: e_t + lambda sigmoid(w . e_t[:12]) e_(t-1), the first token as it is."""
+    smear = model.smear
+    rows = [embeddings[0]] + [e + smear.scale * torch.sigmoid(smear.gate.weight[0] @ e[:12]) * before
+                              for before, e in zip(embeddings[:-1], embeddings[1:])]
+    return torch.stack(rows)
+
+
+def logits_by_the_formulas(model, tokens, window, backout=True, attend_over=True, smear=True):
+    """#89's residual stream spelled out, each block's attention and MLP taken as they are: the previous token's
+    embedding smeared in, the gated skip into its layer's input, attention over the kept layer's output after it,
+    scales on the residual and each output, x0 after attention, and the kept output's share taken back out before
+    the head."""
     masks = model.attention_masks(tokens[:-1], window)
-    embed = norm(model.embed(tokens[:-1])[None])
+    embeddings = model.embed(tokens[:-1])
+    embed = norm((smeared_by_the_formula(model, embeddings) if smear else embeddings)[None])
     x, x0, outputs = embed, embed, {}
     (skip_from, skip_to), over = model.skip, model.attend_over
     for i, block in enumerate(model.blocks):
@@ -53,9 +63,11 @@ def test_the_layer_stack_computes_the_formulas_of_record_89():
         logits = model(tokens[:-1], None, window)
         expected = logits_by_the_formulas(model, tokens, window)
         spread = (expected - expected.mean()).abs().max()  # (the soft cap centres the logits on 15)
-        # what the comparison can see: without the backout, or with layer 5 attending over its own input
+        # what the comparison can see: without the backout, with layer 5 attending over its own input, or without
+        # the smear
         for changed in (logits_by_the_formulas(model, tokens, window, backout=False),
-                        logits_by_the_formulas(model, tokens, window, attend_over=False)):
+                        logits_by_the_formulas(model, tokens, window, attend_over=False),
+                        logits_by_the_formulas(model, tokens, window, smear=False)):
             assert (changed - expected).abs().max() > 1e-3 * spread
     assert (logits - expected).abs().max() <= 1e-5 * spread  # the same float32 ops: rounding only
 
@@ -73,6 +85,20 @@ def test_each_learned_scale_starts_where_record_89_starts_it():
         if block.attn is not None:
             assert (block.attn_scales[1].item(), block.attn_scales[2].item()) == (1.0, 0.0)
     assert model.backout.item() == -0.5
+    # the smear: off (its scale 0), its gate at zero (so at sigmoid(0) = 1/2 once the scale moves)
+    assert model.smear.scale.item() == 0.0 and not model.smear.gate.weight.any()
+
+
+def test_gates_go_to_adam_at_their_own_share_of_the_gates_lr():
+    args = train_gpt.parse_args(["--preset", "tiny", "--lr_gate", "0.5", "--optimizer_recipe", "89"], cuda=False)
+    model = train_gpt.build_model(args, torch.device("cpu"))
+    groups = train_gpt.optimizer_param_groups(model, args.vocab_size, args.model_dim)
+    assert groups["gate"] == ["smear.gate.weight"] and "smear.scale" in groups["scalar"]
+    adam, muon = train_gpt.build_optimizers(model, groups, args, torch.device("cpu"), cuda_dtypes=False)
+    lr_of = {p: (group["lr"], group["betas"]) for group in adam.param_groups for p in group["params"]}
+    assert lr_of[model.smear.gate.weight] == (0.5 * 0.01, (0.9, 0.99))  # #89's smear gate: 1/100 of the base lr
+    assert lr_of[model.smear.scale] == (args.lr_scalar, (0.9, 0.99))
+    assert all(p is not model.smear.gate.weight for group in muon.param_groups for p in group["params"])
 
 
 def test_the_stream_carries_a_layers_output_only_while_a_later_layer_or_the_head_reads_it():
