@@ -382,7 +382,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.qkv = CastedLinear(dim, num_heads * head_dim, stacked=3)
-        self.lambdas = nn.Parameter(torch.tensor([0.5, 0.5]))  # mix of v and the value embedding
+        self.value_scale = nn.Parameter(torch.tensor(0.5))  # #89's 0.5 on the qkv weight: on v (q and k are normed)
         self.rotary = Rotary(head_dim, max_seq_len)
         self.c_proj = CastedLinear(num_heads * head_dim, dim)
         self.c_proj.weight.detach().zero_()  # zero-init: each block starts as the identity
@@ -392,9 +392,13 @@ class CausalSelfAttention(nn.Module):
         B, T = qkv.size(0), qkv.size(1)  # B == 1: masks are per sequence
         q, k, v = qkv.view(B, T, 3, -1, self.head_dim).unbind(2)  # (B, T, H, D) each
         q, k = self.rotary(norm(q)), self.rotary(norm(k))  # QK-norm, then rotate
-        v = self.lambdas[0] * v + self.lambdas[1] * ve.view_as(v) if ve is not None else self.lambdas[0] * v
+        v = self.values(v, ve)
         y = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)  # (B, H, T, D)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, -1))
+
+    def values(self, v: Tensor, ve: Tensor | None) -> Tensor:
+        """v (B, T, H, D) scaled, plus the layer's gated value embedding (T, H x D) where it has one."""
+        return self.value_scale * v if ve is None else self.value_scale * v + ve.view_as(v)
 
 class MLP(nn.Module):
     def __init__(self, dim: int):
@@ -432,6 +436,8 @@ class Smear(nn.Module):
         share = self.scale * torch.sigmoid(self.gate(x[1:]))
         return torch.cat([x[:1], x[1:] + share * x[:-1]])
 
+VALUE_GATE_CHANNELS = 6  # a value embedding's gate reads this many channels of attention's input and of the embedding
+
 # a gated skip starts at #89's weight: sigmoid(-1.5) times its gate's 0.5
 SKIP_GATE_START = -math.log(2 * (1 + math.exp(1.5)) - 1)  # the logit of 0.5 / (1 + e^1.5)
 
@@ -439,12 +445,14 @@ class Block(nn.Module):
     """Attention (none in an attention-free layer), then the MLP. Each sublayer scales the residual and its own output
     by learned scalars, the residual's starting at sqrt(1.1), so 1.1 a layer with attention (#45); the embedding x0
     re-enters after attention, its scale starting at 0. A skip from an earlier layer joins first through a sigmoid
-    gate; attention may read another layer's output than the block's input."""
+    gate; attention may read another layer's output than the block's input, and its values take a value embedding
+    gated per head."""
 
     def __init__(self, dim: int, num_heads: int, head_dim: int, max_seq_len: int, has_attention: bool,
-                 takes_skip: bool):
+                 takes_skip: bool, takes_value_embed: bool = False):
         super().__init__()
         self.attn = CausalSelfAttention(dim, num_heads, head_dim, max_seq_len) if has_attention else None
+        self.value_gate = Gate(2 * VALUE_GATE_CHANNELS, num_heads) if takes_value_embed else None
         self.mlp = MLP(dim)
         self.attn_scales = nn.Parameter(torch.tensor([1.1 ** 0.5, 1.0, 0.0])) if has_attention else None  # x, out, x0
         self.mlp_scales = nn.Parameter(torch.tensor([1.1 ** 0.5, 1.0]))  # x, out
@@ -455,9 +463,19 @@ class Block(nn.Module):
         if skip is not None:
             x = x + torch.sigmoid(self.skip_gate) * skip
         if self.attn is not None:
-            out = self.attn(norm(x if attend_over is None else attend_over), ve, mask, **for_attention)
+            read = norm(x if attend_over is None else attend_over)
+            out = self.attn(read, self.gated_value_embed(read, ve), mask, **for_attention)
             x = self.attn_scales[0] * x + self.attn_scales[1] * out + self.attn_scales[2] * x0
         return self.mlp_scales[0] * x + self.mlp_scales[1] * self.mlp(norm(x))
+
+    def gated_value_embed(self, read: Tensor, ve: Tensor | None) -> Tensor | None:
+        """Each head's share of the value embedding (T, D): 2 sigmoid of a gate reading the first channels of
+        attention's input and of the embedding, starting at 1 (#89's gate, by @photomz)."""
+        if ve is None:
+            return None
+        n = VALUE_GATE_CHANNELS
+        gate = 2 * torch.sigmoid(self.value_gate(torch.cat([read[..., :n], ve[None, :, :n]], dim=-1)))  # (1, T, H)
+        return (gate[..., None] * ve.unflatten(-1, (gate.size(-1), -1))).flatten(-2)
 
 RECORD_SOFT_CAP = (23.0, 5.0, 7.5)  # #89's (#54): 23 * sigmoid((logits + 5) / 7.5)
 
@@ -509,24 +527,18 @@ class LMHead(CastedLinear):
     def summed_loss(self, x: Tensor, targets: Tensor) -> Tensor:
         return self.cross_entropy(self.logits(x), targets)
 
-def value_embedding_of_layers(num_layers: int, num_value_embeds: int) -> list[int | None]:
-    """Per layer, the value embedding added to its values: k feeds layers k and num_layers - n + k; the middle none."""
-    n = num_value_embeds
-    return [i if i < n else i - (num_layers - n) if i >= num_layers - n else None for i in range(num_layers)]
-
 class GPT(nn.Module):
     """The GPT of record #89's layer stack: each token's embedding takes in some of the previous token's (the smear),
-    value embeddings feed the first and last layers' values, a gated skip
-    carries one layer's output to a later layer's input (#32, #45, #55), the layers after a chosen one attend over its
-    output (#73, #77), and the head's input takes a learned share of that output back out ("backout", starting at
-    -0.5). The stream (a dict of tensors) goes from the embedding through each block to the head; layouts run the
-    forward in parts along it, and hook its two seams."""
-    NUM_VALUE_EMBEDS = 3
+    value embeddings of their own feed some layers' values (#89: the second and third, and the last three), a gated
+    skip carries one layer's output to a later layer's input (#32, #45, #55), the layers after a chosen one attend
+    over its output (#73, #77), and the head's input takes a learned share of that output back out ("backout",
+    starting at -0.5). The stream (a dict of tensors) goes from the embedding through each block to the head;
+    layouts run the forward in parts along it, and hook its two seams."""
 
     def __init__(self, vocab_size: int, num_layers: int, num_heads: int, head_dim: int, model_dim: int,
                  max_seq_len: int, window_pattern: str, layers_without_attention=(),
-                 skip: tuple[int, int] | None = None, attend_over: int | None = None, smear=True, fp8_head=True,
-                 soft_cap: tuple[float, float, float] = RECORD_SOFT_CAP):
+                 value_embed_layers=(), skip: tuple[int, int] | None = None, attend_over: int | None = None,
+                 smear=True, fp8_head=True, soft_cap: tuple[float, float, float] = RECORD_SOFT_CAP):
         super().__init__()
         self.window_pattern = window_pattern
         self.skip, self.attend_over = skip, attend_over
@@ -534,14 +546,16 @@ class GPT(nn.Module):
         self.read_until = {} if skip is None else {skip[0]: skip[1]}
         if attend_over is not None:
             self.read_until[attend_over] = num_layers
-        self.value_embed_of_layer = value_embedding_of_layers(num_layers, self.NUM_VALUE_EMBEDS)
+        # layer -> its value embedding's index in the stream's list
+        self.value_embed_of_layer = {layer: k for k, layer in enumerate(value_embed_layers)}
         self.embed = nn.Embedding(vocab_size, model_dim)
         self.smear = Smear() if smear else None
-        self.value_embeds = nn.ModuleList([nn.Embedding(vocab_size, model_dim)
-                                           for _ in range(self.NUM_VALUE_EMBEDS)])
+        self.value_embeds = nn.ModuleList([nn.Embedding(vocab_size, model_dim) for _ in value_embed_layers])
+        for value_embed in self.value_embeds:  # small: #89's 0.01 randn (@photomz)
+            value_embed.weight.detach().mul_(0.01)
         self.blocks = nn.ModuleList([Block(model_dim, num_heads, head_dim, max_seq_len,
-                                           i not in layers_without_attention, skip is not None and i == skip[1])
-                                     for i in range(num_layers)])
+                                           i not in layers_without_attention, skip is not None and i == skip[1],
+                                           i in self.value_embed_of_layer) for i in range(num_layers)])
         self.backout = nn.Parameter(torch.tensor(-0.5)) if attend_over is not None else None
         # vocab padded to a multiple of 128 for faster kernels; the FP8 scales are #89's, for its soft cap's logits
         self.lm_head = LMHead(model_dim, next_multiple_of_n(vocab_size, n=128), soft_cap=soft_cap, use_fp8=fp8_head,
@@ -586,7 +600,7 @@ class GPT(nn.Module):
 
     def block_inputs(self, i: int, stream: dict, masks: dict) -> dict:
         """What block i takes from the stream."""
-        k, skip, over = self.value_embed_of_layer[i], self.skip, self.attend_over
+        k, skip, over = self.value_embed_of_layer.get(i), self.skip, self.attend_over
         return dict(x=stream["x"], skip=stream[f"layer{skip[0]}"] if skip is not None and i == skip[1] else None,
                     ve=stream["ve"][k] if k is not None else None, x0=stream["x0"], mask=masks[self.window_pattern[i]],
                     attend_over=stream[f"layer{over}"] if over is not None and i > over else None)
@@ -775,6 +789,8 @@ class Hyperparameters:
     vocab_size: int = flag(50257, "tokens in the vocabulary (the head is padded to a multiple of 128)")
     window_pattern: str = flag("SSSLSSSSSSL", "per layer, a long (L) or short (S, half) sliding window")
     attention_free_layers: str = flag("6", "comma-separated layer indices without attention")
+    value_embed_layers: str = flag("1,2,8,9,10", "comma-separated layer indices whose values take a gated value "
+                                                 "embedding of their own")
     skip_layers: str = flag("3,6", "a gated skip: the first layer's output joins the second's input (empty: none)")
     attend_over_layer: str = flag("7", "the later layers attend over this layer's output, and the head's input takes "
                                        "a learned share of it back out (empty: none)")
@@ -860,14 +876,16 @@ PRESETS = {
     # its soft cap (#89's, 23 sigmoid((z + 5) / 7.5), ends 0.08 higher: its logits start 8 below their cap),
     # its cooldown (#89's, from 40% of the run to 0.15, ends 0.002 higher here), its optimizer recipe (#89's Muon
     # step sizes end 0.04 higher; its Adam settings move the seeds either way) and Adam on every step (every other
-    # ends 0.02 higher, in 230 steps): records/ABLATIONS.md.
+    # ends 0.02 higher, in 230 steps), no smear (no gain, 2% more time a step) and value embeddings in every layer
+    # (#89's five layers' worth, here 1, 4 and 5, end 0.02 higher): records/ABLATIONS.md.
     "cpu": dict(train_files="data/shakespeare/shakespeare_train_*.bin",
                 val_files="data/shakespeare/shakespeare_val_*.bin",
                 val_tokens=128 * 1024, train_seq_len=256, val_seq_len=256, seqs_per_step=8, num_layers=6,
                 num_heads=2, head_dim=64, model_dim=128, window_pattern="LSSSSL", attention_free_layers="",
-                window_max_tokens=512, fp8_head=False, num_iterations=230, muon_momentum_warmup_steps=50,
-                skip_layers="1,3", attend_over_layer="3", muon_momentum_cooldown_steps=9, lr_head=0.077,
-                lr_embed=0.21, lr_scalar=0.014, lr_gate=0.0028, lr_muon=0.0175, soft_cap=f"30,0,{7.5 * 128 ** 0.5}",
+                value_embed_layers="0,1,2,3,4,5", smear=False, window_max_tokens=512, fp8_head=False, num_iterations=230,
+                muon_momentum_warmup_steps=50, skip_layers="1,3", attend_over_layer="3", muon_momentum_cooldown_steps=9,
+                lr_head=0.077, lr_embed=0.21, lr_scalar=0.014, lr_gate=0.0028, lr_muon=0.0175,
+                soft_cap=f"30,0,{7.5 * 128 ** 0.5}",
                 cooldown_frac=0.4, lr_final=0.1, val_loss_every=46, target_val_loss=5.15, fp64_grad_sum=True,
                 doc_max_tokens=0, optimizer_recipe="23", adam_every=1,  # a stream: the shards hold 38 whole plays
                 save_every=230),  # (to sample from)
@@ -875,9 +893,9 @@ PRESETS = {
     "tiny": dict(train_files="data/shakespeare/shakespeare_train_*.bin",
                  val_files="data/shakespeare/shakespeare_val_*.bin",
                  val_tokens=4 * 256, train_seq_len=256, val_seq_len=256, num_layers=6, num_heads=2, head_dim=16,
-                 model_dim=32, window_pattern="LSSSSL", attention_free_layers="4", skip_layers="1,4",
-                 attend_over_layer="3", window_max_tokens=256, lr_head=0.22, soft_cap=f"30,0,{7.5 * 32 ** 0.5}",
-                 fp8_head=False, num_iterations=20, muon_momentum_warmup_steps=5, muon_momentum_cooldown_steps=1,
+                 model_dim=32, window_pattern="LSSSSL", attention_free_layers="4", value_embed_layers="1,2,5",
+                 skip_layers="1,4", attend_over_layer="3", window_max_tokens=256, lr_head=0.22,
+                 soft_cap=f"30,0,{7.5 * 32 ** 0.5}", fp8_head=False, num_iterations=20, muon_momentum_warmup_steps=5, muon_momentum_cooldown_steps=1,
                  val_loss_every=10, target_val_loss=8.0, fp64_grad_sum=True, doc_max_tokens=0),
 }
 
@@ -918,6 +936,7 @@ def parse_args(argv=None, cuda: bool | None = None) -> Hyperparameters:
 
 # what each flag of layer indices takes
 LAYER_FLAGS = {"attention_free_layers": (None, "comma-separated layer indices such as '6', or '' for none"),
+               "value_embed_layers": (None, "comma-separated layer indices such as '1,2,8,9,10', or '' for none"),
                "skip_layers": (2, "two layer indices FROM,TO such as '3,6', or '' for none"),
                "attend_over_layer": (1, "one layer index such as '7', or '' for none")}
 
@@ -934,6 +953,7 @@ def layer_indices(args: Hyperparameters, name: str) -> tuple[int, ...]:
     bad = [i for i in layers if not 0 <= i < args.num_layers]
     need(not bad, f"--{name} {text!r}{origin} names layers {bad}, outside 0 to {args.num_layers - 1} (--num_layers "
          f"{args.num_layers})")
+    need(len(set(layers)) == len(layers), f"--{name} {text!r}{origin} names a layer twice: name each once")
     return layers
 
 # flags that must be above zero; every other number must be at least zero, and every count below 2**31 (counts
@@ -994,14 +1014,10 @@ def check_hyperparameters(args: Hyperparameters) -> None:
     need(all(i < args.num_layers - 1 for i in layer_indices(args, "attend_over_layer")),
          f"--attend_over_layer {args.attend_over_layer!r}: no layer comes after the last to attend over it; name an "
          "earlier layer, or '' for none")
-    fed, attention_free = value_embedding_of_layers(args.num_layers, GPT.NUM_VALUE_EMBEDS), set(
-        layer_indices(args, "attention_free_layers"))
-    for k in range(GPT.NUM_VALUE_EMBEDS):
-        layers = [i for i, j in enumerate(fed) if j == k]
-        need(not set(layers) <= attention_free,
-             f"--num_layers {args.num_layers} with --attention_free_layers {args.attention_free_layers!r} leaves value "
-             f"embedding {k} nothing to feed: it is added to the values of layers {layers}, which have no "
-             "attention; keep attention in one of them")
+    fed = set(layer_indices(args, "value_embed_layers")) & set(layer_indices(args, "attention_free_layers"))
+    need(not fed, f"--value_embed_layers {args.value_embed_layers!r} names layers {sorted(fed)}, which have no "
+         f"attention (--attention_free_layers {args.attention_free_layers!r}): a value embedding is added to "
+         "attention's values; name layers with attention")
     need(set(args.run_id) != {"."} and "/" not in args.run_id and os.sep not in args.run_id,
          f"--run_id {args.run_id!r} would put the run's log and checkpoints outside --log_dir: use a plain name "
          "(no path separators, not dots only)")
@@ -1089,6 +1105,7 @@ def build_model(args: Hyperparameters, device: torch.device, cuda_dtypes: bool |
                     head_dim=args.head_dim, model_dim=args.model_dim,
                     max_seq_len=max(args.train_seq_len, args.val_seq_len), window_pattern=args.window_pattern,
                     layers_without_attention=layer_indices(args, "attention_free_layers"),
+                    value_embed_layers=layer_indices(args, "value_embed_layers"),
                     skip=layer_indices(args, "skip_layers") or None,
                     attend_over=next(iter(layer_indices(args, "attend_over_layer")), None), smear=args.smear,
                     fp8_head=args.fp8_head, soft_cap=soft_cap_terms(args))
@@ -1357,8 +1374,9 @@ def main(argv=None) -> float | None:
 # Checkpoints and stopping: full tensors keyed by parameter name, so a run resumes under any world size
 
 # 2: the log's digest, so a resume never continues another run's log; 3: NorMuon's state; 4: the held gradients;
-# 5: record #89's layer stack, whose flags an older file's hyperparameters lack
-CHECKPOINT_FORMAT = 5
+# 5: record #89's layer stack, whose flags an older file's hyperparameters lack; 6: its value embeddings, a table and
+# a gate for each layer they feed
+CHECKPOINT_FORMAT = 6
 EXIT_STOPPED = 3  # kill switch or signal: a checkpoint was saved; continue with --resume latest
 EXIT_DIVERGED = 4  # non-finite training loss or gradient norm
 EXIT_LOST = 5  # a rank stopped answering or died: no stop checkpoint; continue from the last one
@@ -3098,6 +3116,21 @@ def enter_region(x: Tensor, tp: Axis, sp: bool) -> Tensor:
         return _Conjugate.apply(x, tp, gather_sequence_shards, reduce_scatter_sequence_shards)
     return _Conjugate.apply(x, tp, identity, all_reduce_sum)
 
+def enter_beside(x: Tensor, tp: Axis, sp: bool) -> Tensor:
+    """Into a region split by head, beside its input, a tensor as wide as its heads together (a gated value
+    embedding): this rank's heads' part (under --sp, of the sequence gathered first); backward gathers the parts."""
+    heads = TensorParallelSlice(x.ndim - 1, x.size(-1), tp)
+    if sp:
+        return _Conjugate.apply(x, tp, lambda t, tp: heads.cut(gather_sequence_shards(t, tp)),
+                                lambda grad, tp: own_sequence_shard(heads.gather(grad), tp))
+    return _Conjugate.apply(x, tp, lambda t, tp: heads.cut(t), lambda grad, tp: heads.gather(grad))
+
+def beside_the_input(args: tuple, heads_width: int) -> list[int]:
+    """The positions of a head-split region's arguments that are per head: float tensors after its input, as wide as
+    its heads together."""
+    return [i for i, a in enumerate(args) if i > 0 and isinstance(a, Tensor) and a.is_floating_point()
+            and a.size(-1) == heads_width]
+
 def leave_region(x: Tensor, tp: Axis, sp: bool) -> Tensor:
     """Out of a region: g (all-reduce; backward identity), or under --sp a reduce-scatter (backward all-gather)."""
     if sp:
@@ -3210,7 +3243,8 @@ def vocab_parallel_cross_entropy(logits: Tensor, targets: Tensor, tp: Axis) -> T
 
 # The kinds of module tensor parallelism splits, each a region: attention by head, the MLP by its width. A linear
 # layer reading a region's input is column-parallel (output features split), the one writing its output
-# row-parallel (input features split); f or an all-gather enters a region, g or a reduce-scatter leaves it.
+# row-parallel (input features split); f or an all-gather enters a region, g or a reduce-scatter leaves it. A tensor
+# handed to attention beside its input, as wide as its heads together, enters as this rank's heads' part.
 TENSOR_PARALLEL_REGIONS = {CausalSelfAttention: "heads", MLP: "width"}
 # A fork's linear layer inside a region that these rules do not place: (region class, its attribute name in the
 # region) -> "column", "row" or "whole" (replicated: it acts on the region's whole input)
@@ -3241,7 +3275,7 @@ def tensor_parallelize(model: GPT, tp: Axis, args: Hyperparameters, trace: Model
         if True in partial:
             p.register_hook(functools.partial(all_reduce_sum, tp=tp))
     if checked:  # (the plan's meta tensors have no values to check)
-        refuse_mixing_across_ranks(model, trace, regions, splits, tp.size, args.num_heads)
+        refuse_mixing_across_ranks(model, trace, regions, splits, tp.size, args.num_heads, args.model_dim)
     if args.sp:
         cut = sequence_parallel_cut(trace, regions)
         if checked:
@@ -3257,9 +3291,13 @@ def tensor_parallelize(model: GPT, tp: Axis, args: Hyperparameters, trace: Model
                     gather_while_multiplying(model.get_submodule(linear), tp)
         else:
             call.module.register_forward_pre_hook(lambda m, a: (enter_region(a[0], tp, args.sp), *a[1:]))
+        if split_by(call.module) == "heads":
+            call.module.register_forward_pre_hook(lambda m, a: tuple(
+                enter_beside(t, tp, args.sp) if i in beside_the_input(a, args.model_dim) else t
+                for i, t in enumerate(a)))
         call.module.register_forward_hook(lambda m, a, out: leave_region(out, tp, args.sp))
     for name, module in model.named_modules():
-        if isinstance(module, nn.Embedding) and module.weight.slice_of.dim == 0:
+        if isinstance(module, nn.Embedding):
             vocab_parallel_embedding(module, tp)
         if name in heads:  # the whole input enters through f; the logits stay split by vocabulary
             module.register_forward_pre_hook(lambda m, a: (enter_region(a[0], tp, sp=False), *a[1:]))
@@ -3311,13 +3349,7 @@ def tensor_parallel_splits(model: GPT, trace: ModelTrace, regions: dict, heads: 
             elif module_name in heads and module.weight.size(-2) in p.shape:  # its weight, a bias: per vocabulary entry
                 claim(name, p, p.shape.index(module.weight.size(-2)), "vocabulary-parallel head")
             elif isinstance(module, nn.Embedding):
-                # an embedding read only inside regions split by head (a value embedding) is split with the heads;
-                # any other by vocabulary
-                readers = [op for call in trace.calls if call.module is module for op in trace.reads(call.output)]
-                into_heads = bool(readers) and all(
-                    (r := region_of(op.modules, regions)) and split_by(regions[r].module) == "heads" for op in readers)
-                claim(name, p, -1 if into_heads else 0, "value embedding" if into_heads else "vocabulary-parallel "
-                      "embedding")
+                claim(name, p, 0, "vocabulary-parallel embedding")
             elif by_head and role != "whole" and num_heads in p.shape and not all(
                     op.name == "__getitem__" and isinstance(op.index, int) for op in trace.parameter_reads(name)):
                 # in a module split by head, a parameter with a dimension of the head count is per head (unless
@@ -3357,7 +3389,8 @@ def linear_roles(trace: ModelTrace, regions: dict) -> dict[str, str | None]:
 # sequences; the code between, outside attention and the MLP, must work position by position (checked).
 
 def sequence_parallel_cut(trace: ModelTrace, regions: dict) -> list[int]:
-    """The stream's tensors that the blocks read outside the regions: these are cut (value embeddings stay whole)."""
+    """The stream's tensors that the blocks read outside the regions: these are cut (those only regions read stay
+    whole)."""
     paths_and_leaves = pytree.tree_flatten_with_path(trace.streams[0])[0]
     cut = [i for i, (_, t) in enumerate(paths_and_leaves) if isinstance(t, Tensor) and any(
         op.cut and not region_of(op.modules, regions) for op in trace.reads(t))]
@@ -3403,9 +3436,11 @@ def refuse_sequence_mixing(model: GPT, trace: ModelTrace, regions: dict, cut: li
         calls = [call for call in trace.calls if call.layer == layer and call.name in regions]
         fed, hooks = [], []
 
-        def enter(module, args):
-            fed.append(torch.allclose(args[0], shard(calls[0].args[0], r), rtol=1e-4, atol=1e-5))
-            return (calls[0].args[0], *args[1:])
+        def enter(module, args):  # fed its input and the tensors beside it whole, once they are checked
+            expected = [(a, shard(b, r)) for a, b in zip(args, calls[0].args)
+                        if isinstance(a, Tensor) and a.is_floating_point()]
+            fed.append(all(a.shape == b.shape and torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in expected))
+            return tuple(calls[0].args)
 
         def leave(module, args, output):
             return shard(calls.pop(0).output, r)
@@ -3427,26 +3462,26 @@ def refuse_sequence_mixing(model: GPT, trace: ModelTrace, regions: dict, cut: li
              "without --sp")
 
 def refuse_mixing_across_ranks(model: GPT, trace: ModelTrace, regions: dict, splits: dict, tp: int,
-                               num_heads: int) -> None:
+                               num_heads: int, heads_width: int) -> None:
     """Each region run on every rank's share of its heads (or width) must sum to what it gives whole, or it mixes
     them across ranks (heads that attend in pairs, say): refused, naming the --tp that keep the parts apart."""
-    failure = region_that_mixes_ranks(trace, regions, splits, tp)
+    failure = region_that_mixes_ranks(trace, regions, splits, tp, heads_width)
     if failure is None:
         return
     works = [t for t in range(2, num_heads + 1) if num_heads % t == 0 and
-             region_that_mixes_ranks(trace, regions, splits, t) is None]
+             region_that_mixes_ranks(trace, regions, splits, t, heads_width) is None]
     region, why = failure
     raise UserError(f"tensor parallelism: {region} does not split into {tp} ranks' shares of its "
                     f"{split_by(regions[region].module)} ({why}): it mixes what they hold, and what mixes must stay on "
                     "one rank; " + (f"use --tp {' or '.join(map(str, works))}, which keep it apart" if works else
                                     "no --tp above 1 keeps it apart: train without --tp"))
 
-def region_that_mixes_ranks(trace: ModelTrace, regions: dict, splits: dict, tp: int) -> tuple[str, str] | None:
+def region_that_mixes_ranks(trace: ModelTrace, regions: dict, splits: dict, tp: int,
+                            heads_width: int) -> tuple[str, str] | None:
     """The first region whose ranks' shares, each run alone, do not sum to its whole output; and why."""
     stand_ins = torch.Generator().manual_seed(0)  # for parameters at zero (an output layer's), which would hide it
-    by_heads = {id(call.output) for call in trace.calls  # (value embeddings: split with the heads they feed)
-                if isinstance(call.module, nn.Embedding) and splits.get(call.module.weight) == 1}
     for name, call in regions.items():
+        by_heads = beside_the_input(call.args, heads_width) if split_by(call.module) == "heads" else []
         params = {k: p.detach() if p.any() else torch.randn(p.shape, generator=stand_ins).to(p) * 0.02
                   for k, p in call.module.named_parameters()}
         with torch.no_grad():
@@ -3455,8 +3490,8 @@ def region_that_mixes_ranks(trace: ModelTrace, regions: dict, splits: dict, tp: 
                 axis = Axis(r, tp, None, tuple(range(tp)))
                 held = {k: TensorParallelSlice(splits[p] % p.ndim, p.size(splits[p] % p.ndim), axis).cut(params[k])
                         if p in splits else params[k] for k, p in call.module.named_parameters()}
-                args = [TensorParallelSlice(t.ndim - 1, t.size(-1), axis).cut(t) if id(t) in by_heads else t
-                        for t in call.args]
+                args = [TensorParallelSlice(t.ndim - 1, t.size(-1), axis).cut(t) if i in by_heads else t
+                        for i, t in enumerate(call.args)]
                 try:
                     total = total + torch.func.functional_call(call.module, held, tuple(args), call.kwargs)
                 except Exception as e:  # (shapes that do not divide: a part that needs another rank's heads)

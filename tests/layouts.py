@@ -29,7 +29,8 @@ class BlockWithAttentionGate(train_gpt.Block):
         if skip is not None:
             x = x + torch.sigmoid(self.skip_gate) * skip
         if self.attn is not None:
-            out = self.attn_gate * self.attn(norm(x if attend_over is None else attend_over), ve, mask, **for_attention)
+            read = norm(x if attend_over is None else attend_over)
+            out = self.attn_gate * self.attn(read, self.gated_value_embed(read, ve), mask, **for_attention)
             x = self.attn_scales[0] * x + self.attn_scales[1] * out + self.attn_scales[2] * x0
         return self.mlp_scales[0] * x + self.mlp_scales[1] * self.mlp(norm(x))
 
@@ -44,9 +45,8 @@ class GatedMLP(train_gpt.MLP):
 
 
 class GPTWithNaturalEdits(train_gpt.GPT):
-    NUM_VALUE_EMBEDS = 4
-
     def __init__(self, vocab_size, num_layers, num_heads, head_dim, model_dim, *args, **kwargs):
+        kwargs["value_embed_layers"] = (*kwargs.get("value_embed_layers", ()), 0)  # a 4th, for layer 0
         super().__init__(vocab_size, num_layers, num_heads, head_dim, model_dim, *args, **kwargs)
         self.layer_gains = nn.Parameter(torch.linspace(0.8, 1.2, num_layers))
         self.bigram = nn.Embedding(2**16, model_dim)
@@ -88,7 +88,7 @@ class AttentionWithHeadTemperature(train_gpt.CausalSelfAttention):
         B, T = qkv.size(0), qkv.size(1)
         q, k, v = qkv.view(B, T, 3, -1, self.head_dim).unbind(2)
         q, k = self.rotary(norm(q)) * self.head_temperature[:, None], self.rotary(norm(k))
-        v = self.lambdas[0] * v + self.lambdas[1] * ve.view_as(v) if ve is not None else self.lambdas[0] * v
+        v = self.values(v, ve)
         y = train_gpt.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, -1))
 
@@ -145,7 +145,7 @@ class AttentionWithUnplacedMatrix(train_gpt.CausalSelfAttention):
         B, T = qkv.size(0), qkv.size(1)
         q, k, v = qkv.view(B, T, 3, -1, self.head_dim).unbind(2)
         q, k = self.rotary(norm(q)), self.rotary(norm(k))
-        v = self.lambdas[0] * v + self.lambdas[1] * ve.view_as(v) if ve is not None else self.lambdas[0] * v
+        v = self.values(v, ve)
         y = train_gpt.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         return self.c_proj(self.mix(y.transpose(1, 2).contiguous().view(B, T, -1)))
 
@@ -242,7 +242,7 @@ def attend_in_pairs(attention: train_gpt.CausalSelfAttention, qkv: torch.Tensor,
     B, T = qkv.size(0), qkv.size(1)
     q, k, v = qkv.view(B, T, 3, -1, attention.head_dim).unbind(2)
     q, k = attention.rotary(norm(q)), attention.rotary(norm(k))
-    v = attention.lambdas[0] * v + attention.lambdas[1] * ve.view_as(v) if ve is not None else attention.lambdas[0] * v
+    v = attention.values(v, ve)
     pairs = [torch.cat(t.chunk(2, dim=2), dim=-1).transpose(1, 2) for t in (q, k, v)]  # (B, H/2, T, 2D)
     y = train_gpt.attention(*pairs, mask).transpose(1, 2)
     return attention.c_proj(torch.cat(y.chunk(2, dim=-1), dim=2).reshape(B, T, -1))

@@ -168,8 +168,9 @@ def test_a_vocabulary_without_the_end_of_text_token_is_refused_at_parse_time():
 # 5. values that pass the type check but cannot train
 
 @pytest.mark.parametrize("argv, words", [
-    (["--attention_free_layers", "0,3"], "value embedding 0 nothing to feed: it is added to the values of layers "
-                                         "[0, 3], which have no attention"),
+    (["--attention_free_layers", "0,2"], "--value_embed_layers '1,2,5' names layers [2], which have no attention "
+                                         "(--attention_free_layers '0,2')"),
+    (["--value_embed_layers", "1,1"], "--value_embed_layers '1,1' names a layer twice"),
     (["--lr_muon", "nan"], "--lr_muon must be a finite number >= 0, got nan"),
     (["--lr_embed", "-0.1"], "--lr_embed must be a finite number >= 0, got -0.1"),
     (["--lr_head", "inf"], "--lr_head must be a finite number >= 0, got inf"),
@@ -297,10 +298,10 @@ def test_a_plan_without_a_preset_plans_the_record_and_says_so(capsys):
     train_gpt.main(["--plan", "--nproc", "8"])
     out = capsys.readouterr().out
     assert "preset record" in out and "8 processes = pipeline 1 x data parallel 8" in out
-    # the record model, not the cpu preset's; by hand: the token and 3 value embeddings 4 x 50257 x 768, the head
-    # 50304 x 768, 10 attention layers 4 x 768^2 + 5 scalars, 11 MLPs 8 x 768^2 + 2 scalars, the skip and the backout,
-    # the smear's gate (12) and scale
-    assert "268,520,535 parameters" in out
+    # the record model, not the cpu preset's; by hand: the token and 5 value embeddings 6 x 50257 x 768, the head
+    # 50304 x 768, 10 attention layers 4 x 768^2 + 4 scalars, 11 MLPs 8 x 768^2 + 2 scalars, the skip and the backout,
+    # the smear's gate (12) and scale, 5 value-embedding gates 6 x 12
+    assert "345,715,637 parameters" in out
 
 
 # exit status 2 and one line, not a traceback, as a user sees it

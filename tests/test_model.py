@@ -16,6 +16,8 @@ def tiny_model_with_every_weight_nonzero():
         for p in model.parameters():  # every scale away from its start, and the zero-initialised layers not zero
             spread = (p.std().item() or p.size(-1) ** -0.5) if p.numel() > 1 else 1.0
             p.add_(0.3 * spread * torch.randn(p.shape, generator=draws))
+        for value_embed in model.value_embeds:  # (at 0.01 randn they barely move the logits, gated or not)
+            value_embed.weight.mul_(100)
     return args, model
 
 
@@ -27,11 +29,17 @@ def smeared_by_the_formula(model, embeddings):
     return torch.stack(rows)
 
 
-def logits_by_the_formulas(model, tokens, window, backout=True, attend_over=True, smear=True):
+def gated_by_the_formula(block, read, ve):
+    """#89's value-embedding gate: per head h, ve's part h times 2 sigmoid(w_h . [read[:6], ve[:6]])."""
+    gate = 2 * torch.sigmoid(torch.cat([read[0, :, :6], ve[:, :6]], dim=-1) @ block.value_gate.weight.T)  # (T, H)
+    return torch.cat([gate[:, h:h + 1] * part for h, part in enumerate(ve.chunk(gate.size(-1), dim=-1))], dim=-1)
+
+
+def logits_by_the_formulas(model, tokens, window, backout=True, attend_over=True, smear=True, value_gates=True):
     """#89's residual stream spelled out, each block's attention and MLP taken as they are: the previous token's
-    embedding smeared in, the gated skip into its layer's input, attention over the kept layer's output after it,
-    scales on the residual and each output, x0 after attention, and the kept output's share taken back out before
-    the head."""
+    embedding smeared in, the gated skip into its layer's input, attention over the kept layer's output after it
+    with a value embedding gated per head, scales on the residual and each output, x0 after attention, and the kept
+    output's share taken back out before the head."""
     masks = model.attention_masks(tokens[:-1], window)
     embeddings = model.embed(tokens[:-1])
     embed = norm((smeared_by_the_formula(model, embeddings) if smear else embeddings)[None])
@@ -41,10 +49,12 @@ def logits_by_the_formulas(model, tokens, window, backout=True, attend_over=True
         if i == skip_to:
             x = x + torch.sigmoid(block.skip_gate) * outputs[skip_from]
         if block.attn is not None:
-            k = model.value_embed_of_layer[i]
+            k = model.value_embed_of_layer.get(i)
+            read = norm(outputs[over] if attend_over and i > over else x)
             ve = model.value_embeds[k](tokens[:-1]) if k is not None else None
-            read = outputs[over] if attend_over and i > over else x
-            out = block.attn(norm(read), ve, masks[model.window_pattern[i]])
+            if ve is not None and value_gates:
+                ve = gated_by_the_formula(block, read, ve)
+            out = block.attn(read, ve, masks[model.window_pattern[i]])
             x = block.attn_scales[0] * x + block.attn_scales[1] * out + block.attn_scales[2] * x0
         x = block.mlp_scales[0] * x + block.mlp_scales[1] * block.mlp(norm(x))
         outputs[i] = x
@@ -63,11 +73,12 @@ def test_the_layer_stack_computes_the_formulas_of_record_89():
         logits = model(tokens[:-1], None, window)
         expected = logits_by_the_formulas(model, tokens, window)
         spread = (expected - expected.mean()).abs().max()  # (the soft cap centres the logits on 15)
-        # what the comparison can see: without the backout, with layer 5 attending over its own input, or without
-        # the smear
+        # what the comparison can see: without the backout, with layer 5 attending over its own input, without the
+        # smear, or with the value embeddings ungated
         for changed in (logits_by_the_formulas(model, tokens, window, backout=False),
                         logits_by_the_formulas(model, tokens, window, attend_over=False),
-                        logits_by_the_formulas(model, tokens, window, smear=False)):
+                        logits_by_the_formulas(model, tokens, window, smear=False),
+                        logits_by_the_formulas(model, tokens, window, value_gates=False)):
             assert (changed - expected).abs().max() > 1e-3 * spread
     assert (logits - expected).abs().max() <= 1e-5 * spread  # the same float32 ops: rounding only
 
@@ -87,17 +98,26 @@ def test_each_learned_scale_starts_where_record_89_starts_it():
     assert model.backout.item() == -0.5
     # the smear: off (its scale 0), its gate at zero (so at sigmoid(0) = 1/2 once the scale moves)
     assert model.smear.scale.item() == 0.0 and not model.smear.gate.weight.any()
+    # the value embeddings: one table per listed layer, 0.01 randn; each gate at 2 sigmoid(0) = 1; v at 0.5
+    assert sorted(model.value_embed_of_layer) == [1, 2, 5] and len(model.value_embeds) == 3
+    for value_embed in model.value_embeds:
+        assert abs(value_embed.weight.std().item() - 0.01) < 0.001
+    assert [i for i, block in enumerate(model.blocks) if block.value_gate is not None] == [1, 2, 5]
+    assert all(not block.value_gate.weight.any() for i, block in enumerate(model.blocks) if i in (1, 2, 5))
+    assert all(block.attn.value_scale.item() == 0.5 for block in model.blocks if block.attn is not None)
 
 
 def test_gates_go_to_adam_at_their_own_share_of_the_gates_lr():
     args = train_gpt.parse_args(["--preset", "tiny", "--lr_gate", "0.5", "--optimizer_recipe", "89"], cuda=False)
     model = train_gpt.build_model(args, torch.device("cpu"))
     groups = train_gpt.optimizer_param_groups(model, args.vocab_size, args.model_dim)
-    assert groups["gate"] == ["smear.gate.weight"] and "smear.scale" in groups["scalar"]
+    assert groups["gate"] == ["smear.gate.weight", *(f"blocks.{i}.value_gate.weight" for i in (1, 2, 5))]
+    assert "smear.scale" in groups["scalar"]
     adam, muon = train_gpt.build_optimizers(model, groups, args, torch.device("cpu"), cuda_dtypes=False)
     lr_of = {p: (group["lr"], group["betas"]) for group in adam.param_groups for p in group["params"]}
     assert lr_of[model.smear.gate.weight] == (0.5 * 0.01, (0.9, 0.99))  # #89's smear gate: 1/100 of the base lr
     assert lr_of[model.smear.scale] == (args.lr_scalar, (0.9, 0.99))
+    assert lr_of[model.blocks[1].value_gate.weight] == (0.5, (0.9, 0.99))  # #89's value gates: its base lr
     assert all(p is not model.smear.gate.weight for group in muon.param_groups for p in group["params"])
 
 
