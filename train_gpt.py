@@ -546,16 +546,16 @@ class GPT(nn.Module):
         self.read_until = {} if skip is None else {skip[0]: skip[1]}
         if attend_over is not None:
             self.read_until[attend_over] = num_layers
-        # layer -> its value embedding's index in the stream's list
-        self.value_embed_of_layer = {layer: k for k, layer in enumerate(value_embed_layers)}
         self.embed = nn.Embedding(vocab_size, model_dim)
         self.smear = Smear() if smear else None
-        self.value_embeds = nn.ModuleList([nn.Embedding(vocab_size, model_dim) for _ in value_embed_layers])
-        for value_embed in self.value_embeds:  # small: #89's 0.01 randn (@photomz)
+        # by the layer each feeds (a checkpoint's tables go to the layers they trained in)
+        self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(vocab_size, model_dim)
+                                           for i in sorted(value_embed_layers)})
+        for value_embed in self.value_embeds.values():  # small: #89's 0.01 randn (@photomz)
             value_embed.weight.detach().mul_(0.01)
         self.blocks = nn.ModuleList([Block(model_dim, num_heads, head_dim, max_seq_len,
                                            i not in layers_without_attention, skip is not None and i == skip[1],
-                                           i in self.value_embed_of_layer) for i in range(num_layers)])
+                                           str(i) in self.value_embeds) for i in range(num_layers)])
         self.backout = nn.Parameter(torch.tensor(-0.5)) if attend_over is not None else None
         # vocab padded to a multiple of 128 for faster kernels; the FP8 scales are #89's, for its soft cap's logits
         self.lm_head = LMHead(model_dim, next_multiple_of_n(vocab_size, n=128), soft_cap=soft_cap, use_fp8=fp8_head,
@@ -589,27 +589,28 @@ class GPT(nn.Module):
                 for letter, mask in (("L", long_mask), ("S", short_mask))}
 
     def embed_tokens(self, input_seq: Tensor) -> dict:
-        """The stream from block to block: residual x, normed embedding x0, value embeddings, and the outputs of the
-        layers read later (`layer3`: layer 3's)."""
+        """The stream from block to block: residual x, normed embedding x0, the value embeddings by the layer each
+        feeds, and the outputs of the layers read later (`layer3`: layer 3's)."""
         x = self.embed(input_seq)
         x = norm((x if self.smear is None else self.smear(x))[None])  # (1, T, D)
-        return dict(x=x, x0=x, ve=[value_embed(input_seq) for value_embed in self.value_embeds])
+        return dict(x=x, x0=x, ve={i: value_embed(input_seq) for i, value_embed in self.value_embeds.items()})
 
     def run_block(self, i: int, stream: dict, masks: dict) -> dict:
         return self.keep_output(i, dict(stream, x=self.blocks[i](**self.block_inputs(i, stream, masks))))
 
     def block_inputs(self, i: int, stream: dict, masks: dict) -> dict:
         """What block i takes from the stream."""
-        k, skip, over = self.value_embed_of_layer.get(i), self.skip, self.attend_over
+        skip, over = self.skip, self.attend_over
         return dict(x=stream["x"], skip=stream[f"layer{skip[0]}"] if skip is not None and i == skip[1] else None,
-                    ve=stream["ve"][k] if k is not None else None, x0=stream["x0"], mask=masks[self.window_pattern[i]],
+                    ve=stream["ve"].get(str(i)), x0=stream["x0"], mask=masks[self.window_pattern[i]],
                     attend_over=stream[f"layer{over}"] if over is not None and i > over else None)
 
     def keep_output(self, i: int, stream: dict) -> dict:
         """The stream after block i: its output carried on where a later layer or the head reads it, and the outputs
-        block i was the last to read dropped."""
+        block i was the last to read, and its value embedding, dropped."""
         stream = {key: value for key, value in stream.items()
                   if key not in {f"layer{j}" for j, last in self.read_until.items() if last == i}}
+        stream["ve"] = {layer: ve for layer, ve in stream["ve"].items() if layer != str(i)}
         return dict(stream, **{f"layer{i}": stream["x"]}) if i in self.read_until else stream
 
     def head_loss(self, stream: dict, target_seq: Tensor | None) -> Tensor:
@@ -882,11 +883,11 @@ PRESETS = {
                 val_files="data/shakespeare/shakespeare_val_*.bin",
                 val_tokens=128 * 1024, train_seq_len=256, val_seq_len=256, seqs_per_step=8, num_layers=6,
                 num_heads=2, head_dim=64, model_dim=128, window_pattern="LSSSSL", attention_free_layers="",
-                value_embed_layers="0,1,2,3,4,5", smear=False, window_max_tokens=512, fp8_head=False, num_iterations=230,
-                muon_momentum_warmup_steps=50, skip_layers="1,3", attend_over_layer="3", muon_momentum_cooldown_steps=9,
-                lr_head=0.077, lr_embed=0.21, lr_scalar=0.014, lr_gate=0.0028, lr_muon=0.0175,
-                soft_cap=f"30,0,{7.5 * 128 ** 0.5}",
-                cooldown_frac=0.4, lr_final=0.1, val_loss_every=46, target_val_loss=5.15, fp64_grad_sum=True,
+                value_embed_layers="0,1,2,3,4,5", smear=False, window_max_tokens=512,
+                fp8_head=False, num_iterations=230, muon_momentum_warmup_steps=50, skip_layers="1,3",
+                attend_over_layer="3", muon_momentum_cooldown_steps=9, lr_head=0.077, lr_embed=0.21, lr_scalar=0.014,
+                lr_gate=0.0028, lr_muon=0.0175, soft_cap=f"30,0,{7.5 * 128 ** 0.5}", cooldown_frac=0.4,
+                lr_final=0.1, val_loss_every=46, target_val_loss=5.15, fp64_grad_sum=True,
                 doc_max_tokens=0, optimizer_recipe="23", adam_every=1,  # a stream: the shards hold 38 whole plays
                 save_every=230),  # (to sample from)
     # seconds, for tests and smoke runs (record #23's soft cap and head lr, which learn visibly in 20 steps)
@@ -895,8 +896,9 @@ PRESETS = {
                  val_tokens=4 * 256, train_seq_len=256, val_seq_len=256, num_layers=6, num_heads=2, head_dim=16,
                  model_dim=32, window_pattern="LSSSSL", attention_free_layers="4", value_embed_layers="1,2,5",
                  skip_layers="1,4", attend_over_layer="3", window_max_tokens=256, lr_head=0.22,
-                 soft_cap=f"30,0,{7.5 * 32 ** 0.5}", fp8_head=False, num_iterations=20, muon_momentum_warmup_steps=5, muon_momentum_cooldown_steps=1,
-                 val_loss_every=10, target_val_loss=8.0, fp64_grad_sum=True, doc_max_tokens=0),
+                 soft_cap=f"30,0,{7.5 * 32 ** 0.5}", fp8_head=False, num_iterations=20, muon_momentum_warmup_steps=5,
+                 muon_momentum_cooldown_steps=1, val_loss_every=10, target_val_loss=8.0, fp64_grad_sum=True,
+                 doc_max_tokens=0),
 }
 
 def _parse_bool(text: str) -> bool:
@@ -953,7 +955,8 @@ def layer_indices(args: Hyperparameters, name: str) -> tuple[int, ...]:
     bad = [i for i in layers if not 0 <= i < args.num_layers]
     need(not bad, f"--{name} {text!r}{origin} names layers {bad}, outside 0 to {args.num_layers - 1} (--num_layers "
          f"{args.num_layers})")
-    need(len(set(layers)) == len(layers), f"--{name} {text!r}{origin} names a layer twice: name each once")
+    twice = sorted({i for i in layers if layers.count(i) > 1})
+    need(not twice, f"--{name} {text!r}{origin} names layers {twice} more than once: name each once")
     return layers
 
 # flags that must be above zero; every other number must be at least zero, and every count below 2**31 (counts
@@ -971,6 +974,11 @@ def soft_cap_terms(args: Hyperparameters) -> tuple[float, float, float]:
          "expected three numbers C,S,D, the logits' soft cap C x sigmoid((logits + S) / D), C and D above 0, such as "
          "'23,5,7.5'")
     return cap, shift, divisor
+
+def flag_value(args: Hyperparameters, name: str) -> str:
+    """A flag and its value as a message names them, saying when the value is the preset's."""
+    given = name in getattr(args, "given", ())
+    return f"--{name} {getattr(args, name)!r}" + ("" if given else f" (the {args.preset} preset's)")
 
 def check_hyperparameters(args: Hyperparameters) -> None:
     """Refuse values the run cannot use, before any model is built."""
@@ -1015,9 +1023,12 @@ def check_hyperparameters(args: Hyperparameters) -> None:
          f"--attend_over_layer {args.attend_over_layer!r}: no layer comes after the last to attend over it; name an "
          "earlier layer, or '' for none")
     fed = set(layer_indices(args, "value_embed_layers")) & set(layer_indices(args, "attention_free_layers"))
-    need(not fed, f"--value_embed_layers {args.value_embed_layers!r} names layers {sorted(fed)}, which have no "
-         f"attention (--attention_free_layers {args.attention_free_layers!r}): a value embedding is added to "
-         "attention's values; name layers with attention")
+    need(not fed, f"{flag_value(args, 'value_embed_layers')} names layers {sorted(fed)}, which have no attention "
+         f"({flag_value(args, 'attention_free_layers')}): a value embedding is added to attention's values; name "
+         "layers with attention")
+    need(args.model_dim >= 12 or not args.smear and not layer_indices(args, "value_embed_layers"),
+         f"--model_dim {args.model_dim}: the smear's gate reads 12 channels and a value embedding's gate 6 of it: "
+         "use a width of 12 or more, or --smear false and --value_embed_layers ''")
     need(set(args.run_id) != {"."} and "/" not in args.run_id and os.sep not in args.run_id,
          f"--run_id {args.run_id!r} would put the run's log and checkpoints outside --log_dir: use a plain name "
          "(no path separators, not dots only)")
@@ -1145,10 +1156,11 @@ ADAM_RECIPES = {
 def optimizer_param_groups(model: nn.Module, vocab_size: int, model_dim: int) -> dict[str, list[str]]:
     """The names of each optimizer group's parameters, by the kind of module holding each. A matrix (or a bank of
     them) that no module kind claims is a hidden matrix when it is one of the stream's width; otherwise refused."""
-    kinds = collections.defaultdict(set)
+    kinds, lr_scales = collections.defaultdict(set), collections.defaultdict(set)
     for module in model.modules():
         linear = isinstance(module, (CastedLinear, nn.Linear))
         for p in module.parameters(recurse=False):
+            lr_scales[p].add(getattr(module, "lr_scale", 1.0))
             kinds[p].add("scalar" if p.ndim < 2 else "gate" if isinstance(module, Gate) else
                          "head" if is_head(module, vocab_size) else "muon" if linear
                          else "embed" if isinstance(module, nn.Embedding) else
@@ -1159,6 +1171,8 @@ def optimizer_param_groups(model: nn.Module, vocab_size: int, model_dim: int) ->
         need(kind is not None, f"{name} is a {p.ndim}-D parameter of shape {tuple(p.shape)} held by no linear layer, "
              f"embedding or head, and not a matrix of the stream's width ({model_dim}), so no optimizer rule places "
              "it: hold it in a CastedLinear (Muon) or an nn.Embedding (Adam), or make it a vector (Adam)")
+        need(len(lr_scales[p]) == 1, f"{name} is held by modules of different lr_scale ({sorted(lr_scales[p])}), "
+             "so its Adam lr is not one number: give the modules that share it one lr_scale")
         groups[kind].append(name)
     return groups
 
@@ -2987,13 +3001,14 @@ class ShardedParameters:
                   and next(module.parameters(recurse=False), None) is not None]
         names = {p: name for name, p in model.named_parameters()}
 
-        def unit_of(p: Tensor) -> str | None:
-            holders = [name for name, module in blocks + others if any(p is q for q in module.parameters())
-                       and all(name in op.modules for op in trace.parameter_reads(names[p]))]
+        def outermost_reading_unit(p: Tensor) -> str | None:  # (none for one never read: it gets no gradient)
+            reads = trace.parameter_reads(names[p])
+            holders = [name for name, module in blocks + others if reads and any(p is q for q in module.parameters())
+                       and all(name in op.modules for op in reads)]
             return min(holders, key=lambda name: name.count("."), default=None)
         members = collections.defaultdict(list)
         for p in model.parameters():
-            members[unit_of(p)].append(p)
+            members[outermost_reading_unit(p)].append(p)
         others = [(name, module) for name, module in others if members[name]]  # (nested in another unit: none)
         self.units = [members[name] for name, _ in blocks + others]
         self.unit_of = {p: u for u, unit in enumerate(self.units) for p in unit}
@@ -3116,11 +3131,12 @@ def enter_region(x: Tensor, tp: Axis, sp: bool) -> Tensor:
         return _Conjugate.apply(x, tp, gather_sequence_shards, reduce_scatter_sequence_shards)
     return _Conjugate.apply(x, tp, identity, all_reduce_sum)
 
-def enter_beside(x: Tensor, tp: Axis, sp: bool) -> Tensor:
+def enter_beside(x: Tensor, tp: Axis, sequence_shard: bool) -> Tensor:
     """Into a region split by head, beside its input, a tensor as wide as its heads together (a gated value
-    embedding): this rank's heads' part (under --sp, of the sequence gathered first); backward gathers the parts."""
+    embedding): this rank's heads' part (of a sequence shard, of the gathered sequence); backward gathers the
+    parts."""
     heads = TensorParallelSlice(x.ndim - 1, x.size(-1), tp)
-    if sp:
+    if sequence_shard:
         return _Conjugate.apply(x, tp, lambda t, tp: heads.cut(gather_sequence_shards(t, tp)),
                                 lambda grad, tp: own_sequence_shard(heads.gather(grad), tp))
     return _Conjugate.apply(x, tp, lambda t, tp: heads.cut(t), lambda grad, tp: heads.gather(grad))
@@ -3129,7 +3145,7 @@ def beside_the_input(args: tuple, heads_width: int) -> list[int]:
     """The positions of a head-split region's arguments that are per head: float tensors after its input, as wide as
     its heads together."""
     return [i for i, a in enumerate(args) if i > 0 and isinstance(a, Tensor) and a.is_floating_point()
-            and a.size(-1) == heads_width]
+            and a.ndim >= 2 and a.size(-1) == heads_width]
 
 def leave_region(x: Tensor, tp: Axis, sp: bool) -> Tensor:
     """Out of a region: g (all-reduce; backward identity), or under --sp a reduce-scatter (backward all-gather)."""
@@ -3282,6 +3298,8 @@ def tensor_parallelize(model: GPT, tp: Axis, args: Hyperparameters, trace: Model
             refuse_sequence_mixing(model, trace, regions, cut, tp.size)
     for p, dim in splits.items():
         split_parameter(model, p, dim, tp)
+    seq_len = [0]  # of the forward under way (a later pipeline stage receives shards: the tokens tell the length)
+    model.register_forward_pre_hook(lambda module, args: seq_len.__setitem__(0, len(args[0])))
     for name, call in regions.items():
         # async TP when only column-parallel layers read the region's input: each gathers it itself, overlapped with
         # the matmul of its own shard
@@ -3293,8 +3311,8 @@ def tensor_parallelize(model: GPT, tp: Axis, args: Hyperparameters, trace: Model
             call.module.register_forward_pre_hook(lambda m, a: (enter_region(a[0], tp, args.sp), *a[1:]))
         if split_by(call.module) == "heads":
             call.module.register_forward_pre_hook(lambda m, a: tuple(
-                enter_beside(t, tp, args.sp) if i in beside_the_input(a, args.model_dim) else t
-                for i, t in enumerate(a)))
+                enter_beside(t, tp, args.sp and t.size(-2) * tp.size == seq_len[0])
+                if i in beside_the_input(a, args.num_heads * args.head_dim) else t for i, t in enumerate(a)))
         call.module.register_forward_hook(lambda m, a, out: leave_region(out, tp, args.sp))
     for name, module in model.named_modules():
         if isinstance(module, nn.Embedding):
@@ -3305,7 +3323,7 @@ def tensor_parallelize(model: GPT, tp: Axis, args: Hyperparameters, trace: Model
             module.register_forward_pre_hook(lambda m, a: (*a[:2], functools.partial(vocab_parallel_cross_entropy,
                                                                                      tp=tp)))
     if args.sp:
-        cut_stream_between_embedding_and_head(model, cut, tp)
+        cut_stream_between_embedding_and_head(model, cut, tp, seq_len)
 
 # what a head must leave to CrossEntropy: over a split vocabulary, each rank holds only part of the logits
 VOCABULARY_REDUCTIONS = {"cross_entropy", "nll_loss", "log_softmax", "softmax", "logsumexp"}
@@ -3349,6 +3367,10 @@ def tensor_parallel_splits(model: GPT, trace: ModelTrace, regions: dict, heads: 
             elif module_name in heads and module.weight.size(-2) in p.shape:  # its weight, a bias: per vocabulary entry
                 claim(name, p, p.shape.index(module.weight.size(-2)), "vocabulary-parallel head")
             elif isinstance(module, nn.Embedding):
+                need(region is None, f"tensor parallelism: the embedding {module_name} is looked up inside {region}, "
+                     "which each rank runs on its share of the heads or width, so its rows would learn from a part of "
+                     "their gradient: look it up outside (in GPT.embed_tokens, handing the block its output), or "
+                     "train without --tp")
                 claim(name, p, 0, "vocabulary-parallel embedding")
             elif by_head and role != "whole" and num_heads in p.shape and not all(
                     op.name == "__getitem__" and isinstance(op.index, int) for op in trace.parameter_reads(name)):
@@ -3401,13 +3423,9 @@ def sequence_parallel_cut(trace: ModelTrace, regions: dict) -> list[int]:
              "MLP: give the region a tensor of its own")
     return cut
 
-def cut_stream_between_embedding_and_head(model: GPT, cut: list[int], tp: Axis) -> None:
+def cut_stream_between_embedding_and_head(model: GPT, cut: list[int], tp: Axis, seq_len: list[int]) -> None:
     """Hooks on the model's seams: the stream's `cut` tensors sharded where the stream enters the blocks, and every
-    shard made whole again where it leaves them."""
-    seq_len = [0]  # of the forward under way (a later pipeline stage receives shards: the tokens tell the length)
-
-    def forward_begins(module, args):
-        seq_len[0] = len(args[0])
+    shard (of the forward's seq_len[0] tokens) made whole again where it leaves them."""
 
     def shard_of_sequence(t) -> bool:
         return isinstance(t, Tensor) and t.ndim >= 2 and t.size(-2) * tp.size == seq_len[0]
@@ -3420,7 +3438,6 @@ def cut_stream_between_embedding_and_head(model: GPT, cut: list[int], tp: Axis) 
     def leave(module, args, stream: dict) -> dict:
         return pytree.tree_map(lambda t: _Conjugate.apply(t, tp, gather_sequence_shards, own_sequence_shard)
                                if shard_of_sequence(t) else t, stream)
-    model.register_forward_pre_hook(forward_begins)
     model.stream_enters.register_forward_hook(enter)
     model.stream_leaves.register_forward_hook(leave)
 

@@ -278,6 +278,27 @@ class GPTWithQKVBank(train_gpt.GPT):
 
 
 # edit name -> the train_gpt classes it replaces by subclasses
+# A value embedding handed to attention ungated (#23's form): a stream tensor only attention reads, whole under
+# sequence parallelism, entering beside the input as each rank's heads' part
+class BlockWithUngatedValueEmbeds(train_gpt.Block):
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.value_gate = None
+
+    def gated_value_embed(self, read, ve):
+        return ve
+
+
+# A table looked up inside attention (learned positions added to the queries): tensor parallelism refuses it
+class AttentionWithPositionTable(train_gpt.CausalSelfAttention):
+    def __init__(self, dim, num_heads, head_dim, max_seq_len, *args):
+        super().__init__(dim, num_heads, head_dim, max_seq_len, *args)
+        self.positions = nn.Embedding(max_seq_len, dim)
+
+    def forward(self, x, ve, mask):
+        return super().forward(x + self.positions(torch.arange(x.size(1))), ve, mask)
+
+
 MODEL_EDITS = {
     "forks": dict(GPT=GPTWithAllEdits, Block=BlockWithSecondStream, MLP=GatedMLP, LMHead=HeadWithLearnedCap,
                   CausalSelfAttention=AttentionWithInputScale),
@@ -286,6 +307,8 @@ MODEL_EDITS = {
                           CausalSelfAttention=AttentionInPairsFromBank),
     "token_shift_in_a_block": dict(Block=BlockWithTokenShift),
     "unplaced_matrix_in_attention": dict(CausalSelfAttention=AttentionWithUnplacedMatrix),
+    "ungated_value_embeds": dict(Block=BlockWithUngatedValueEmbeds),
+    "embedding_inside_attention": dict(CausalSelfAttention=AttentionWithPositionTable),
 }
 
 

@@ -168,9 +168,10 @@ def test_a_vocabulary_without_the_end_of_text_token_is_refused_at_parse_time():
 # 5. values that pass the type check but cannot train
 
 @pytest.mark.parametrize("argv, words", [
-    (["--attention_free_layers", "0,2"], "--value_embed_layers '1,2,5' names layers [2], which have no attention "
-                                         "(--attention_free_layers '0,2')"),
-    (["--value_embed_layers", "1,1"], "--value_embed_layers '1,1' names a layer twice"),
+    (["--attention_free_layers", "0,2"], "--value_embed_layers '1,2,5' (the tiny preset's) names layers [2], which "
+                                         "have no attention (--attention_free_layers '0,2')"),
+    (["--value_embed_layers", "1,1"], "--value_embed_layers '1,1' names layers [1] more than once"),
+    (["--model_dim", "8", "--num_heads", "2", "--head_dim", "4"], "--model_dim 8: the smear's gate reads 12 channels"),
     (["--lr_muon", "nan"], "--lr_muon must be a finite number >= 0, got nan"),
     (["--lr_embed", "-0.1"], "--lr_embed must be a finite number >= 0, got -0.1"),
     (["--lr_head", "inf"], "--lr_head must be a finite number >= 0, got inf"),

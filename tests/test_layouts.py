@@ -36,7 +36,7 @@ def test_a_forked_model_trains_the_one_process_model_under_each_layout_untouched
     # later kinds, each with a test of its own below
     processes, layout = LAYOUTS[name]
     single = layout_runs("one process", "forks")
-    edited = {"blocks.0.attn_gate", "value_embeds.3.weight", "blocks.0.mlp.c_gate.weight", "layer_gains",
+    edited = {"blocks.0.attn_gate", "value_embeds.0.weight", "blocks.0.mlp.c_gate.weight", "layer_gains",
               "bigram.weight", "smear_gate.weight", "next_head.weight", "lm_head.cap", "head_temperature",
               "blocks.0.attn.head_temperature", "out_scale", "attention_scales", "lm_head.logit_bias"}
     assert edited <= single["state"]["model"].keys() and "lm_head.weight" not in single["state"]["model"]  # (tied)
@@ -71,6 +71,18 @@ LATER_KINDS = {
 @pytest.mark.parametrize("kind", LATER_KINDS)
 def test_each_later_kind_of_edit_trains_under_every_layout(layout_runs, kind, name):
     assert_the_edit_trains_under(layout_runs, "forks", name, [LATER_KINDS[kind]])
+
+
+@pytest.mark.parametrize("name", ["tp2", "tp2_sp"])
+def test_an_ungated_value_embedding_enters_attention_whole_and_trains_under_tensor_parallelism(layout_runs, name):
+    # a stream tensor only attention reads is not cut under --sp: it enters as the rank's heads' part, not gathered
+    assert_the_edit_trains_under(layout_runs, "ungated_value_embeds", name, ["value_embeds.1.weight"])
+
+
+def test_an_embedding_looked_up_inside_attention_is_refused_by_tensor_parallelism(layout_files):
+    with pytest.raises(train_gpt.UserError, match=r"tensor parallelism: the embedding blocks\.0\.attn\.positions is "
+                                                  r"looked up inside blocks\.0\.attn, .* look it up outside"):
+        build_edited(layout_files, "embedding_inside_attention", tp=2)
 
 
 @pytest.mark.parametrize("name", ["dp2", "dp2_zero1", "dp2_zero2", "dp2_zero3", "pp2_1f1b"])

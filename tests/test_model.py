@@ -16,7 +16,7 @@ def tiny_model_with_every_weight_nonzero():
         for p in model.parameters():  # every scale away from its start, and the zero-initialised layers not zero
             spread = (p.std().item() or p.size(-1) ** -0.5) if p.numel() > 1 else 1.0
             p.add_(0.3 * spread * torch.randn(p.shape, generator=draws))
-        for value_embed in model.value_embeds:  # (at 0.01 randn they barely move the logits, gated or not)
+        for value_embed in model.value_embeds.values():  # (at 0.01 randn they barely move the logits, gated or not)
             value_embed.weight.mul_(100)
     return args, model
 
@@ -49,9 +49,8 @@ def logits_by_the_formulas(model, tokens, window, backout=True, attend_over=True
         if i == skip_to:
             x = x + torch.sigmoid(block.skip_gate) * outputs[skip_from]
         if block.attn is not None:
-            k = model.value_embed_of_layer.get(i)
             read = norm(outputs[over] if attend_over and i > over else x)
-            ve = model.value_embeds[k](tokens[:-1]) if k is not None else None
+            ve = model.value_embeds[str(i)](tokens[:-1]) if str(i) in model.value_embeds else None
             if ve is not None and value_gates:
                 ve = gated_by_the_formula(block, read, ve)
             out = block.attn(read, ve, masks[model.window_pattern[i]])
@@ -99,8 +98,8 @@ def test_each_learned_scale_starts_where_record_89_starts_it():
     # the smear: off (its scale 0), its gate at zero (so at sigmoid(0) = 1/2 once the scale moves)
     assert model.smear.scale.item() == 0.0 and not model.smear.gate.weight.any()
     # the value embeddings: one table per listed layer, 0.01 randn; each gate at 2 sigmoid(0) = 1; v at 0.5
-    assert sorted(model.value_embed_of_layer) == [1, 2, 5] and len(model.value_embeds) == 3
-    for value_embed in model.value_embeds:
+    assert list(model.value_embeds) == ["1", "2", "5"]
+    for value_embed in model.value_embeds.values():
         assert abs(value_embed.weight.std().item() - 0.01) < 0.001
     assert [i for i, block in enumerate(model.blocks) if block.value_gate is not None] == [1, 2, 5]
     assert all(not block.value_gate.weight.any() for i, block in enumerate(model.blocks) if i in (1, 2, 5))
@@ -129,10 +128,11 @@ def test_the_stream_carries_a_layers_output_only_while_a_later_layer_or_the_head
     stream, carried = model.embed_tokens(tokens), []
     for i in range(len(model.blocks)):
         stream = model.run_block(i, stream, masks)
-        carried.append({key for key in stream if key.startswith("layer")})
+        carried.append({key for key in stream if key.startswith("layer")} | set(stream["ve"]))
     # the tiny preset: layer 1's output until the skip into layer 4 takes it, layer 3's (attended over by layer 5,
-    # taken back out before the head) to the end
-    assert carried == [set(), {"layer1"}, {"layer1"}, {"layer1", "layer3"}, {"layer3"}, {"layer3"}]
+    # taken back out before the head) to the end; the value embeddings of layers 1, 2 and 5 until they feed them
+    assert carried == [{"1", "2", "5"}, {"layer1", "2", "5"}, {"layer1", "5"}, {"layer1", "layer3", "5"},
+                       {"layer3", "5"}, {"layer3"}]
 
 
 def test_without_the_skip_and_the_attended_layer_the_model_has_neither_and_its_blocks_read_their_own_stream():
@@ -149,3 +149,4 @@ def test_without_the_skip_and_the_attended_layer_the_model_has_neither_and_its_b
     assert set(stream) == {"x", "x0", "ve"}
     model(tokens[:-1], tokens[1:], train_gpt.window_tensor(128, torch.device("cpu"))).backward()
     assert model.lm_head.weight.grad.abs().sum() > 0  # (the head starts at zero: only its gradient is non-zero)
+
