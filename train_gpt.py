@@ -304,6 +304,7 @@ class Rotary(nn.Module):
         theta = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), angular_freq)
         self.cos = nn.Buffer(theta.cos(), persistent=False)
         self.sin = nn.Buffer(theta.sin(), persistent=False)
+        self.stationary = nn.Buffer((angular_freq == 0).repeat(2), persistent=False)  # (head_dim,): unrotated dims
 
     def forward(self, x_BTHD: Tensor) -> Tensor:
         T = x_BTHD.size(-3)
@@ -378,9 +379,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask | Tensor) -> Tens
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.12)
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, dim: int, num_heads: int, head_dim: int, max_seq_len: int):
+    """Attention with QK-norm and half-truncated rotary; with key_offset (#49), each key's unrotated dims are the
+    previous token's, so that one layer can match what a token's predecessor was."""
+
+    def __init__(self, dim: int, num_heads: int, head_dim: int, max_seq_len: int, key_offset: bool = False):
         super().__init__()
-        self.head_dim = head_dim
+        self.head_dim, self.key_offset = head_dim, key_offset
         self.qkv = CastedLinear(dim, num_heads * head_dim, stacked=3)
         self.value_scale = nn.Parameter(torch.tensor(0.5))  # #89's 0.5 on the qkv weight: on v (q and k are normed)
         self.rotary = Rotary(head_dim, max_seq_len)
@@ -392,6 +396,8 @@ class CausalSelfAttention(nn.Module):
         B, T = qkv.size(0), qkv.size(1)  # B == 1: masks are per sequence
         q, k, v = qkv.view(B, T, 3, -1, self.head_dim).unbind(2)  # (B, T, H, D) each
         q, k = self.rotary(norm(q)), self.rotary(norm(k))  # QK-norm, then rotate
+        if self.key_offset:
+            k = torch.where(self.rotary.stationary, torch.cat([k[:, :1], k[:, :-1]], dim=1), k)
         v = self.values(v, ve)
         y = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)  # (B, H, T, D)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, -1))
@@ -449,9 +455,9 @@ class Block(nn.Module):
     gated per head."""
 
     def __init__(self, dim: int, num_heads: int, head_dim: int, max_seq_len: int, has_attention: bool,
-                 takes_skip: bool, takes_value_embed: bool = False):
+                 takes_skip: bool, takes_value_embed: bool = False, key_offset: bool = False):
         super().__init__()
-        self.attn = CausalSelfAttention(dim, num_heads, head_dim, max_seq_len) if has_attention else None
+        self.attn = CausalSelfAttention(dim, num_heads, head_dim, max_seq_len, key_offset) if has_attention else None
         self.value_gate = Gate(2 * VALUE_GATE_CHANNELS, num_heads) if takes_value_embed else None
         self.mlp = MLP(dim)
         self.attn_scales = nn.Parameter(torch.tensor([1.1 ** 0.5, 1.0, 0.0])) if has_attention else None  # x, out, x0
@@ -538,7 +544,8 @@ class GPT(nn.Module):
     def __init__(self, vocab_size: int, num_layers: int, num_heads: int, head_dim: int, model_dim: int,
                  max_seq_len: int, window_pattern: str, layers_without_attention=(),
                  value_embed_layers=(), skip: tuple[int, int] | None = None, attend_over: int | None = None,
-                 smear=True, fp8_head=True, soft_cap: tuple[float, float, float] = RECORD_SOFT_CAP):
+                 smear=True, key_offset=True, fp8_head=True,
+                 soft_cap: tuple[float, float, float] = RECORD_SOFT_CAP):
         super().__init__()
         self.window_pattern = window_pattern
         self.skip, self.attend_over = skip, attend_over
@@ -555,7 +562,8 @@ class GPT(nn.Module):
             value_embed.weight.detach().mul_(0.01)
         self.blocks = nn.ModuleList([Block(model_dim, num_heads, head_dim, max_seq_len,
                                            i not in layers_without_attention, skip is not None and i == skip[1],
-                                           str(i) in self.value_embeds) for i in range(num_layers)])
+                                           str(i) in self.value_embeds, key_offset and window_pattern[i] == "L")
+                                     for i in range(num_layers)])
         self.backout = nn.Parameter(torch.tensor(-0.5)) if attend_over is not None else None
         # vocab padded to a multiple of 128 for faster kernels; the FP8 scales are #89's, for its soft cap's logits
         self.lm_head = LMHead(model_dim, next_multiple_of_n(vocab_size, n=128), soft_cap=soft_cap, use_fp8=fp8_head,
@@ -796,6 +804,8 @@ class Hyperparameters:
     attend_over_layer: str = flag("7", "the later layers attend over this layer's output, and the head's input takes "
                                        "a learned share of it back out (empty: none)")
     smear: bool = flag(True, "each token's embedding takes in a gated share of the previous token's (#89)")
+    key_offset: bool = flag(True, "in the long-window layers, each key's unrotated dims are the previous token's "
+                                  "(#49)")
     soft_cap: str = flag(",".join(f"{term:g}" for term in RECORD_SOFT_CAP), "the logits' soft cap C,S,D: C x "
                          "sigmoid((logits + S) / D) (#89's, #54; record #23's was 30,0,7.5 x the root of the width)")
     window_max_tokens: int = flag(1728, "tokens: the sliding window grows linearly to this over the run")
@@ -878,12 +888,13 @@ PRESETS = {
     # its cooldown (#89's, from 40% of the run to 0.15, ends 0.002 higher here), its optimizer recipe (#89's Muon
     # step sizes end 0.04 higher; its Adam settings move the seeds either way) and Adam on every step (every other
     # ends 0.02 higher, in 230 steps), no smear (no gain, 2% more time a step) and value embeddings in every layer
-    # (#89's five layers' worth, here 1, 4 and 5, end 0.02 higher): records/ABLATIONS.md.
+    # (#89's five layers' worth, here 1, 4 and 5, end 0.02 higher): records/ABLATIONS.md. The key offset is not yet
+    # measured here.
     "cpu": dict(train_files="data/shakespeare/shakespeare_train_*.bin",
                 val_files="data/shakespeare/shakespeare_val_*.bin",
                 val_tokens=128 * 1024, train_seq_len=256, val_seq_len=256, seqs_per_step=8, num_layers=6,
                 num_heads=2, head_dim=64, model_dim=128, window_pattern="LSSSSL", attention_free_layers="",
-                value_embed_layers="0,1,2,3,4,5", smear=False, window_max_tokens=512,
+                value_embed_layers="0,1,2,3,4,5", smear=False, key_offset=False, window_max_tokens=512,
                 fp8_head=False, num_iterations=230, muon_momentum_warmup_steps=50, skip_layers="1,3",
                 attend_over_layer="3", muon_momentum_cooldown_steps=9, lr_head=0.077, lr_embed=0.21, lr_scalar=0.014,
                 lr_gate=0.0028, lr_muon=0.0175, soft_cap=f"30,0,{7.5 * 128 ** 0.5}", cooldown_frac=0.4,
@@ -1119,7 +1130,7 @@ def build_model(args: Hyperparameters, device: torch.device, cuda_dtypes: bool |
                     value_embed_layers=layer_indices(args, "value_embed_layers"),
                     skip=layer_indices(args, "skip_layers") or None,
                     attend_over=next(iter(layer_indices(args, "attend_over_layer")), None), smear=args.smear,
-                    fp8_head=args.fp8_head, soft_cap=soft_cap_terms(args))
+                    key_offset=args.key_offset, fp8_head=args.fp8_head, soft_cap=soft_cap_terms(args))
     return to_device(model, device, cuda_dtypes)
 
 def to_device(model: nn.Module, device: torch.device, cuda_dtypes: bool | None = None) -> nn.Module:

@@ -79,8 +79,8 @@ class HeadWithLearnedCap(train_gpt.LMHead):
 
 
 class AttentionWithHeadTemperature(train_gpt.CausalSelfAttention):
-    def __init__(self, dim, num_heads, head_dim, max_seq_len):
-        super().__init__(dim, num_heads, head_dim, max_seq_len)
+    def __init__(self, dim, num_heads, head_dim, max_seq_len, *args):
+        super().__init__(dim, num_heads, head_dim, max_seq_len, *args)
         self.head_temperature = nn.Parameter(torch.linspace(0.8, 1.2, num_heads))
 
     def forward(self, x, ve, mask):

@@ -150,3 +150,31 @@ def test_without_the_skip_and_the_attended_layer_the_model_has_neither_and_its_b
     model(tokens[:-1], tokens[1:], train_gpt.window_tensor(128, torch.device("cpu"))).backward()
     assert model.lm_head.weight.grad.abs().sum() > 0  # (the head starts at zero: only its gradient is non-zero)
 
+
+def test_the_key_offset_gives_each_key_the_previous_tokens_unrotated_dims():
+    torch.manual_seed(0)
+    attn = train_gpt.CausalSelfAttention(dim=32, num_heads=2, head_dim=16, max_seq_len=256, key_offset=True)
+    torch.nn.init.normal_(attn.c_proj.weight, std=0.1)  # (zero at the start: it would hide the output)
+    x = torch.randn(1, 256, 32)
+    tokens = torch.randint(0, 1000, (256,), generator=torch.Generator().manual_seed(1))
+    tokens[::50] = train_gpt.EOT_TOKEN
+    mask = train_gpt.document_causal_masks(tokens, train_gpt.window_tensor(128, torch.device("cpu")))[0].dense()
+    with torch.no_grad():
+        q, k, v = attn.qkv(x).view(1, 256, 3, 2, 16).unbind(2)
+        q, k = attn.rotary(norm(q)), attn.rotary(norm(k))
+        # by hand: the rotary turns dims (i, i + 8) for i < 4 of a 16-dim head; dims 4-7 and 12-15 stay put
+        unrotated = [4, 5, 6, 7, 12, 13, 14, 15]
+        offset = k.clone()
+        offset[:, 1:, :, unrotated] = k[:, :-1, :, unrotated]
+        expected = [attn.c_proj(torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), keys.transpose(1, 2), (0.5 * v).transpose(1, 2), attn_mask=mask, scale=0.12
+        ).transpose(1, 2).reshape(1, 256, 32)) for keys in (offset, k)]
+        out = attn(x, None, mask)
+        attn.key_offset = False
+        plain = attn(x, None, mask)
+    assert (out - expected[0]).abs().max() <= 1e-6 * expected[0].abs().max()
+    assert (plain - expected[1]).abs().max() <= 1e-6 * expected[1].abs().max()
+    assert (expected[0] - expected[1]).abs().max() > 0.01 * expected[1].abs().max()  # the offset shows
+    args = train_gpt.parse_args(["--preset", "record"], cuda=False)
+    model = train_gpt.build_model(args, torch.device("meta"))  # the record: in its long-window layers, 3 and 10
+    assert [i for i, block in enumerate(model.blocks) if block.attn is not None and block.attn.key_offset] == [3, 10]
