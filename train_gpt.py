@@ -391,7 +391,10 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = CastedLinear(num_heads * head_dim, dim)
         self.c_proj.weight.detach().zero_()  # zero-init: each block starts as the identity
 
-    def forward(self, x: Tensor, ve: Tensor | None, mask: BlockMask | Tensor) -> Tensor:
+    def forward(self, x: Tensor, ve: Tensor | None, mask: BlockMask | Tensor, xsa: Tensor | None = None,
+                output_gate: Tensor | None = None) -> Tensor:
+        """x (B, T, dim); per token and head (B, T, H), from a gate network: XSA's strength before its tanh, and the
+        output gate."""
         qkv = self.qkv(x)
         B, T = qkv.size(0), qkv.size(1)  # B == 1: masks are per sequence
         q, k, v = qkv.view(B, T, 3, -1, self.head_dim).unbind(2)  # (B, T, H, D) each
@@ -399,8 +402,13 @@ class CausalSelfAttention(nn.Module):
         if self.key_offset:
             k = torch.where(self.rotary.stationary, torch.cat([k[:, :1], k[:, :-1]], dim=1), k)
         v = self.values(v, ve)
-        y = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)  # (B, H, T, D)
-        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, -1))
+        y = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask).transpose(1, 2)  # (B, T, H, D)
+        if xsa is not None:  # exclusive self attention (#82): a share of each head's output along its own value goes
+            along_v = (y * v).sum(-1, keepdim=True) / v.square().sum(-1, keepdim=True).clamp_min(1e-8)
+            y = y - torch.tanh(xsa.type_as(y))[..., None] * along_v * v
+        if output_gate is not None:
+            y = y * output_gate.type_as(y)[..., None]
+        return self.c_proj(y.contiguous().view(B, T, -1))
 
     def values(self, v: Tensor, ve: Tensor | None) -> Tensor:
         """v (B, T, H, D) scaled, plus the layer's gated value embedding (T, H x D) where it has one."""
@@ -442,36 +450,72 @@ class Smear(nn.Module):
         share = self.scale * torch.sigmoid(self.gate(x[1:]))
         return torch.cat([x[:1], x[1:] + share * x[:-1]])
 
+class GateNetwork(nn.Module):
+    """Per-token coefficients for the layers it serves, read off the stream entering the first of them:
+    (W2 gelu(W1 x) + b) s, 64 hidden units, s a learned scale starting at 0.1 (#85's gate networks, after MUDD's
+    dynamic dense connections, Xiao et al. 2025). W2 starts at zero, so each coefficient starts at its block's
+    value. Adam trains it as a gate, at 1/10 of the gates' lr."""
+    lr_scale = 0.1
+
+    def __init__(self, dim: int, wanted: dict[str, dict[str, tuple[int, float]]], hidden: int = 64):
+        """wanted: layer -> coefficient name -> (width, starting value)."""
+        super().__init__()
+        self.widths = {layer: {name: width for name, (width, _) in coefs.items()} for layer, coefs in wanted.items()}
+        starts = [start for coefs in wanted.values() for width, start in coefs.values() for _ in range(width)]
+        self.hidden = Gate(dim, hidden, self.lr_scale)
+        nn.init.kaiming_uniform_(self.hidden.weight, a=math.sqrt(5))  # (nn.Linear's, as #89's)
+        self.out = Gate(hidden, len(starts), self.lr_scale)
+        self.scale = nn.Parameter(torch.tensor(0.1))
+        self.bias = nn.Parameter(torch.tensor(starts) / self.scale.detach())  # in units of the scale, as #89's
+
+    def forward(self, x: Tensor) -> dict[str, dict[str, Tensor]]:
+        coefs = (self.out(F.gelu(self.hidden(x))) + self.bias.type_as(x)) * self.scale.type_as(x)
+        parts = iter(coefs.split([w for widths in self.widths.values() for w in widths.values()], dim=-1))
+        return {layer: {name: next(parts) for name in widths} for layer, widths in self.widths.items()}
+
 VALUE_GATE_CHANNELS = 6  # a value embedding's gate reads this many channels of attention's input and of the embedding
 
-# a gated skip starts at #89's weight: sigmoid(-1.5) times its gate's 0.5
-SKIP_GATE_START = -math.log(2 * (1 + math.exp(1.5)) - 1)  # the logit of 0.5 / (1 + e^1.5)
+# a gated skip starts at #89's weight: sigmoid(-1.5) times its gate's 0.5 (the gate a gate network's coefficient, or
+# else folded into the logit)
+SKIP_SCALE_START, SKIP_COEFFICIENT_START = -1.5, 0.5
+SKIP_GATE_START = -math.log((1 + math.exp(-SKIP_SCALE_START)) / SKIP_COEFFICIENT_START - 1)
 
 class Block(nn.Module):
     """Attention (none in an attention-free layer), then the MLP. Each sublayer scales the residual and its own output
     by learned scalars, the residual's starting at sqrt(1.1), so 1.1 a layer with attention (#45); the embedding x0
-    re-enters after attention, its scale starting at 0. A skip from an earlier layer joins first through a sigmoid
-    gate; attention may read another layer's output than the block's input, and its values take a value embedding
-    gated per head."""
+    re-enters after attention, at a learned share starting at 0. A skip from an earlier layer joins first through a
+    sigmoid gate; attention may read another layer's output than the block's input, and its values take a value
+    embedding gated per head. In a layer a gate network serves (`gated`), x0's share and the skip's gate are its
+    per-token coefficients, and attention may take two more: XSA's strength and per-head output gates."""
 
     def __init__(self, dim: int, num_heads: int, head_dim: int, max_seq_len: int, has_attention: bool,
-                 takes_skip: bool, takes_value_embed: bool = False, key_offset: bool = False):
+                 takes_skip: bool, takes_value_embed: bool = False, key_offset: bool = False, gated: bool = False,
+                 xsa: bool = False, output_gate: bool = False):
         super().__init__()
         self.attn = CausalSelfAttention(dim, num_heads, head_dim, max_seq_len, key_offset) if has_attention else None
         self.value_gate = Gate(2 * VALUE_GATE_CHANNELS, num_heads) if takes_value_embed else None
         self.mlp = MLP(dim)
-        self.attn_scales = nn.Parameter(torch.tensor([1.1 ** 0.5, 1.0, 0.0])) if has_attention else None  # x, out, x0
+        # x, out, and (without a gate network) x0
+        self.attn_scales = nn.Parameter(torch.tensor([1.1 ** 0.5, 1.0, 0.0][:2 if gated else 3])) if has_attention \
+            else None
         self.mlp_scales = nn.Parameter(torch.tensor([1.1 ** 0.5, 1.0]))  # x, out
-        self.skip_gate = nn.Parameter(torch.tensor(SKIP_GATE_START)) if takes_skip else None
+        self.skip_gate = nn.Parameter(torch.tensor(SKIP_SCALE_START if gated else SKIP_GATE_START)) if takes_skip \
+            else None
+        # what a gate network gives this layer: name -> (width, starting value), as #89 starts them
+        wanted = dict(x0=(1, 0.0) if has_attention else None, skip=(1, SKIP_COEFFICIENT_START) if takes_skip else None,
+                      xsa=(num_heads, 0.0) if xsa else None, output_gate=(num_heads, 0.25) if output_gate else None)
+        self.gate_coefficients = {name: want for name, want in wanted.items() if want is not None} if gated else {}
 
     def forward(self, x: Tensor, skip: Tensor | None, ve: Tensor | None, x0: Tensor, mask: BlockMask | Tensor,
-                attend_over: Tensor | None = None, **for_attention) -> Tensor:
+                gates: dict[str, Tensor], attend_over: Tensor | None = None, **for_attention) -> Tensor:
         if skip is not None:
-            x = x + torch.sigmoid(self.skip_gate) * skip
+            x = x + torch.sigmoid(self.skip_gate) * gates.get("skip", 1.0) * skip
         if self.attn is not None:
             read = norm(x if attend_over is None else attend_over)
-            out = self.attn(read, self.gated_value_embed(read, ve), mask, **for_attention)
-            x = self.attn_scales[0] * x + self.attn_scales[1] * out + self.attn_scales[2] * x0
+            out = self.attn(read, self.gated_value_embed(read, ve), mask, gates.get("xsa"), gates.get("output_gate"),
+                            **for_attention)
+            x0_share = gates["x0"] if "x0" in gates else self.attn_scales[2]
+            x = self.attn_scales[0] * x + self.attn_scales[1] * out + x0_share * x0
         return self.mlp_scales[0] * x + self.mlp_scales[1] * self.mlp(norm(x))
 
     def gated_value_embed(self, read: Tensor, ve: Tensor | None) -> Tensor | None:
@@ -538,14 +582,16 @@ class GPT(nn.Module):
     value embeddings of their own feed some layers' values (#89: the second and third, and the last three), a gated
     skip carries one layer's output to a later layer's input (#32, #45, #55), the layers after a chosen one attend
     over its output (#73, #77), and the head's input takes a learned share of that output back out ("backout",
-    starting at -0.5). The stream (a dict of tensors) goes from the embedding through each block to the head;
+    starting at -0.5). Gate networks, each reading the stream where it enters a layer, give per-token coefficients
+    to that layer and those up to the next network's (#85): x0's share, the skip's gate, XSA's strength (#82) and
+    per-head output gates (#28, #85) where those are on. The stream (a dict of tensors) goes from the embedding through each block to the head;
     layouts run the forward in parts along it, and hook its two seams."""
 
     def __init__(self, vocab_size: int, num_layers: int, num_heads: int, head_dim: int, model_dim: int,
                  max_seq_len: int, window_pattern: str, layers_without_attention=(),
                  value_embed_layers=(), skip: tuple[int, int] | None = None, attend_over: int | None = None,
-                 smear=True, key_offset=True, fp8_head=True,
-                 soft_cap: tuple[float, float, float] = RECORD_SOFT_CAP):
+                 gate_network_layers=(), xsa_layers=(), output_gate_layers=(), smear=True, key_offset=True,
+                 fp8_head=True, soft_cap: tuple[float, float, float] = RECORD_SOFT_CAP):
         super().__init__()
         self.window_pattern = window_pattern
         self.skip, self.attend_over = skip, attend_over
@@ -560,10 +606,16 @@ class GPT(nn.Module):
                                            for i in sorted(value_embed_layers)})
         for value_embed in self.value_embeds.values():  # small: #89's 0.01 randn (@photomz)
             value_embed.weight.detach().mul_(0.01)
+        starts = sorted(gate_network_layers) + [num_layers]  # a network serves its layer up to the next one's
         self.blocks = nn.ModuleList([Block(model_dim, num_heads, head_dim, max_seq_len,
                                            i not in layers_without_attention, skip is not None and i == skip[1],
-                                           str(i) in self.value_embeds, key_offset and window_pattern[i] == "L")
+                                           str(i) in self.value_embeds, key_offset and window_pattern[i] == "L",
+                                           i >= starts[0], i in xsa_layers, i in output_gate_layers)
                                      for i in range(num_layers)])
+        wanted = {start: {str(i): self.blocks[i].gate_coefficients for i in range(start, end)
+                          if self.blocks[i].gate_coefficients} for start, end in zip(starts, starts[1:])}
+        self.gate_networks = nn.ModuleDict({str(start): GateNetwork(model_dim, layers)
+                                            for start, layers in wanted.items() if layers})
         self.backout = nn.Parameter(torch.tensor(-0.5)) if attend_over is not None else None
         # vocab padded to a multiple of 128 for faster kernels; the FP8 scales are #89's, for its soft cap's logits
         self.lm_head = LMHead(model_dim, next_multiple_of_n(vocab_size, n=128), soft_cap=soft_cap, use_fp8=fp8_head,
@@ -601,24 +653,33 @@ class GPT(nn.Module):
         feeds, and the outputs of the layers read later (`layer3`: layer 3's)."""
         x = self.embed(input_seq)
         x = norm((x if self.smear is None else self.smear(x))[None])  # (1, T, D)
-        return dict(x=x, x0=x, ve={i: value_embed(input_seq) for i, value_embed in self.value_embeds.items()})
+        return dict(x=x, x0=x, ve={i: value_embed(input_seq) for i, value_embed in self.value_embeds.items()},
+                    gates={})
 
     def run_block(self, i: int, stream: dict, masks: dict) -> dict:
+        stream = self.gate_coefficients(i, stream)
         return self.keep_output(i, dict(stream, x=self.blocks[i](**self.block_inputs(i, stream, masks))))
+
+    def gate_coefficients(self, i: int, stream: dict) -> dict:
+        """The stream entering block i, with the coefficients of the layers it serves where a gate network reads it."""
+        if self.gate_networks is None or str(i) not in self.gate_networks:  # (None: a pipeline stage holding none)
+            return stream
+        return dict(stream, gates=dict(stream["gates"], **self.gate_networks[str(i)](stream["x"])))
 
     def block_inputs(self, i: int, stream: dict, masks: dict) -> dict:
         """What block i takes from the stream."""
         skip, over = self.skip, self.attend_over
         return dict(x=stream["x"], skip=stream[f"layer{skip[0]}"] if skip is not None and i == skip[1] else None,
                     ve=stream["ve"].get(str(i)), x0=stream["x0"], mask=masks[self.window_pattern[i]],
-                    attend_over=stream[f"layer{over}"] if over is not None and i > over else None)
+                    gates=stream["gates"].get(str(i), {}), attend_over=stream[f"layer{over}"] if over is not None and i > over else None)
 
     def keep_output(self, i: int, stream: dict) -> dict:
         """The stream after block i: its output carried on where a later layer or the head reads it, and the outputs
-        block i was the last to read, and its value embedding, dropped."""
+        block i was the last to read, and its value embedding and gate coefficients, dropped."""
         stream = {key: value for key, value in stream.items()
                   if key not in {f"layer{j}" for j, last in self.read_until.items() if last == i}}
-        stream["ve"] = {layer: ve for layer, ve in stream["ve"].items() if layer != str(i)}
+        for own in ("ve", "gates"):
+            stream[own] = {layer: value for layer, value in stream[own].items() if layer != str(i)}
         return dict(stream, **{f"layer{i}": stream["x"]}) if i in self.read_until else stream
 
     def head_loss(self, stream: dict, target_seq: Tensor | None) -> Tensor:
@@ -803,6 +864,12 @@ class Hyperparameters:
     skip_layers: str = flag("3,6", "a gated skip: the first layer's output joins the second's input (empty: none)")
     attend_over_layer: str = flag("7", "the later layers attend over this layer's output, and the head's input takes "
                                        "a learned share of it back out (empty: none)")
+    gate_network_layers: str = flag("0,4", "gate networks (#85) read the stream entering these layers and give per-"
+                                           "token coefficients to it and the layers up to the next one's: x0's share, "
+                                           "the skip's gate, and XSA's and the output gates' (empty: learned scalars)")
+    xsa_layers: str = flag("1,3,4,7", "layers whose heads' outputs lose a learned share along their own values "
+                                      "(exclusive self attention, #82)")
+    output_gate_layers: str = flag("3,10", "layers whose heads' outputs are gated per token (#28, #85)")
     smear: bool = flag(True, "each token's embedding takes in a gated share of the previous token's (#89)")
     key_offset: bool = flag(True, "in the long-window layers, each key's unrotated dims are the previous token's "
                                   "(#49)")
@@ -894,7 +961,8 @@ PRESETS = {
                 val_files="data/shakespeare/shakespeare_val_*.bin",
                 val_tokens=128 * 1024, train_seq_len=256, val_seq_len=256, seqs_per_step=8, num_layers=6,
                 num_heads=2, head_dim=64, model_dim=128, window_pattern="LSSSSL", attention_free_layers="",
-                value_embed_layers="0,1,2,3,4,5", smear=False, key_offset=False, window_max_tokens=512,
+                value_embed_layers="0,1,2,3,4,5", gate_network_layers="", xsa_layers="", output_gate_layers="",
+                smear=False, key_offset=False, window_max_tokens=512,
                 fp8_head=False, num_iterations=230, muon_momentum_warmup_steps=50, skip_layers="1,3",
                 attend_over_layer="3", muon_momentum_cooldown_steps=9, lr_head=0.077, lr_embed=0.21, lr_scalar=0.014,
                 lr_gate=0.0028, lr_muon=0.0175, soft_cap=f"30,0,{7.5 * 128 ** 0.5}", cooldown_frac=0.4,
@@ -906,6 +974,7 @@ PRESETS = {
                  val_files="data/shakespeare/shakespeare_val_*.bin",
                  val_tokens=4 * 256, train_seq_len=256, val_seq_len=256, num_layers=6, num_heads=2, head_dim=16,
                  model_dim=32, window_pattern="LSSSSL", attention_free_layers="4", value_embed_layers="1,2,5",
+                 gate_network_layers="0,2", xsa_layers="1,3", output_gate_layers="3,5",
                  skip_layers="1,4", attend_over_layer="3", window_max_tokens=256, lr_head=0.22,
                  soft_cap=f"30,0,{7.5 * 32 ** 0.5}", fp8_head=False, num_iterations=20, muon_momentum_warmup_steps=5,
                  muon_momentum_cooldown_steps=1, val_loss_every=10, target_val_loss=8.0, fp64_grad_sum=True,
@@ -951,7 +1020,10 @@ def parse_args(argv=None, cuda: bool | None = None) -> Hyperparameters:
 LAYER_FLAGS = {"attention_free_layers": (None, "comma-separated layer indices such as '6', or '' for none"),
                "value_embed_layers": (None, "comma-separated layer indices such as '1,2,8,9,10', or '' for none"),
                "skip_layers": (2, "two layer indices FROM,TO such as '3,6', or '' for none"),
-               "attend_over_layer": (1, "one layer index such as '7', or '' for none")}
+               "attend_over_layer": (1, "one layer index such as '7', or '' for none"),
+               "gate_network_layers": (None, "comma-separated layer indices such as '0,4', or '' for none"),
+               "xsa_layers": (None, "comma-separated layer indices such as '1,3,4,7', or '' for none"),
+               "output_gate_layers": (None, "comma-separated layer indices such as '3,10', or '' for none")}
 
 def layer_indices(args: Hyperparameters, name: str) -> tuple[int, ...]:
     """The layers flag `name` lists, refused unless each is a layer and there are as many as the flag takes."""
@@ -1033,10 +1105,18 @@ def check_hyperparameters(args: Hyperparameters) -> None:
     need(all(i < args.num_layers - 1 for i in layer_indices(args, "attend_over_layer")),
          f"--attend_over_layer {args.attend_over_layer!r}: no layer comes after the last to attend over it; name an "
          "earlier layer, or '' for none")
-    fed = set(layer_indices(args, "value_embed_layers")) & set(layer_indices(args, "attention_free_layers"))
-    need(not fed, f"{flag_value(args, 'value_embed_layers')} names layers {sorted(fed)}, which have no attention "
-         f"({flag_value(args, 'attention_free_layers')}): a value embedding is added to attention's values; name "
-         "layers with attention")
+    for name, what in (("value_embed_layers", "a value embedding is added to attention's values"),
+                       ("xsa_layers", "XSA changes attention's output"), ("output_gate_layers", "an output gate "
+                                                                             "scales attention's output")):
+        fed = set(layer_indices(args, name)) & set(layer_indices(args, "attention_free_layers"))
+        need(not fed, f"{flag_value(args, name)} names layers {sorted(fed)}, which have no attention "
+             f"({flag_value(args, 'attention_free_layers')}): {what}; name layers with attention")
+    first_served = min(layer_indices(args, "gate_network_layers"), default=args.num_layers)
+    for name in ("xsa_layers", "output_gate_layers"):
+        unserved = [i for i in layer_indices(args, name) if i < first_served]
+        need(not unserved, f"{flag_value(args, name)} names layers {unserved}, which no gate network serves "
+             f"({flag_value(args, 'gate_network_layers')}): their coefficients come from one; add a network at or "
+             "before them")
     need(args.model_dim >= 12 or not args.smear and not layer_indices(args, "value_embed_layers"),
          f"--model_dim {args.model_dim}: the smear's gate reads 12 channels and a value embedding's gate 6 of it: "
          "use a width of 12 or more, or --smear false and --value_embed_layers ''")
@@ -1129,7 +1209,10 @@ def build_model(args: Hyperparameters, device: torch.device, cuda_dtypes: bool |
                     layers_without_attention=layer_indices(args, "attention_free_layers"),
                     value_embed_layers=layer_indices(args, "value_embed_layers"),
                     skip=layer_indices(args, "skip_layers") or None,
-                    attend_over=next(iter(layer_indices(args, "attend_over_layer")), None), smear=args.smear,
+                    attend_over=next(iter(layer_indices(args, "attend_over_layer")), None),
+                    gate_network_layers=layer_indices(args, "gate_network_layers"),
+                    xsa_layers=layer_indices(args, "xsa_layers"),
+                    output_gate_layers=layer_indices(args, "output_gate_layers"), smear=args.smear,
                     key_offset=args.key_offset, fp8_head=args.fp8_head, soft_cap=soft_cap_terms(args))
     return to_device(model, device, cuda_dtypes)
 
@@ -1172,7 +1255,7 @@ def optimizer_param_groups(model: nn.Module, vocab_size: int, model_dim: int) ->
         linear = isinstance(module, (CastedLinear, nn.Linear))
         for p in module.parameters(recurse=False):
             lr_scales[p].add(getattr(module, "lr_scale", 1.0))
-            kinds[p].add("scalar" if p.ndim < 2 else "gate" if isinstance(module, Gate) else
+            kinds[p].add("gate" if isinstance(module, (Gate, GateNetwork)) else "scalar" if p.ndim < 2 else
                          "head" if is_head(module, vocab_size) else "muon" if linear
                          else "embed" if isinstance(module, nn.Embedding) else
                          "muon" if model_dim in p.shape[-2:] else None)
@@ -1400,8 +1483,8 @@ def main(argv=None) -> float | None:
 
 # 2: the log's digest, so a resume never continues another run's log; 3: NorMuon's state; 4: the held gradients;
 # 5: record #89's layer stack, whose flags an older file's hyperparameters lack; 6: its value embeddings, a table and
-# a gate for each layer they feed
-CHECKPOINT_FORMAT = 6
+# a gate for each layer they feed; 7: its gate networks, and no x0 scale in the layers they serve
+CHECKPOINT_FORMAT = 7
 EXIT_STOPPED = 3  # kill switch or signal: a checkpoint was saved; continue with --resume latest
 EXIT_DIVERGED = 4  # non-finite training loss or gradient norm
 EXIT_LOST = 5  # a rank stopped answering or died: no stop checkpoint; continue from the last one
@@ -3143,8 +3226,8 @@ def enter_region(x: Tensor, tp: Axis, sp: bool) -> Tensor:
     return _Conjugate.apply(x, tp, identity, all_reduce_sum)
 
 def enter_beside(x: Tensor, tp: Axis, sequence_shard: bool) -> Tensor:
-    """Into a region split by head, beside its input, a tensor as wide as its heads together (a gated value
-    embedding): this rank's heads' part (of a sequence shard, of the gathered sequence); backward gathers the
+    """Into a region split by head, beside its input, a tensor per head (a gated value embedding, as wide as the
+    heads together; a coefficient per head): this rank's heads' part (of a sequence shard, of the gathered sequence); backward gathers the
     parts."""
     heads = TensorParallelSlice(x.ndim - 1, x.size(-1), tp)
     if sequence_shard:
@@ -3152,11 +3235,11 @@ def enter_beside(x: Tensor, tp: Axis, sequence_shard: bool) -> Tensor:
                                 lambda grad, tp: own_sequence_shard(heads.gather(grad), tp))
     return _Conjugate.apply(x, tp, lambda t, tp: heads.cut(t), lambda grad, tp: heads.gather(grad))
 
-def beside_the_input(args: tuple, heads_width: int) -> list[int]:
+def beside_the_input(args: tuple, num_heads: int, head_dim: int) -> list[int]:
     """The positions of a head-split region's arguments that are per head: float tensors after its input, as wide as
-    its heads together."""
+    its heads together or with one value per head."""
     return [i for i, a in enumerate(args) if i > 0 and isinstance(a, Tensor) and a.is_floating_point()
-            and a.ndim >= 2 and a.size(-1) == heads_width]
+            and a.ndim >= 2 and a.size(-1) in (num_heads * head_dim, num_heads)]
 
 def leave_region(x: Tensor, tp: Axis, sp: bool) -> Tensor:
     """Out of a region: g (all-reduce; backward identity), or under --sp a reduce-scatter (backward all-gather)."""
@@ -3271,7 +3354,8 @@ def vocab_parallel_cross_entropy(logits: Tensor, targets: Tensor, tp: Axis) -> T
 # The kinds of module tensor parallelism splits, each a region: attention by head, the MLP by its width. A linear
 # layer reading a region's input is column-parallel (output features split), the one writing its output
 # row-parallel (input features split); f or an all-gather enters a region, g or a reduce-scatter leaves it. A tensor
-# handed to attention beside its input, as wide as its heads together, enters as this rank's heads' part.
+# handed to attention beside its input, per head (as wide as its heads together, or a value per head), enters as this
+# rank's heads' part.
 TENSOR_PARALLEL_REGIONS = {CausalSelfAttention: "heads", MLP: "width"}
 # A fork's linear layer inside a region that these rules do not place: (region class, its attribute name in the
 # region) -> "column", "row" or "whole" (replicated: it acts on the region's whole input)
@@ -3302,7 +3386,7 @@ def tensor_parallelize(model: GPT, tp: Axis, args: Hyperparameters, trace: Model
         if True in partial:
             p.register_hook(functools.partial(all_reduce_sum, tp=tp))
     if checked:  # (the plan's meta tensors have no values to check)
-        refuse_mixing_across_ranks(model, trace, regions, splits, tp.size, args.num_heads, args.model_dim)
+        refuse_mixing_across_ranks(model, trace, regions, splits, tp.size, args.num_heads, args.head_dim)
     if args.sp:
         cut = sequence_parallel_cut(trace, regions)
         if checked:
@@ -3323,7 +3407,7 @@ def tensor_parallelize(model: GPT, tp: Axis, args: Hyperparameters, trace: Model
         if split_by(call.module) == "heads":
             call.module.register_forward_pre_hook(lambda m, a: tuple(
                 enter_beside(t, tp, args.sp and t.size(-2) * tp.size == seq_len[0])
-                if i in beside_the_input(a, args.num_heads * args.head_dim) else t for i, t in enumerate(a)))
+                if i in beside_the_input(a, args.num_heads, args.head_dim) else t for i, t in enumerate(a)))
         call.module.register_forward_hook(lambda m, a, out: leave_region(out, tp, args.sp))
     for name, module in model.named_modules():
         if isinstance(module, nn.Embedding):
@@ -3490,26 +3574,26 @@ def refuse_sequence_mixing(model: GPT, trace: ModelTrace, regions: dict, cut: li
              "without --sp")
 
 def refuse_mixing_across_ranks(model: GPT, trace: ModelTrace, regions: dict, splits: dict, tp: int,
-                               num_heads: int, heads_width: int) -> None:
+                               num_heads: int, head_dim: int) -> None:
     """Each region run on every rank's share of its heads (or width) must sum to what it gives whole, or it mixes
     them across ranks (heads that attend in pairs, say): refused, naming the --tp that keep the parts apart."""
-    failure = region_that_mixes_ranks(trace, regions, splits, tp, heads_width)
+    failure = region_that_mixes_ranks(trace, regions, splits, tp, num_heads, head_dim)
     if failure is None:
         return
     works = [t for t in range(2, num_heads + 1) if num_heads % t == 0 and
-             region_that_mixes_ranks(trace, regions, splits, t, heads_width) is None]
+             region_that_mixes_ranks(trace, regions, splits, t, num_heads, head_dim) is None]
     region, why = failure
     raise UserError(f"tensor parallelism: {region} does not split into {tp} ranks' shares of its "
                     f"{split_by(regions[region].module)} ({why}): it mixes what they hold, and what mixes must stay on "
                     "one rank; " + (f"use --tp {' or '.join(map(str, works))}, which keep it apart" if works else
                                     "no --tp above 1 keeps it apart: train without --tp"))
 
-def region_that_mixes_ranks(trace: ModelTrace, regions: dict, splits: dict, tp: int,
-                            heads_width: int) -> tuple[str, str] | None:
+def region_that_mixes_ranks(trace: ModelTrace, regions: dict, splits: dict, tp: int, num_heads: int,
+                            head_dim: int) -> tuple[str, str] | None:
     """The first region whose ranks' shares, each run alone, do not sum to its whole output; and why."""
     stand_ins = torch.Generator().manual_seed(0)  # for parameters at zero (an output layer's), which would hide it
     for name, call in regions.items():
-        by_heads = beside_the_input(call.args, heads_width) if split_by(call.module) == "heads" else []
+        by_heads = beside_the_input(call.args, num_heads, head_dim) if split_by(call.module) == "heads" else []
         params = {k: p.detach() if p.any() else torch.randn(p.shape, generator=stand_ins).to(p) * 0.02
                   for k, p in call.module.named_parameters()}
         with torch.no_grad():

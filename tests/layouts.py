@@ -25,13 +25,15 @@ class BlockWithAttentionGate(train_gpt.Block):
         super().__init__(*args)
         self.attn_gate = nn.Parameter(torch.tensor(0.7)) if self.attn is not None else None
 
-    def forward(self, x, skip, ve, x0, mask, attend_over=None, **for_attention):  # (what a GPT hands attention)
+    def forward(self, x, skip, ve, x0, mask, gates, attend_over=None, **for_attention):  # (a GPT's for attention)
         if skip is not None:
-            x = x + torch.sigmoid(self.skip_gate) * skip
+            x = x + torch.sigmoid(self.skip_gate) * gates.get("skip", 1.0) * skip
         if self.attn is not None:
             read = norm(x if attend_over is None else attend_over)
-            out = self.attn_gate * self.attn(read, self.gated_value_embed(read, ve), mask, **for_attention)
-            x = self.attn_scales[0] * x + self.attn_scales[1] * out + self.attn_scales[2] * x0
+            out = self.attn_gate * self.attn(read, self.gated_value_embed(read, ve), mask, gates.get("xsa"),
+                                             gates.get("output_gate"), **for_attention)
+            x0_share = gates["x0"] if "x0" in gates else self.attn_scales[2]
+            x = self.attn_scales[0] * x + self.attn_scales[1] * out + x0_share * x0
         return self.mlp_scales[0] * x + self.mlp_scales[1] * self.mlp(norm(x))
 
 
@@ -83,7 +85,7 @@ class AttentionWithHeadTemperature(train_gpt.CausalSelfAttention):
         super().__init__(dim, num_heads, head_dim, max_seq_len, *args)
         self.head_temperature = nn.Parameter(torch.linspace(0.8, 1.2, num_heads))
 
-    def forward(self, x, ve, mask):
+    def forward(self, x, ve, mask, xsa=None, output_gate=None):  # (a fork from before XSA and output gates)
         qkv = self.qkv(x)
         B, T = qkv.size(0), qkv.size(1)
         q, k, v = qkv.view(B, T, 3, -1, self.head_dim).unbind(2)
@@ -140,7 +142,7 @@ class AttentionWithUnplacedMatrix(train_gpt.CausalSelfAttention):
         super().__init__(dim, *args)
         self.mix = CastedLinear(dim, dim)
 
-    def forward(self, x, ve, mask):
+    def forward(self, x, ve, mask, xsa=None, output_gate=None):
         qkv = self.qkv(x)
         B, T = qkv.size(0), qkv.size(1)
         q, k, v = qkv.view(B, T, 3, -1, self.head_dim).unbind(2)
@@ -165,7 +167,7 @@ def stretch_rotary(rotary: train_gpt.Rotary, factor: float) -> None:
 
 
 class AttentionWithInputScale(AttentionWithHeadTemperature):
-    def forward(self, x, ve, mask, scale):
+    def forward(self, x, ve, mask, xsa=None, output_gate=None, scale=1.0):
         return super().forward(x * scale, ve, mask)
 
 
@@ -221,6 +223,7 @@ class GPTWithLaterKinds(GPTStretchingRotary):
 
     def run_block(self, i, stream, masks):
         for_attention = dict(scale=self.attention_scales[i]) if self.blocks[i].attn is not None else {}
+        stream = self.gate_coefficients(i, stream)
         x, update = self.blocks[i](**self.block_inputs(i, stream, masks), **for_attention)
         return self.keep_output(i, dict(stream, x=x, updates=stream["updates"] + update))
 
@@ -249,7 +252,7 @@ def attend_in_pairs(attention: train_gpt.CausalSelfAttention, qkv: torch.Tensor,
 
 
 class AttentionInPairs(train_gpt.CausalSelfAttention):
-    def forward(self, x, ve, mask):
+    def forward(self, x, ve, mask, xsa=None, output_gate=None):
         return attend_in_pairs(self, self.qkv(x), ve, mask)
 
 
@@ -260,7 +263,7 @@ class AttentionInPairsFromBank(train_gpt.CausalSelfAttention):
         super().__init__(*args)
         del self.qkv
 
-    def forward(self, x, ve, mask, qkv):
+    def forward(self, x, ve, mask, xsa=None, output_gate=None, qkv=None):
         return attend_in_pairs(self, F.linear(x, qkv.flatten(end_dim=-2)), ve, mask)
 
 
@@ -273,6 +276,7 @@ class GPTWithQKVBank(train_gpt.GPT):
 
     def run_block(self, i, stream, masks):
         for_attention = dict(qkv=self.qkv_bank[i]) if self.blocks[i].attn is not None else {}
+        stream = self.gate_coefficients(i, stream)
         return self.keep_output(i, dict(stream, x=self.blocks[i](**self.block_inputs(i, stream, masks),
                                                                  **for_attention)))
 
@@ -295,8 +299,8 @@ class AttentionWithPositionTable(train_gpt.CausalSelfAttention):
         super().__init__(dim, num_heads, head_dim, max_seq_len, *args)
         self.positions = nn.Embedding(max_seq_len, dim)
 
-    def forward(self, x, ve, mask):
-        return super().forward(x + self.positions(torch.arange(x.size(1))), ve, mask)
+    def forward(self, x, ve, mask, *gates):
+        return super().forward(x + self.positions(torch.arange(x.size(1))), ve, mask, *gates)
 
 
 MODEL_EDITS = {
