@@ -450,6 +450,36 @@ class Smear(nn.Module):
         share = self.scale * torch.sigmoid(self.gate(x[1:]))
         return torch.cat([x[:1], x[1:] + share * x[:-1]])
 
+def bigram_rows(tokens: Tensor, rows: int) -> Tensor:
+    """#89's hash of each position's (previous, own) token pair into the first rows - 1 rows, in int32 arithmetic that
+    wraps; the first position takes the last row, and the second is hashed as if that row's index came before it
+    (as #89's)."""
+    last = rows - 1
+    tokens = tokens.to(torch.int32)
+    previous = torch.cat([tokens.new_full((2,), last), tokens[1:-1]])
+    hashed = torch.bitwise_xor(36313 * tokens, 27191 * previous) % last
+    return torch.cat([tokens.new_full((1,), last), hashed[1:]])
+
+class BigramHashEmbedding(nn.Module):
+    """A zero-initialised table of embeddings for each token's pair with the one before, hashed into its rows, each
+    lookup times a fixed random sign vector of the pair's (from a table of 8192), so that pairs sharing a row
+    cancel more than they add (#62, #83; the signs by @trianxy). The signs are a constant of the hash, the same in
+    every run: drawn from their own seed, so that no checkpoint needs them."""
+    SIGN_ROWS = 8192
+
+    def __init__(self, rows: int, dim: int):
+        super().__init__()
+        self.table = nn.Embedding(rows, dim)
+        self.table.weight.detach().zero_()
+        draws = torch.Generator().manual_seed(self.SIGN_ROWS)
+        self.signs = nn.Buffer(torch.randn(self.SIGN_ROWS, dim, generator=draws).sign(), persistent=False)
+
+    def forward(self, input_seq: Tensor) -> Tensor:  # (T,) tokens -> (1, T, D)
+        tokens = input_seq.to(torch.int32)
+        sign_rows = torch.cat([tokens.new_zeros(1), torch.bitwise_xor(tokens[:-1], tokens[1:]) % self.SIGN_ROWS])
+        found = self.table(bigram_rows(tokens, self.table.num_embeddings))
+        return (found * self.signs[sign_rows].type_as(found))[None]
+
 class GateNetwork(nn.Module):
     """Per-token coefficients for the layers it serves, read off the stream entering the first of them:
     (W2 gelu(W1 x) + b) s, 64 hidden units, s a learned scale starting at 0.1 (#85's gate networks, after MUDD's
@@ -483,40 +513,53 @@ SKIP_GATE_START = -math.log((1 + math.exp(-SKIP_SCALE_START)) / SKIP_COEFFICIENT
 class Block(nn.Module):
     """Attention (none in an attention-free layer), then the MLP. Each sublayer scales the residual and its own output
     by learned scalars, the residual's starting at sqrt(1.1), so 1.1 a layer with attention (#45); the embedding x0
-    re-enters after attention, at a learned share starting at 0. A skip from an earlier layer joins first through a
+    re-enters after attention at a learned share starting at 0, and the bigram embedding with it at one starting at
+    0.05 (in the first layer, before attention: `bigram_joins`). A skip from an earlier layer joins first through a
     sigmoid gate; attention may read another layer's output than the block's input, and its values take a value
-    embedding gated per head. In a layer a gate network serves (`gated`), x0's share and the skip's gate are its
+    embedding gated per head. In a layer a gate network serves (`gated`), those shares and the skip's gate are its
     per-token coefficients, and attention may take two more: XSA's strength and per-head output gates."""
 
     def __init__(self, dim: int, num_heads: int, head_dim: int, max_seq_len: int, has_attention: bool,
                  takes_skip: bool, takes_value_embed: bool = False, key_offset: bool = False, gated: bool = False,
-                 xsa: bool = False, output_gate: bool = False):
+                 xsa: bool = False, output_gate: bool = False, bigram_joins: str | None = None):
         super().__init__()
         self.attn = CausalSelfAttention(dim, num_heads, head_dim, max_seq_len, key_offset) if has_attention else None
         self.value_gate = Gate(2 * VALUE_GATE_CHANNELS, num_heads) if takes_value_embed else None
         self.mlp = MLP(dim)
-        # x, out, and (without a gate network) x0
-        self.attn_scales = nn.Parameter(torch.tensor([1.1 ** 0.5, 1.0, 0.0][:2 if gated else 3])) if has_attention \
-            else None
+        self.attn_scales = nn.Parameter(torch.tensor([1.1 ** 0.5, 1.0])) if has_attention else None  # x, out
         self.mlp_scales = nn.Parameter(torch.tensor([1.1 ** 0.5, 1.0]))  # x, out
         self.skip_gate = nn.Parameter(torch.tensor(SKIP_SCALE_START if gated else SKIP_GATE_START)) if takes_skip \
             else None
-        # what a gate network gives this layer: name -> (width, starting value), as #89 starts them
-        wanted = dict(x0=(1, 0.0) if has_attention else None, skip=(1, SKIP_COEFFICIENT_START) if takes_skip else None,
+        self.bigram_joins = bigram_joins  # "input", "output" (after attention) or None
+        # the shares of x0 and the bigram embedding, as #89 starts them: a gate network's (per token), or learned
+        shares = dict(x0=0.0 if has_attention else None, bigram=0.05 if bigram_joins else None)
+        shares = {name: start for name, start in shares.items() if start is not None}
+        self.shares = nn.ParameterDict({} if gated else {name: torch.tensor(start) for name, start in shares.items()})
+        # what a gate network gives this layer: name -> (width, starting value)
+        wanted = dict(**{name: (1, start) for name, start in shares.items()},
+                      skip=(1, SKIP_COEFFICIENT_START) if takes_skip else None,
                       xsa=(num_heads, 0.0) if xsa else None, output_gate=(num_heads, 0.25) if output_gate else None)
         self.gate_coefficients = {name: want for name, want in wanted.items() if want is not None} if gated else {}
 
     def forward(self, x: Tensor, skip: Tensor | None, ve: Tensor | None, x0: Tensor, mask: BlockMask | Tensor,
-                gates: dict[str, Tensor], attend_over: Tensor | None = None, **for_attention) -> Tensor:
+                gates: dict[str, Tensor], bigram: Tensor | None = None, attend_over: Tensor | None = None,
+                **for_attention) -> Tensor:
         if skip is not None:
             x = x + torch.sigmoid(self.skip_gate) * gates.get("skip", 1.0) * skip
+        if bigram is not None and self.bigram_joins == "input":
+            x = x + self.share("bigram", gates) * bigram
         if self.attn is not None:
             read = norm(x if attend_over is None else attend_over)
             out = self.attn(read, self.gated_value_embed(read, ve), mask, gates.get("xsa"), gates.get("output_gate"),
                             **for_attention)
-            x0_share = gates["x0"] if "x0" in gates else self.attn_scales[2]
-            x = self.attn_scales[0] * x + self.attn_scales[1] * out + x0_share * x0
+            x = self.attn_scales[0] * x + self.attn_scales[1] * out + self.share("x0", gates) * x0
+            if bigram is not None and self.bigram_joins == "output":
+                x = x + self.share("bigram", gates) * bigram
         return self.mlp_scales[0] * x + self.mlp_scales[1] * self.mlp(norm(x))
+
+    def share(self, name: str, gates: dict[str, Tensor]) -> Tensor:
+        """x0's or the bigram embedding's share: the gate network's coefficient, or this block's learned scalar."""
+        return gates[name] if name in gates else self.shares[name]
 
     def gated_value_embed(self, read: Tensor, ve: Tensor | None) -> Tensor | None:
         """Each head's share of the value embedding (T, D): 2 sigmoid of a gate reading the first channels of
@@ -546,14 +589,19 @@ class SoftCap(torch.autograd.Function):
         return torch.ops.aten.sigmoid_backward(grad * ctx.cap, capped).div_(ctx.divisor), None, None, None
 
 class CrossEntropy(nn.Module):
-    """Cross-entropy over the vocabulary, summed over tokens. A layout that splits the vocabulary hands the forward
+    """Cross-entropy over the vocabulary, summed over tokens; with targets (tokens, J) and weights (J,), each
+    column's weighted (a target of -1 counts nothing). A layout that splits the vocabulary hands the forward
     `over_split`, the loss of logits that hold this rank's part of it: the model's hook, so the head stays one-device
     code."""
 
-    def forward(self, logits: Tensor, targets: Tensor, over_split: Callable | None = None) -> Tensor:
+    def forward(self, logits: Tensor, targets: Tensor, weights: Tensor | None = None,
+                over_split: Callable | None = None) -> Tensor:
         if over_split is not None:
-            return over_split(logits, targets)
-        return F.cross_entropy(logits, targets, reduction="sum")
+            return over_split(logits, targets, weights)
+        if weights is None:
+            return F.cross_entropy(logits, targets, reduction="sum")
+        picked = logits.gather(1, targets.clamp_min(0))
+        return ((logits.logsumexp(-1, keepdim=True) - picked) * (targets >= 0) * weights).sum()
 
 class LMHead(CastedLinear):
     """The output layer and the loss: soft-capped logits (soft_cap: cap, shift, divisor), cross-entropy summed over
@@ -565,17 +613,28 @@ class LMHead(CastedLinear):
         self.soft_cap = soft_cap
         self.cross_entropy = CrossEntropy()
 
-    def forward(self, x: Tensor, targets: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, targets: Tensor | None, weights: Tensor | None = None) -> Tensor:
         if targets is None:
             return self.logits(x)
         rows = len(x) if self.training else self.EVAL_ROWS
-        return sum(self.summed_loss(x[i:i + rows], targets[i:i + rows]) for i in range(0, len(x), rows))
+        return sum(self.summed_loss(x[i:i + rows], targets[i:i + rows], weights) for i in range(0, len(x), rows))
 
     def logits(self, x: Tensor) -> Tensor:
         return SoftCap.apply(super().forward(x).float(), *self.soft_cap)
 
-    def summed_loss(self, x: Tensor, targets: Tensor) -> Tensor:
-        return self.cross_entropy(self.logits(x), targets)
+    def summed_loss(self, x: Tensor, targets: Tensor, weights: Tensor | None = None) -> Tensor:
+        return self.cross_entropy(self.logits(x), targets, weights)
+
+MTP_TOKENS = 3  # with --mtp, training predicts from each position the next 3 tokens (#53)
+
+def prefix_tokens(vocab_size: int) -> Tensor:
+    """Each GPT-2 token's prefix token (#88): the token whose bytes are the longest proper prefix of its bytes; -1
+    for a token with none (a single byte) and the padding."""
+    ranks = gpt2_encoding()._mergeable_ranks  # bytes -> token
+    table = [-1] * vocab_size
+    for word, token in ranks.items():
+        table[token] = next((ranks[word[:n]] for n in range(len(word) - 1, 0, -1) if word[:n] in ranks), -1)
+    return torch.tensor(table)
 
 class GPT(nn.Module):
     """The GPT of record #89's layer stack: each token's embedding takes in some of the previous token's (the smear),
@@ -584,14 +643,16 @@ class GPT(nn.Module):
     over its output (#73, #77), and the head's input takes a learned share of that output back out ("backout",
     starting at -0.5). Gate networks, each reading the stream where it enters a layer, give per-token coefficients
     to that layer and those up to the next network's (#85): x0's share, the skip's gate, XSA's strength (#82) and
-    per-head output gates (#28, #85) where those are on. The stream (a dict of tensors) goes from the embedding through each block to the head;
-    layouts run the forward in parts along it, and hook its two seams."""
+    per-head output gates (#28, #85) where those are on. A bigram hash embedding (#62, #83) joins the first layer's
+    input and each later attention layer's output. The stream (a dict of tensors) goes from the embedding through
+    each block to the head; layouts run the forward in parts along it, and hook its two seams."""
 
     def __init__(self, vocab_size: int, num_layers: int, num_heads: int, head_dim: int, model_dim: int,
                  max_seq_len: int, window_pattern: str, layers_without_attention=(),
                  value_embed_layers=(), skip: tuple[int, int] | None = None, attend_over: int | None = None,
-                 gate_network_layers=(), xsa_layers=(), output_gate_layers=(), smear=True, key_offset=True,
-                 fp8_head=True, soft_cap: tuple[float, float, float] = RECORD_SOFT_CAP):
+                 gate_network_layers=(), xsa_layers=(), output_gate_layers=(), bigram_rows=0, smear=True,
+                 key_offset=True, mtp=False, prefix_loss=False, fp8_head=True,
+                 soft_cap: tuple[float, float, float] = RECORD_SOFT_CAP):
         super().__init__()
         self.window_pattern = window_pattern
         self.skip, self.attend_over = skip, attend_over
@@ -606,11 +667,14 @@ class GPT(nn.Module):
                                            for i in sorted(value_embed_layers)})
         for value_embed in self.value_embeds.values():  # small: #89's 0.01 randn (@photomz)
             value_embed.weight.detach().mul_(0.01)
+        self.bigram = BigramHashEmbedding(bigram_rows, model_dim) if bigram_rows else None
         starts = sorted(gate_network_layers) + [num_layers]  # a network serves its layer up to the next one's
         self.blocks = nn.ModuleList([Block(model_dim, num_heads, head_dim, max_seq_len,
                                            i not in layers_without_attention, skip is not None and i == skip[1],
                                            str(i) in self.value_embeds, key_offset and window_pattern[i] == "L",
-                                           i >= starts[0], i in xsa_layers, i in output_gate_layers)
+                                           i >= starts[0], i in xsa_layers, i in output_gate_layers,
+                                           None if not bigram_rows else "input" if i == 0 else
+                                           "output" if i not in layers_without_attention else None)
                                      for i in range(num_layers)])
         wanted = {start: {str(i): self.blocks[i].gate_coefficients for i in range(start, end)
                           if self.blocks[i].gate_coefficients} for start, end in zip(starts, starts[1:])}
@@ -621,6 +685,13 @@ class GPT(nn.Module):
         self.lm_head = LMHead(model_dim, next_multiple_of_n(vocab_size, n=128), soft_cap=soft_cap, use_fp8=fp8_head,
                               x_s=100 / 448, w_s=1.6 / 448, grad_s=0.75 / 448)
         self.lm_head.weight.detach().zero_()
+        # in training, the head's targets beyond the next token: the MTP_TOKENS - 1 after it (#53) and its prefix
+        # token (#88), weighted as the schedule sets loss_weights (forward_backward)
+        self.later_targets = MTP_TOKENS - 1 if mtp else 0
+        self.prefix_of = nn.Buffer(prefix_tokens(self.lm_head.weight.size(0)), persistent=False) if prefix_loss \
+            else None
+        self.loss_weights = nn.Buffer(torch.ones(1 + self.later_targets + prefix_loss), persistent=False) \
+            if mtp or prefix_loss else None
         # where the stream enters the blocks and leaves them: identities a layout may hook (sequence parallelism cuts
         # the stream between them)
         self.stream_enters, self.stream_leaves = nn.Identity(), nn.Identity()
@@ -650,11 +721,13 @@ class GPT(nn.Module):
 
     def embed_tokens(self, input_seq: Tensor) -> dict:
         """The stream from block to block: residual x, normed embedding x0, the value embeddings by the layer each
-        feeds, and the outputs of the layers read later (`layer3`: layer 3's)."""
+        feeds, the gate networks' coefficients by the layer each serves, the bigram embedding where there is one,
+        and the outputs of the layers read later (`layer3`: layer 3's)."""
         x = self.embed(input_seq)
         x = norm((x if self.smear is None else self.smear(x))[None])  # (1, T, D)
-        return dict(x=x, x0=x, ve={i: value_embed(input_seq) for i, value_embed in self.value_embeds.items()},
-                    gates={})
+        stream = dict(x=x, x0=x, ve={i: value_embed(input_seq) for i, value_embed in self.value_embeds.items()},
+                      gates={})
+        return stream if self.bigram is None else dict(stream, bigram=self.bigram(input_seq))
 
     def run_block(self, i: int, stream: dict, masks: dict) -> dict:
         stream = self.gate_coefficients(i, stream)
@@ -671,7 +744,8 @@ class GPT(nn.Module):
         skip, over = self.skip, self.attend_over
         return dict(x=stream["x"], skip=stream[f"layer{skip[0]}"] if skip is not None and i == skip[1] else None,
                     ve=stream["ve"].get(str(i)), x0=stream["x0"], mask=masks[self.window_pattern[i]],
-                    gates=stream["gates"].get(str(i), {}), attend_over=stream[f"layer{over}"] if over is not None and i > over else None)
+                    gates=stream["gates"].get(str(i), {}), bigram=stream.get("bigram"),
+                    attend_over=stream[f"layer{over}"] if over is not None and i > over else None)
 
     def keep_output(self, i: int, stream: dict) -> dict:
         """The stream after block i: its output carried on where a later layer or the head reads it, and the outputs
@@ -684,8 +758,17 @@ class GPT(nn.Module):
 
     def head_loss(self, stream: dict, target_seq: Tensor | None) -> Tensor:
         x = stream["x"] if self.backout is None else stream["x"] + self.backout * stream[f"layer{self.attend_over}"]
+        if self.training and self.loss_weights is not None and target_seq is not None:
+            return self.lm_head(norm(x)[0], self.training_targets(target_seq), self.loss_weights)
         out = self.lm_head(norm(x)[0], target_seq)
         return out if self.training or target_seq is None else out / len(target_seq)
+
+    def training_targets(self, target_seq: Tensor) -> Tensor:
+        """(T, J): each position's next token, the later ones it also predicts (-1 past the sequence) and its next
+        token's prefix token (-1: none)."""
+        later = [F.pad(target_seq[k:], (0, k), value=-1) for k in range(1, self.later_targets + 1)]
+        prefix = [] if self.prefix_of is None else [self.prefix_of[target_seq]]
+        return torch.stack([target_seq, *later, *prefix], dim=1)
 
 # ----------------------------------------------------------------------------------------------------
 # Data: the sharded .bin token format and the distributed batch generator
@@ -870,6 +953,14 @@ class Hyperparameters:
     xsa_layers: str = flag("1,3,4,7", "layers whose heads' outputs lose a learned share along their own values "
                                       "(exclusive self attention, #82)")
     output_gate_layers: str = flag("3,10", "layers whose heads' outputs are gated per token (#28, #85)")
+    mtp: bool = flag(True, f"training also predicts from each position the {MTP_TOKENS - 1} tokens after the next, "
+                           "on the same logits, at weights that #89's schedule takes to 0 by two thirds of the run "
+                           "(#53)")
+    prefix_loss: bool = flag(True, "training also predicts each next token's prefix token (the longest proper prefix "
+                                   "of its bytes that is a token), at #89's weight 0.25 until a third of the run, "
+                                   "down to 0 by two thirds (#88)")
+    bigram_rows: int = flag(50304 * 15 // 2, "rows of the bigram hash embedding (#62, #83), into which each token's "
+                                             "pair with the one before is hashed (0: none)")
     smear: bool = flag(True, "each token's embedding takes in a gated share of the previous token's (#89)")
     key_offset: bool = flag(True, "in the long-window layers, each key's unrotated dims are the previous token's "
                                   "(#49)")
@@ -962,7 +1053,7 @@ PRESETS = {
                 val_tokens=128 * 1024, train_seq_len=256, val_seq_len=256, seqs_per_step=8, num_layers=6,
                 num_heads=2, head_dim=64, model_dim=128, window_pattern="LSSSSL", attention_free_layers="",
                 value_embed_layers="0,1,2,3,4,5", gate_network_layers="", xsa_layers="", output_gate_layers="",
-                smear=False, key_offset=False, window_max_tokens=512,
+                bigram_rows=0, mtp=False, prefix_loss=False, smear=False, key_offset=False, window_max_tokens=512,
                 fp8_head=False, num_iterations=230, muon_momentum_warmup_steps=50, skip_layers="1,3",
                 attend_over_layer="3", muon_momentum_cooldown_steps=9, lr_head=0.077, lr_embed=0.21, lr_scalar=0.014,
                 lr_gate=0.0028, lr_muon=0.0175, soft_cap=f"30,0,{7.5 * 128 ** 0.5}", cooldown_frac=0.4,
@@ -974,7 +1065,8 @@ PRESETS = {
                  val_files="data/shakespeare/shakespeare_val_*.bin",
                  val_tokens=4 * 256, train_seq_len=256, val_seq_len=256, num_layers=6, num_heads=2, head_dim=16,
                  model_dim=32, window_pattern="LSSSSL", attention_free_layers="4", value_embed_layers="1,2,5",
-                 gate_network_layers="0,2", xsa_layers="1,3", output_gate_layers="3,5",
+                 gate_network_layers="0,2", xsa_layers="1,3", output_gate_layers="3,5", bigram_rows=4096,
+                 prefix_loss=False,  # (it needs GPT-2's ranks, which the tests fetch only where they use them)
                  skip_layers="1,4", attend_over_layer="3", window_max_tokens=256, lr_head=0.22,
                  soft_cap=f"30,0,{7.5 * 32 ** 0.5}", fp8_head=False, num_iterations=20, muon_momentum_warmup_steps=5,
                  muon_momentum_cooldown_steps=1, val_loss_every=10, target_val_loss=8.0, fp64_grad_sum=True,
@@ -1117,6 +1209,10 @@ def check_hyperparameters(args: Hyperparameters) -> None:
         need(not unserved, f"{flag_value(args, name)} names layers {unserved}, which no gate network serves "
              f"({flag_value(args, 'gate_network_layers')}): their coefficients come from one; add a network at or "
              "before them")
+    need(not args.prefix_loss or args.vocab_size >= 50257, f"--prefix_loss reads GPT-2's tokens' bytes, but "
+         f"--vocab_size {args.vocab_size} is smaller than GPT-2's 50257: use --prefix_loss false")
+    need(args.bigram_rows != 1, "--bigram_rows 1: the hash takes every row but the last, which the first position "
+         "takes: use 2 or more, or 0 for none")
     need(args.model_dim >= 12 or not args.smear and not layer_indices(args, "value_embed_layers"),
          f"--model_dim {args.model_dim}: the smear's gate reads 12 channels and a value embedding's gate 6 of it: "
          "use a width of 12 or more, or --smear false and --value_embed_layers ''")
@@ -1178,6 +1274,23 @@ def window_tensor(tokens: int, device: torch.device) -> Tensor:
     # a tensor, not an int, so torch.compile(dynamic=False) does not recompile as the window grows
     return torch.tensor(tokens, dtype=torch.int32, device=device)
 
+# #89's loss weights by thirds of the run (#53, #88): the next token's loss and the two later tokens' (with --mtp),
+# and the prefix token's (with --prefix_loss), each weight linear from its third's start to its end
+LOSS_STAGES = (dict(mtp=((1, 0.5, 0.25), (1, 0.5, 0)), prefix=(0.25, 0.25)),
+               dict(mtp=((1, 0.5, 0), (1, 0, 0)), prefix=(0.25, 0)),
+               dict(mtp=((1, 0, 0), (1, 0, 0)), prefix=(0, 0)))
+
+def loss_weights(step: int, args: Hyperparameters) -> list[float]:
+    """The head's loss weights at `step`: the next token's, with --mtp the later tokens', with --prefix_loss the
+    prefix token's."""
+    bounds = [round(i * args.num_iterations / len(LOSS_STAGES)) for i in range(len(LOSS_STAGES) + 1)]
+    stage = next((i for i in range(len(LOSS_STAGES)) if step < bounds[i + 1]), len(LOSS_STAGES) - 1)
+    low, high = bounds[stage], bounds[stage + 1]
+    t = min((step - low) / (high - low), 1.0) if high > low else 1.0
+    (mtp_start, mtp_end), prefix = LOSS_STAGES[stage]["mtp"], LOSS_STAGES[stage]["prefix"]
+    weights = [a + (b - a) * t for a, b in zip(mtp_start, mtp_end)][:MTP_TOKENS if args.mtp else 1]
+    return weights + ([prefix[0] + (prefix[1] - prefix[0]) * t] if args.prefix_loss else [])
+
 def muon_momentum(step: int, args: Hyperparameters) -> float:
     """0.85, rising linearly to 0.95 over the warm-up steps, and falling back to 0.85 over the cooldown steps."""
     warmup, cooldown = args.muon_momentum_warmup_steps, args.muon_momentum_cooldown_steps
@@ -1212,7 +1325,8 @@ def build_model(args: Hyperparameters, device: torch.device, cuda_dtypes: bool |
                     attend_over=next(iter(layer_indices(args, "attend_over_layer")), None),
                     gate_network_layers=layer_indices(args, "gate_network_layers"),
                     xsa_layers=layer_indices(args, "xsa_layers"),
-                    output_gate_layers=layer_indices(args, "output_gate_layers"), smear=args.smear,
+                    output_gate_layers=layer_indices(args, "output_gate_layers"), bigram_rows=args.bigram_rows,
+                    smear=args.smear, mtp=args.mtp, prefix_loss=args.prefix_loss,
                     key_offset=args.key_offset, fp8_head=args.fp8_head, soft_cap=soft_cap_terms(args))
     return to_device(model, device, cuda_dtypes)
 
@@ -1386,6 +1500,8 @@ def forward_backward(trainer: Trainer, batches, step: int) -> Tensor:
     the global batch's mean over sequences of each sequence's summed token loss."""
     t, gradients = trainer, trainer.layout.gradients
     window = window_tensor(window_tokens(step, t.args), t.ctx.device)
+    if t.model.loss_weights is not None:
+        t.model.loss_weights.copy_(torch.tensor(loss_weights(step, t.args)))
     gradients.hold(not adam_steps(step, t.args))  # Adam's gradients stay on each rank until the step it uses them
     if t.layout.pipeline is not None:  # pipeline parallel: the stages pass the micro-batches on in their schedule
         loss_sum = t.layout.pipeline.run_schedule(batches, window, t.micro_batches, gradients)
@@ -3227,8 +3343,8 @@ def enter_region(x: Tensor, tp: Axis, sp: bool) -> Tensor:
 
 def enter_beside(x: Tensor, tp: Axis, sequence_shard: bool) -> Tensor:
     """Into a region split by head, beside its input, a tensor per head (a gated value embedding, as wide as the
-    heads together; a coefficient per head): this rank's heads' part (of a sequence shard, of the gathered sequence); backward gathers the
-    parts."""
+    heads together; a coefficient per head): this rank's heads' part (of a sequence shard, of the gathered
+    sequence); backward gathers the parts."""
     heads = TensorParallelSlice(x.ndim - 1, x.size(-1), tp)
     if sequence_shard:
         return _Conjugate.apply(x, tp, lambda t, tp: heads.cut(gather_sequence_shards(t, tp)),
@@ -3336,20 +3452,20 @@ def vocab_parallel_embedding(embedding: nn.Embedding, tp: Axis) -> None:
     embedding.register_forward_pre_hook(own_rows)
     embedding.register_forward_hook(summed)
 
-def vocab_parallel_cross_entropy(logits: Tensor, targets: Tensor, tp: Axis) -> Tensor:
-    """Cross-entropy summed over tokens, of logits split by vocabulary: never whole on any rank."""
-    n = logits.size(-1)
+def vocab_parallel_cross_entropy(logits: Tensor, targets: Tensor, weights: Tensor | None, tp: Axis) -> Tensor:
+    """CrossEntropy's loss of logits split by vocabulary: never whole on any rank."""
+    n, columns = logits.size(-1), targets[:, None] if weights is None else targets  # (tokens, J)
     with torch.no_grad():
         top = logits.max(dim=-1).values
         count_comm("all_reduce", top)
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=tp.group)
     shifted = logits - top[:, None]
     sum_exp = leave_region(shifted.exp().sum(dim=-1), tp, sp=False)
-    local = targets - tp.rank * n
+    local = columns - tp.rank * n
     inside = (local >= 0) & (local < n)
-    target_logit = shifted.gather(1, local.clamp(0, n - 1)[:, None]).squeeze(1) * inside
-    losses = sum_exp.log() - leave_region(target_logit, tp, sp=False)
-    return losses.sum()
+    target_logits = shifted.gather(1, local.clamp(0, n - 1)) * inside
+    losses = (sum_exp.log()[:, None] - leave_region(target_logits, tp, sp=False)) * (columns >= 0)
+    return losses.sum() if weights is None else (losses * weights).sum()
 
 # The kinds of module tensor parallelism splits, each a region: attention by head, the MLP by its width. A linear
 # layer reading a region's input is column-parallel (output features split), the one writing its output
@@ -3415,8 +3531,8 @@ def tensor_parallelize(model: GPT, tp: Axis, args: Hyperparameters, trace: Model
         if name in heads:  # the whole input enters through f; the logits stay split by vocabulary
             module.register_forward_pre_hook(lambda m, a: (enter_region(a[0], tp, sp=False), *a[1:]))
         if isinstance(module, CrossEntropy):  # the loss of logits split by vocabulary
-            module.register_forward_pre_hook(lambda m, a: (*a[:2], functools.partial(vocab_parallel_cross_entropy,
-                                                                                     tp=tp)))
+            module.register_forward_pre_hook(lambda m, a: (*a[:2], a[2] if len(a) > 2 else None, functools.partial(
+                vocab_parallel_cross_entropy, tp=tp)))
     if args.sp:
         cut_stream_between_embedding_and_head(model, cut, tp, seq_len)
 

@@ -25,15 +25,18 @@ class BlockWithAttentionGate(train_gpt.Block):
         super().__init__(*args)
         self.attn_gate = nn.Parameter(torch.tensor(0.7)) if self.attn is not None else None
 
-    def forward(self, x, skip, ve, x0, mask, gates, attend_over=None, **for_attention):  # (a GPT's for attention)
-        if skip is not None:
+    def forward(self, x, skip, ve, x0, mask, gates, bigram=None, attend_over=None, **for_attention):  # (a GPT's
+        if skip is not None:                                                                     # for attention)
             x = x + torch.sigmoid(self.skip_gate) * gates.get("skip", 1.0) * skip
+        if bigram is not None and self.bigram_joins == "input":
+            x = x + self.share("bigram", gates) * bigram
         if self.attn is not None:
             read = norm(x if attend_over is None else attend_over)
             out = self.attn_gate * self.attn(read, self.gated_value_embed(read, ve), mask, gates.get("xsa"),
                                              gates.get("output_gate"), **for_attention)
-            x0_share = gates["x0"] if "x0" in gates else self.attn_scales[2]
-            x = self.attn_scales[0] * x + self.attn_scales[1] * out + x0_share * x0
+            x = self.attn_scales[0] * x + self.attn_scales[1] * out + self.share("x0", gates) * x0
+            if bigram is not None and self.bigram_joins == "output":
+                x = x + self.share("bigram", gates) * bigram
         return self.mlp_scales[0] * x + self.mlp_scales[1] * self.mlp(norm(x))
 
 

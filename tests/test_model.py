@@ -44,8 +44,29 @@ def coefficients_by_the_formula(network, x):
     return {int(layer): {name: next(parts) for name in widths} for layer, widths in network.widths.items()}
 
 
+def int32(value):
+    """A Python integer wrapped into int32, as the hardware's int32 arithmetic wraps it."""
+    return (value + 2**31) % 2**32 - 2**31
+
+
+def bigram_rows_by_hand(tokens, rows):
+    """#89's hash in Python integers: (36313 t_j xor 27191 t_(j-1)) mod (rows - 1), in int32; position 0 takes the
+    last row, and position 1's previous token is that row's index."""
+    tokens, last = [int(t) for t in tokens], rows - 1
+    previous = [last] + tokens[1:-1]  # of positions 1, 2, ...
+    return [last] + [(int32(36313 * t) ^ int32(27191 * p)) % last for t, p in zip(tokens[1:], previous)]
+
+
+def bigram_by_the_formula(model, tokens):
+    """Each position's row of the hash table times the sign vector of (previous xor own) mod 8192 (the first: row 0)."""
+    bigram, tokens = model.bigram, [int(t) for t in tokens]
+    rows = bigram_rows_by_hand(tokens, bigram.table.num_embeddings)
+    signs = [0] + [(p ^ t) % 8192 for p, t in zip(tokens[:-1], tokens[1:])]
+    return torch.stack([bigram.table.weight[r] * bigram.signs[s] for r, s in zip(rows, signs)])[None]
+
+
 def logits_by_the_formulas(model, tokens, window, backout=True, attend_over=True, smear=True, value_gates=True,
-                           xsa=True, output_gates=True):
+                           xsa=True, output_gates=True, bigram=True):
     """#89's residual stream spelled out, each block's attention and MLP taken as they are: the previous token's
     embedding smeared in, gate networks' coefficients for the layers from theirs to the next one's, the gated skip
     into its layer's input, attention over the kept layer's output after it with a value embedding gated per head,
@@ -55,6 +76,7 @@ def logits_by_the_formulas(model, tokens, window, backout=True, attend_over=True
     embeddings = model.embed(tokens[:-1])
     embed = norm((smeared_by_the_formula(model, embeddings) if smear else embeddings)[None])
     x, x0, outputs, coefficients = embed, embed, {}, {}
+    pairs = bigram_by_the_formula(model, tokens[:-1]) if bigram else torch.zeros_like(x)
     (skip_from, skip_to), over = model.skip, model.attend_over
     for i, block in enumerate(model.blocks):
         if str(i) in model.gate_networks:
@@ -62,6 +84,8 @@ def logits_by_the_formulas(model, tokens, window, backout=True, attend_over=True
         gates = coefficients.get(i, {})
         if i == skip_to:
             x = x + torch.sigmoid(block.skip_gate) * gates["skip"] * outputs[skip_from]
+        if i == 0:  # the bigram embedding: into the first layer's input, after each later layer's attention
+            x = x + gates["bigram"] * pairs
         if block.attn is not None:
             read = norm(outputs[over] if attend_over and i > over else x)
             ve = model.value_embeds[str(i)](tokens[:-1]) if str(i) in model.value_embeds else None
@@ -70,6 +94,8 @@ def logits_by_the_formulas(model, tokens, window, backout=True, attend_over=True
             out = block.attn(read, ve, masks[model.window_pattern[i]], gates.get("xsa") if xsa else None,
                              gates.get("output_gate") if output_gates else None)
             x = block.attn_scales[0] * x + block.attn_scales[1] * out + gates["x0"] * x0
+            if i > 0:
+                x = x + gates["bigram"] * pairs
         x = block.mlp_scales[0] * x + block.mlp_scales[1] * block.mlp(norm(x))
         outputs[i] = x
     if backout:
@@ -95,7 +121,8 @@ def test_the_layer_stack_computes_the_formulas_of_record_89():
                         logits_by_the_formulas(model, tokens, window, smear=False),
                         logits_by_the_formulas(model, tokens, window, value_gates=False),
                         logits_by_the_formulas(model, tokens, window, xsa=False),
-                        logits_by_the_formulas(model, tokens, window, output_gates=False)):
+                        logits_by_the_formulas(model, tokens, window, output_gates=False),
+                        logits_by_the_formulas(model, tokens, window, bigram=False)):
             assert (changed - expected).abs().max() > 1e-3 * spread
     assert (logits - expected).abs().max() <= 1e-5 * spread  # the same float32 ops: rounding only
 
@@ -108,10 +135,11 @@ def test_each_learned_scale_starts_where_record_89_starts_it():
     tokens = torch.randint(0, args.vocab_size, (args.train_seq_len,), generator=torch.Generator().manual_seed(4))
     stream = model.embed_tokens(tokens)
     first = model.gate_networks["0"](stream["x"])
-    assert first.keys() == {"0", "1"} and first["0"].keys() == {"x0"} and first["1"].keys() == {"x0", "xsa"}
+    assert first.keys() == {"0", "1"} and first["0"].keys() == {"x0", "bigram"}
+    assert first["1"].keys() == {"x0", "bigram", "xsa"}
     later = model.gate_networks["2"](torch.randn_like(stream["x"]))
     assert later.keys() == {"2", "3", "4", "5"} and later["4"].keys() == {"skip"}
-    starts = dict(x0=0.0, skip=0.5, xsa=0.0, output_gate=0.25)
+    starts = dict(x0=0.0, bigram=0.05, skip=0.5, xsa=0.0, output_gate=0.25)
     for coefficients in (*first.values(), *later.values()):
         for name, value in coefficients.items():
             assert torch.allclose(value, torch.full_like(value, starts[name]), rtol=1e-6, atol=0), name
@@ -125,11 +153,14 @@ def test_each_learned_scale_starts_where_record_89_starts_it():
         if block.attn is not None:
             assert block.attn_scales.tolist() == [pytest.approx(1.1 ** 0.5), 1.0]
     # without gate networks, the skip's gate is one learned scalar starting at the same weight, by hand
-    # 0.5 / (1 + e^1.5), and x0's share a learned scalar starting at 0
+    # 0.5 / (1 + e^1.5), and x0's and the bigram embedding's shares learned scalars starting at 0 and 0.05
     static = train_gpt.build_model(train_gpt.parse_args(["--preset", "tiny", "--gate_network_layers", "",
                                                          "--xsa_layers", "", "--output_gate_layers", ""],
                                                         cuda=False), torch.device("cpu"))
-    assert not static.gate_networks and static.blocks[0].attn_scales[2].item() == 0.0
+    assert not static.gate_networks and static.blocks[0].shares["x0"].item() == 0.0
+    assert static.blocks[0].shares["bigram"].item() == pytest.approx(0.05) and "bigram" not in static.blocks[4].shares
+    # the bigram table starts at zero; its signs are +-1
+    assert not model.bigram.table.weight.any() and set(model.bigram.signs.unique().tolist()) == {-1.0, 1.0}
     assert math.isclose(torch.sigmoid(static.blocks[4].skip_gate).item(), 0.0912128, rel_tol=1e-6)
     assert model.backout.item() == -0.5
     # the smear: off (its scale 0), its gate at zero (so at sigmoid(0) = 1/2 once the scale moves)
@@ -187,7 +218,7 @@ def test_without_the_skip_and_the_attended_layer_the_model_has_neither_and_its_b
         inputs = model.block_inputs(i, stream, masks)
         assert inputs["skip"] is None and inputs["attend_over"] is None
         stream = model.run_block(i, stream, masks)
-    assert set(stream) == {"x", "x0", "ve", "gates"}
+    assert set(stream) == {"x", "x0", "ve", "gates", "bigram"}
     model(tokens[:-1], tokens[1:], train_gpt.window_tensor(128, torch.device("cpu"))).backward()
     assert model.lm_head.weight.grad.abs().sum() > 0  # (the head starts at zero: only its gradient is non-zero)
 
@@ -243,16 +274,85 @@ def test_xsa_and_the_output_gate_change_each_heads_output_by_their_formulas():
 
 
 def test_the_record_gate_networks_serve_record_89s_layers():
-    """#89's two networks: at the embedding, for layers 0-3 (x0's share in each, XSA in 1 and 3, output gates in 3),
-    and at layer 4's input, for 4-10 (x0's share in each layer with attention, the skip's gate into 6, XSA in 4 and
-    7, output gates in 10): by hand 4 + 2 x 6 + 6 = 22 and 6 + 1 + 2 x 6 + 6 = 25 coefficients (#89's 26 and 41
-    add its bigram gates and DC-MHA's weights, not here yet, and take layer 10's x0 share from MUDD's network)."""
+    """#89's two networks: at the embedding, for layers 0-3 (x0's and the bigram embedding's shares in each, XSA in 1
+    and 3, output gates in 3), and at layer 4's input, for 4-10 (those shares in each layer with attention, the
+    skip's gate into 6, XSA in 4 and 7, output gates in 10): by hand 4 x 2 + 2 x 6 + 6 = 26 coefficients, #89's, and
+    6 x 2 + 1 + 2 x 6 + 6 = 31 (#89's 41 add DC-MHA's 12 weights, not here yet, and take layer 10's two shares from
+    MUDD's network)."""
     args = train_gpt.parse_args(["--preset", "record"], cuda=False)
     model = train_gpt.build_model(args, torch.device("meta"))
     widths = {start: {int(layer): coefficients for layer, coefficients in network.widths.items()}
               for start, network in model.gate_networks.items()}
-    assert widths == {"0": {0: dict(x0=1), 1: dict(x0=1, xsa=6), 2: dict(x0=1), 3: dict(x0=1, xsa=6, output_gate=6)},
-                      "4": {4: dict(x0=1, xsa=6), 5: dict(x0=1), 6: dict(skip=1), 7: dict(x0=1, xsa=6),
-                            8: dict(x0=1), 9: dict(x0=1), 10: dict(x0=1, output_gate=6)}}
-    assert [network.bias.numel() for network in model.gate_networks.values()] == [22, 25]
+    shares = dict(x0=1, bigram=1)
+    assert widths == {"0": {0: shares, 1: dict(**shares, xsa=6), 2: shares, 3: dict(**shares, xsa=6, output_gate=6)},
+                      "4": {4: dict(**shares, xsa=6), 5: shares, 6: dict(skip=1), 7: dict(**shares, xsa=6),
+                            8: shares, 9: shares, 10: dict(**shares, output_gate=6)}}
+    assert [network.bias.numel() for network in model.gate_networks.values()] == [26, 31]
     assert all(network.hidden.weight.shape == (64, 768) for network in model.gate_networks.values())
+    assert model.bigram.table.weight.shape == (377280, 768)  # #89's 50304 x 15 / 2 rows
+
+
+def test_the_bigram_hash_is_record_89s_in_wrapping_int32():
+    tokens = torch.tensor([50256, 7, 50303, 0, 1, 50256, 31000, 31000])
+    for rows in (377280, 4096, 2):  # the record's (27191 x 377279 wraps int32), the tiny preset's, the fewest
+        assert train_gpt.bigram_rows(tokens, rows).tolist() == bigram_rows_by_hand(tokens, rows)
+    assert int32(27191 * 377279) != 27191 * 377279  # (what the record's second position wraps)
+
+
+def prefix_tokens_by_sorting(ranks, vocab_size):
+    """Each token's longest proper prefix that is a token, another way: in sorted byte order every token follows its
+    prefixes, so a stack of the tokens the current one extends holds its longest prefix on top."""
+    table, stack = [-1] * vocab_size, []
+    for word, token in sorted(ranks.items()):
+        while stack and not word.startswith(stack[-1][0]):
+            stack.pop()
+        table[token] = stack[-1][1] if stack else -1
+        stack.append((word, token))
+    return table
+
+
+def test_each_tokens_prefix_token_is_the_longest_proper_prefix_that_is_a_token(gpt2_ranks):
+    encoding = train_gpt.gpt2_encoding()
+    table = train_gpt.prefix_tokens(50304)
+    assert table.tolist() == prefix_tokens_by_sorting(encoding._mergeable_ranks, 50304)
+    # by hand: " the" (bytes " the") has " th"; a single byte has none; nor has the padding
+    the, th = encoding.encode_single_token(b" the"), encoding.encode_single_token(b" th")
+    assert table[the] == th and table[encoding.encode_single_token(b"a")] == -1 and (table[50257:] == -1).all()
+
+
+def test_training_adds_the_later_tokens_and_the_prefix_tokens_losses_at_their_weights(gpt2_ranks):
+    """#53's multi-token prediction and #88's prefix-token loss on the same logits: sum_k w_k CE(z_t, y_(t+k)) over
+    the positions with a (t+k)th target, plus w_p CE(z_t, prefix(y_t)) where the next token has a prefix, in float64
+    from the logits; evaluation scores the next token alone."""
+    args = train_gpt.parse_args(["--preset", "tiny", "--prefix_loss", "true"], cuda=False)
+    _, model = tiny_model_with_every_weight_nonzero()
+    model.prefix_of = train_gpt.prefix_tokens(model.lm_head.weight.size(0))
+    model.loss_weights = torch.tensor([1.0, 0.5, 0.25, 0.3])
+    tokens = torch.randint(0, args.vocab_size, (args.train_seq_len + 1,), generator=torch.Generator().manual_seed(5))
+    inputs, targets = tokens[:-1], tokens[1:]
+    window = train_gpt.window_tensor(128, torch.device("cpu"))
+    with torch.no_grad():
+        log_p = model(inputs, None, window).double().log_softmax(-1)
+        loss = model(inputs, targets, window)
+        model.eval()
+        val_loss = model(inputs, targets, window)
+    n, prefix = len(targets), model.prefix_of[targets]
+    expected = sum(-w * log_p[t, targets[t + k]] for k, w in enumerate((1.0, 0.5, 0.25)) for t in range(n - k))
+    expected += sum(-0.3 * log_p[t, prefix[t]] for t in range(n) if prefix[t] >= 0)
+    next_token = -log_p[torch.arange(n), targets].mean()
+    assert 0 < (prefix >= 0).sum() < n  # (some next tokens have a prefix token, some have none)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    assert val_loss.item() == pytest.approx(next_token.item(), rel=1e-5)
+    assert abs(loss.item() / n - next_token.item()) > 0.1  # (the added losses show)
+
+
+def test_the_loss_weights_follow_record_89s_thirds():
+    """By hand, for 1770 steps (thirds ending at 590, 1180): [next, 2nd, 3rd, prefix] from [1, 0.5, 0.25, 0.25] down to
+    [1, 0.5, 0, 0.25] over the first third, to [1, 0, 0, 0] over the second, then [1, 0, 0, 0]."""
+    args = train_gpt.parse_args(["--preset", "record"], cuda=False)
+    expected = {0: [1, 0.5, 0.25, 0.25], 295: [1, 0.5, 0.125, 0.25], 590: [1, 0.5, 0, 0.25],
+                885: [1, 0.25, 0, 0.125], 1180: [1, 0, 0, 0], 1769: [1, 0, 0, 0]}
+    for step, weights in expected.items():
+        assert train_gpt.loss_weights(step, args) == pytest.approx(weights, abs=1e-12), step
+    no_mtp = train_gpt.parse_args(["--preset", "record", "--mtp", "false"], cuda=False)
+    assert train_gpt.loss_weights(885, no_mtp) == pytest.approx([1, 0.125])

@@ -17,22 +17,34 @@ def test_two_tensor_parallel_ranks_hold_half_of_the_one_process_model(layout_run
 
 
 def test_vocab_parallel_cross_entropy_equals_the_dense_one_on_one_rank_pair():
-    # forward value and gradient of the split loss, against F.cross_entropy over the whole vocabulary
+    # forward value and gradient of the split loss, against F.cross_entropy over the whole vocabulary; and with
+    # weighted columns of targets (multi-token prediction, a prefix token; -1 for none), against the weighted sum of
+    # each column's cross-entropy written out in float64
     torch.manual_seed(0)
     logits = torch.randn(50, 12, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(0, 12, (50,))
+    columns = torch.stack([targets, torch.randint(-1, 12, (50,)), torch.randint(-1, 12, (50,))], dim=1)
+    weights = torch.tensor([1.0, 0.5, 0.25], dtype=torch.float64)
     expected = torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
+    log_p = logits.detach().log_softmax(-1)
+    weighted = sum(-weights[j] * log_p[t, columns[t, j]] for t in range(50) for j in range(3) if columns[t, j] >= 0)
+    assert (columns == -1).any() and abs(weighted - expected.item()) > 1  # (the weighted loss is another)
     expected.backward()
-    results = run_on_ranks(split_cross_entropy, 2, logits.detach(), targets)
-    assert results[0][0] == pytest.approx(expected.item(), rel=1e-12) and results[1][0] == results[0][0]
-    torch.testing.assert_close(torch.cat([torch.as_tensor(r[1]) for r in results], 1), logits.grad, rtol=1e-12,
-                               atol=1e-12)
+    for cols, w, value, grad in ((targets, None, expected.item(), logits.grad), (columns, weights, weighted, None)):
+        results = run_on_ranks(split_cross_entropy, 2, logits.detach(), cols, w)
+        assert results[0][0] == pytest.approx(float(value), rel=1e-12) and results[1][0] == results[0][0]
+        dense = train_gpt.CrossEntropy()(logits, cols, w)  # the one-device module, the same function
+        assert dense.item() == pytest.approx(float(value), rel=1e-12)
+        if grad is None:
+            grad = torch.autograd.grad(dense, logits)[0]
+        torch.testing.assert_close(torch.cat([torch.as_tensor(r[1]) for r in results], 1), grad, rtol=1e-12,
+                                   atol=1e-12)
 
 
-def split_cross_entropy(rank, world_size, logits, targets):
+def split_cross_entropy(rank, world_size, logits, targets, weights):
     tp = train_gpt.world_axis(rank, world_size)
     local = train_gpt.TensorParallelSlice(1, logits.size(1), tp).cut(logits).requires_grad_()
-    loss = train_gpt.vocab_parallel_cross_entropy(local, targets, tp)
+    loss = train_gpt.vocab_parallel_cross_entropy(local, targets, weights, tp)
     loss.backward()
     return loss.item(), local.grad
 
