@@ -403,7 +403,7 @@ class CausalSelfAttention(nn.Module):
             k = torch.where(self.rotary.stationary, torch.cat([k[:, :1], k[:, :-1]], dim=1), k)
         v = self.values(v, ve)
         y = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask).transpose(1, 2)  # (B, T, H, D)
-        if xsa is not None:  # exclusive self attention (#82): a share of each head's output along its own value goes
+        if xsa is not None:  # exclusive self attention (#82): each head's output loses a share of its own value
             along_v = (y * v).sum(-1, keepdim=True) / v.square().sum(-1, keepdim=True).clamp_min(1e-8)
             y = y - torch.tanh(xsa.type_as(y))[..., None] * along_v * v
         if output_gate is not None:
