@@ -294,17 +294,41 @@ class CastedLinear(nn.Module):
             return out.reshape(*x.shape[:-1], -1)
         return F.linear(x, self.weight.flatten(end_dim=-2).type_as(x))
 
+def rotary_frequencies(head_dim: int, long_windows: tuple[int, ...] = ()) -> tuple[Tensor, float]:
+    """Half-truncated RoPE's angular frequencies (base 1024; the second half 0: those dims do not rotate) and the
+    attention's scale (#89's 0.1), as YaRN (#31) leaves them after each change of the long window in `long_windows`
+    (tokens): a frequency that turned less than once (alpha) over the old window is slowed by old/new, one that turned
+    32 times (beta) or more is kept, those between in proportion; the scale grows by 0.2 ln(new/old) + 1."""
+    angular_freq = (1 / 1024) ** torch.linspace(0, 1, steps=head_dim // 4, dtype=torch.float32)
+    scale = 0.1
+    for old, new in itertools.pairwise(long_windows):
+        if new != old:
+            turns = old * angular_freq / (2 * math.pi)
+            kept = ((turns - 1) / (32 - 1)).clamp(0, 1)
+            angular_freq = angular_freq * (old / new + kept * (1 - old / new))
+            scale *= 0.2 * math.log(new / old) + 1
+    return torch.cat([angular_freq, angular_freq.new_zeros(head_dim // 4)]), scale
+
 class Rotary(nn.Module):
-    """Half-truncated RoPE: only the first half of each head's dims rotate (base 1024); the rest pass through."""
+    """Half-truncated RoPE: only the first half of each head's dims rotate; the rest pass through. It also holds the
+    attention's scale, which YaRN retunes with the frequencies (`retune`)."""
 
     def __init__(self, head_dim: int, max_seq_len: int):
         super().__init__()
-        angular_freq = (1 / 1024) ** torch.linspace(0, 1, steps=head_dim // 4, dtype=torch.float32)
-        angular_freq = torch.cat([angular_freq, angular_freq.new_zeros(head_dim // 4)])
-        theta = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), angular_freq)
-        self.cos = nn.Buffer(theta.cos(), persistent=False)
-        self.sin = nn.Buffer(theta.sin(), persistent=False)
+        angular_freq, scale = rotary_frequencies(head_dim)
+        self.cos = nn.Buffer(torch.empty(max_seq_len, head_dim // 2), persistent=False)
+        self.sin = nn.Buffer(torch.empty(max_seq_len, head_dim // 2), persistent=False)
+        self.attention_scale = nn.Buffer(torch.tensor(scale), persistent=False)
         self.stationary = nn.Buffer((angular_freq == 0).repeat(2), persistent=False)  # (head_dim,): unrotated dims
+        self.retune(angular_freq, scale)
+
+    @torch.no_grad()
+    def retune(self, angular_freq: Tensor, scale: float) -> None:
+        """In place, so that a compiled graph holding the buffers reads the new values."""
+        theta = torch.outer(torch.arange(self.cos.size(0), dtype=torch.float32), angular_freq)
+        self.cos.copy_(theta.cos())
+        self.sin.copy_(theta.sin())
+        self.attention_scale.fill_(scale)
 
     def forward(self, x_BTHD: Tensor) -> Tensor:
         T = x_BTHD.size(-3)
@@ -345,8 +369,9 @@ class AttentionMask:
         return blocks(self.full_num, self.full_idx) | (blocks(self.partial_num, self.partial_idx) &
                                                        self.mask_mod(None, None, pos[:, None], pos[None, :]))
 
-def document_causal_masks(input_seq: Tensor, window: Tensor) -> tuple[AttentionMask, AttentionMask]:
-    """Long (window tokens) and short (half of it) masks for one sequence; documents start at EOT_TOKEN."""
+def document_causal_masks(input_seq: Tensor, windows: Tensor) -> tuple[AttentionMask, AttentionMask]:
+    """The short and the long window's masks for one sequence (windows: (2,) int32, their tokens); documents start
+    at EOT_TOKEN."""
     docs = (input_seq == EOT_TOKEN).cumsum(0)
     nb, bs = len(input_seq) // ATTENTION_BLOCK_SIZE, ATTENTION_BLOCK_SIZE
     block = torch.arange(nb, dtype=torch.int32, device=input_seq.device)
@@ -367,16 +392,17 @@ def document_causal_masks(input_seq: Tensor, window: Tensor) -> tuple[AttentionM
         full = (gap > 0) & (gap + bs - 1 <= window) & all_same_doc
         partial = (gap >= 0) & (gap - bs + 1 <= window) & any_same_doc & ~full
         return AttentionMask(docs, window, *as_lists(partial), *as_lists(full))
-    return windowed(window), windowed(window // 2)
+    return windowed(windows[0]), windowed(windows[1])
 
 # always compiled: eager flex_attention ignores the block lists, scoring every pair of the sequence
 compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
 
-def attention(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask | Tensor) -> Tensor:
-    """q, k, v: (B, H, T, D). FlexAttention, or its dense twin's boolean mask (CPU: FlexAttention has no backward)."""
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask | Tensor, scale: Tensor) -> Tensor:
+    """q, k, v: (B, H, T, D). FlexAttention, or its dense twin's boolean mask (CPU: FlexAttention has no backward).
+    The scale multiplies q: a tensor, which YaRN retunes without a new graph."""
     if isinstance(mask, BlockMask):
-        return compiled_flex_attention(q, k, v, block_mask=mask, scale=0.12)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.12)
+        return compiled_flex_attention(q * scale, k, v, block_mask=mask, scale=1.0)
+    return F.scaled_dot_product_attention(q * scale, k, v, attn_mask=mask, scale=1.0)
 
 class CausalSelfAttention(nn.Module):
     """Attention with QK-norm and half-truncated rotary; with key_offset (#49), each key's unrotated dims are the
@@ -402,7 +428,8 @@ class CausalSelfAttention(nn.Module):
         if self.key_offset:
             k = torch.where(self.rotary.stationary, torch.cat([k[:, :1], k[:, :-1]], dim=1), k)
         v = self.values(v, ve)
-        y = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask).transpose(1, 2)  # (B, T, H, D)
+        y = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask,
+                      self.rotary.attention_scale).transpose(1, 2)  # (B, T, H, D)
         if xsa is not None:  # exclusive self attention (#82): each head's output loses a share of its own value
             along_v = (y * v).sum(-1, keepdim=True) / v.square().sum(-1, keepdim=True).clamp_min(1e-8)
             y = y - torch.tanh(xsa.type_as(y))[..., None] * along_v * v
@@ -695,14 +722,15 @@ class GPT(nn.Module):
         # where the stream enters the blocks and leaves them: identities a layout may hook (sequence parallelism cuts
         # the stream between them)
         self.stream_enters, self.stream_leaves = nn.Identity(), nn.Identity()
+        self.rotary_windows = ()  # the long windows YaRN has stretched the rotary for (stretch_rotary)
 
-    def forward(self, input_seq: Tensor, target_seq: Tensor | None, window: Tensor, stream: dict | None = None,
+    def forward(self, input_seq: Tensor, target_seq: Tensor | None, windows: Tensor, stream: dict | None = None,
                 layers: range | None = None) -> Tensor | dict:
         """(T,) tokens: the loss, summed over tokens in training and averaged in evaluation; no targets: the logits.
         Layouts run it in parts (a pipeline stage; the layouts' trace, a layer at a time): `layers` from `stream`,
         the stream entering the first of them (None: from the tokens), returning the stream unless they reach the
         head."""
-        masks = self.attention_masks(input_seq, window)
+        masks = self.attention_masks(input_seq, windows)
         if stream is None:
             stream = self.stream_enters(self.embed_tokens(input_seq))
         layers = range(len(self.blocks)) if layers is None else layers
@@ -712,12 +740,18 @@ class GPT(nn.Module):
             return stream
         return self.head_loss(self.stream_leaves(stream), target_seq)
 
-    def attention_masks(self, input_seq: Tensor, window: Tensor) -> dict[str, BlockMask | Tensor]:
-        """The long window's mask and the short one's: FlexAttention's block masks on CUDA; elsewhere the dense twin
-        (FlexAttention has no CPU backward)."""
-        long_mask, short_mask = document_causal_masks(input_seq, window)
+    def attention_masks(self, input_seq: Tensor, windows: Tensor) -> dict[str, BlockMask | Tensor]:
+        """The short and the long window's masks (windows: their tokens): FlexAttention's block masks on CUDA;
+        elsewhere the dense twin (FlexAttention has no CPU backward)."""
         return {letter: mask.flex() if input_seq.is_cuda else mask.dense()
-                for letter, mask in (("L", long_mask), ("S", short_mask))}
+                for letter, mask in zip("SL", document_causal_masks(input_seq, windows))}
+
+    def stretch_rotary(self, long_windows: tuple[int, ...]) -> None:
+        """Every rotary as YaRN leaves it after the long windows so far (tokens, one per stage reached)."""
+        if long_windows != self.rotary_windows:
+            for rotary in (m for m in self.modules() if isinstance(m, Rotary)):
+                rotary.retune(*rotary_frequencies(rotary.stationary.numel(), long_windows))
+            self.rotary_windows = long_windows
 
     def embed_tokens(self, input_seq: Tensor) -> dict:
         """The stream from block to block: residual x, normed embedding x0, the value embeddings by the layer each
@@ -940,7 +974,7 @@ class Hyperparameters:
     head_dim: int = flag(128, "dimensions per head (a multiple of 4)")
     model_dim: int = flag(768, "residual stream width (= num_heads x head_dim)")
     vocab_size: int = flag(50257, "tokens in the vocabulary (the head is padded to a multiple of 128)")
-    window_pattern: str = flag("SSSLSSSSSSL", "per layer, a long (L) or short (S, half) sliding window")
+    window_pattern: str = flag("SSSLSSSSSSL", "per layer, a long (L) or short (S) sliding window")
     attention_free_layers: str = flag("6", "comma-separated layer indices without attention")
     value_embed_layers: str = flag("1,2,8,9,10", "comma-separated layer indices whose values take a gated value "
                                                  "embedding of their own")
@@ -966,9 +1000,15 @@ class Hyperparameters:
                                   "(#49)")
     soft_cap: str = flag(",".join(f"{term:g}" for term in RECORD_SOFT_CAP), "the logits' soft cap C,S,D: C x "
                          "sigmoid((logits + S) / D) (#89's, #54; record #23's was 30,0,7.5 x the root of the width)")
-    window_max_tokens: int = flag(1728, "tokens: the sliding window grows linearly to this over the run")
+    window_blocks: str = flag("1:3,3:7,5:11,6:13", "the short and long sliding windows in 128-token blocks in each "
+                              "third of the scheduled steps, then in the extension (#89's); YaRN stretches the rotary "
+                              "at each change of the long one (#31)")
+    final_window_blocks: int = flag(20, "blocks: the long window of the final validation, the rotary as the last "
+                                        "stage left it (#89's)")
     fp8_head: bool = flag(True, "FP8 matmul for the head in training")
     num_iterations: int = flag(1770, "optimizer steps", "optimizer and schedule")
+    extension_steps: int = flag(15, "the last of the steps, after the schedule's three stages and cooldown: at "
+                                    "lr_final and the extension's windows (#89's 15)")
     cooldown_frac: float = flag(0.6, "final fraction of the steps with the lr falling linearly to lr_final")
     lr_final: float = flag(0.15, "the lr multiplier the cooldown ends at")
     lr_head: float = flag(0.008, "Adam lr of the head (#89's; record #23's 0.22 moved logits divided by the root "
@@ -1055,7 +1095,8 @@ PRESETS = {
                 val_tokens=128 * 1024, train_seq_len=256, val_seq_len=256, seqs_per_step=8, num_layers=6,
                 num_heads=2, head_dim=64, model_dim=128, window_pattern="LSSSSL", attention_free_layers="",
                 value_embed_layers="0,1,2,3,4,5", gate_network_layers="", xsa_layers="", output_gate_layers="",
-                bigram_rows=16384, mtp=False, prefix_loss=False, smear=False, key_offset=False, window_max_tokens=512,
+                bigram_rows=16384, mtp=False, prefix_loss=False, smear=False, key_offset=False, window_blocks="0.5:1,1:2,2:2,2:2",
+                final_window_blocks=2, extension_steps=0,
                 fp8_head=False, num_iterations=230, muon_momentum_warmup_steps=50, skip_layers="1,3",
                 attend_over_layer="3", muon_momentum_cooldown_steps=9, lr_head=0.077, lr_embed=0.21, lr_scalar=0.014,
                 lr_gate=0.0028, lr_muon=0.0175, soft_cap=f"30,0,{7.5 * 128 ** 0.5}", cooldown_frac=0.4,
@@ -1069,7 +1110,8 @@ PRESETS = {
                  model_dim=32, window_pattern="LSSSSL", attention_free_layers="4", value_embed_layers="1,2,5",
                  gate_network_layers="0,2", xsa_layers="1,3", output_gate_layers="3,5", bigram_rows=4096,
                  prefix_loss=False,  # (it needs GPT-2's ranks, which the tests fetch only where they use them)
-                 skip_layers="1,4", attend_over_layer="3", window_max_tokens=256, lr_head=0.22,
+                 skip_layers="1,4", attend_over_layer="3", window_blocks="1:1,1:2,2:2,2:2",
+                 final_window_blocks=2, extension_steps=0, lr_head=0.22,
                  soft_cap=f"30,0,{7.5 * 32 ** 0.5}", fp8_head=False, num_iterations=20, muon_momentum_warmup_steps=5,
                  muon_momentum_cooldown_steps=1, val_loss_every=10, target_val_loss=8.0, fp64_grad_sum=True,
                  doc_max_tokens=0),
@@ -1138,7 +1180,7 @@ def layer_indices(args: Hyperparameters, name: str) -> tuple[int, ...]:
 
 # flags that must be above zero; every other number must be at least zero, and every count below 2**31 (counts
 # become int32 tensors and indices), a seed below 2**63
-POSITIVE = {"num_layers", "num_heads", "head_dim", "model_dim", "vocab_size", "window_max_tokens", "num_iterations",
+POSITIVE = {"num_layers", "num_heads", "head_dim", "model_dim", "vocab_size", "final_window_blocks", "num_iterations",
             "adam_every", "train_seq_len", "seqs_per_step", "val_tokens", "val_seq_len", "collective_timeout", "tp",
             "pp", "max_new_tokens", "temperature", "num_samples"}
 
@@ -1182,6 +1224,9 @@ def check_hyperparameters(args: Hyperparameters) -> None:
     need(args.top_k <= args.vocab_size, f"--top_k must be between 0 (all tokens) and --vocab_size {args.vocab_size}, "
          f"got {args.top_k}")
     need(args.cooldown_frac <= 1, f"--cooldown_frac must be in [0, 1], got {args.cooldown_frac}")
+    need(args.extension_steps < args.num_iterations, f"{flag_value(args, 'extension_steps')} must be below "
+         f"{flag_value(args, 'num_iterations')}: the extension follows the scheduled steps")
+    stage_windows(args)
     need(args.muon_beta2 < 1, f"--muon_beta2 must be in [0, 1), got {args.muon_beta2}")
     need(EOT_TOKEN < args.vocab_size <= 2**16, f"--vocab_size {args.vocab_size} must be above {EOT_TOKEN}, the "
          "end-of-text token that starts every document, and fit the uint16 token shards")
@@ -1255,40 +1300,65 @@ def check_world_size(args: Hyperparameters, world_size: int) -> int:
     return micro_batches
 
 # ----------------------------------------------------------------------------------------------------
-# Schedules: learning rate, sliding window, Muon momentum (all functions of the step)
+# Schedules: stages, learning rate, sliding windows and the rotary, loss weights, Muon momentum (functions of the step)
+
+def training_stage(step: int, args: Hyperparameters) -> tuple[int, float]:
+    """#89's stages: 0, 1 and 2 are thirds of the scheduled steps (all but the extension's), 3 the extension after
+    them (and the final validation); with how far through its stage `step` is."""
+    scheduled = args.num_iterations - args.extension_steps
+    if step >= scheduled:
+        return 3, 1.0
+    bounds = [round(i * scheduled / 3) for i in range(4)]
+    stage = next(i for i in range(3) if step < bounds[i + 1])
+    return stage, (step - bounds[stage]) / (bounds[stage + 1] - bounds[stage])
 
 def lr_multiplier(step: int, args: Hyperparameters) -> float:
-    """1.0, then linear to lr_final over the final cooldown_frac of the run."""
-    x = step / args.num_iterations
+    """1.0, then linear to lr_final over the final cooldown_frac of the scheduled steps; lr_final in the extension."""
+    x = min(step / (args.num_iterations - args.extension_steps), 1.0)
     if x < 1 - args.cooldown_frac:
         return 1.0
     w = (1 - x) / args.cooldown_frac
     return w * 1.0 + (1 - w) * args.lr_final
 
-def window_tokens(step: int, args: Hyperparameters) -> int:
-    """The long sliding window in tokens, growing linearly with progress in steps of a 128-token block, from one
-    block to window_max_tokens (the short window is half of it)."""
-    x = step / args.num_iterations
-    return next_multiple_of_n(args.window_max_tokens * x, n=ATTENTION_BLOCK_SIZE)
+def stage_windows(args: Hyperparameters) -> list[tuple[int, int]]:
+    """--window_blocks: each stage's short and long window, in tokens."""
+    try:
+        stages = [tuple(round(float(blocks) * ATTENTION_BLOCK_SIZE) for blocks in pair.split(":"))
+                  for pair in args.window_blocks.split(",")]
+    except (ValueError, OverflowError):  # (not a number; infinite)
+        stages = []
+    need(len(stages) == 4 and all(len(pair) == 2 and 0 < min(pair) and max(pair) < 2**31 for pair in stages),
+         f"{flag_value(args, 'window_blocks')}: expected four pairs short:long of {ATTENTION_BLOCK_SIZE}-token blocks "
+         "(a fraction: that share of a block's tokens; the windows are token-exact), a token or more each, for the "
+         "three thirds of the scheduled steps and the extension, such as '1:3,3:7,5:11,6:13'")
+    return stages
+
+def window_tokens(step: int, args: Hyperparameters) -> tuple[int, int]:
+    """The short and long sliding windows at `step`, in tokens: its stage's; at the final validation (step
+    num_iterations) the long one is final_window_blocks."""
+    short, long = stage_windows(args)[training_stage(step, args)[0]]
+    return short, long if step < args.num_iterations else args.final_window_blocks * ATTENTION_BLOCK_SIZE
+
+def long_windows_so_far(step: int, args: Hyperparameters) -> tuple[int, ...]:
+    """The long window of each stage up to `step`'s: what YaRN has stretched the rotary for (GPT.stretch_rotary)."""
+    return tuple(long for _, long in stage_windows(args)[:training_stage(step, args)[0] + 1])
 
 @functools.lru_cache(maxsize=8)
-def window_tensor(tokens: int, device: torch.device) -> Tensor:
-    # a tensor, not an int, so torch.compile(dynamic=False) does not recompile as the window grows
+def window_tensor(tokens: tuple[int, int], device: torch.device) -> Tensor:
+    # a tensor, not ints, so torch.compile(dynamic=False) does not recompile as the windows change
     return torch.tensor(tokens, dtype=torch.int32, device=device)
 
-# #89's loss weights by thirds of the run (#53, #88): the next token's loss and the two later tokens' (with --mtp),
-# and the prefix token's (with --prefix_loss), each weight linear from its third's start to its end
+# #89's loss weights by stage (#53, #88): the next token's loss and the two later tokens' (with --mtp), and the prefix
+# token's (with --prefix_loss), each weight linear from its stage's start to its end
 LOSS_STAGES = (dict(mtp=((1, 0.5, 0.25), (1, 0.5, 0)), prefix=(0.25, 0.25)),
                dict(mtp=((1, 0.5, 0), (1, 0, 0)), prefix=(0.25, 0)),
+               dict(mtp=((1, 0, 0), (1, 0, 0)), prefix=(0, 0)),
                dict(mtp=((1, 0, 0), (1, 0, 0)), prefix=(0, 0)))
 
 def loss_weights(step: int, args: Hyperparameters) -> list[float]:
     """The head's loss weights at `step`: the next token's, with --mtp the later tokens', with --prefix_loss the
     prefix token's."""
-    bounds = [round(i * args.num_iterations / len(LOSS_STAGES)) for i in range(len(LOSS_STAGES) + 1)]
-    stage = next((i for i in range(len(LOSS_STAGES)) if step < bounds[i + 1]), len(LOSS_STAGES) - 1)
-    low, high = bounds[stage], bounds[stage + 1]
-    t = min((step - low) / (high - low), 1.0) if high > low else 1.0
+    stage, t = training_stage(step, args)
     (mtp_start, mtp_end), prefix = LOSS_STAGES[stage]["mtp"], LOSS_STAGES[stage]["prefix"]
     weights = [a + (b - a) * t for a, b in zip(mtp_start, mtp_end)][:MTP_TOKENS if args.mtp else 1]
     return weights + ([prefix[0] + (prefix[1] - prefix[0]) * t] if args.prefix_loss else [])
@@ -1488,6 +1558,7 @@ def evaluate(trainer: Trainer, step: int) -> float:
     loader = DistributedDataLoader(args.val_files, args.val_seq_len, val_seqs, ctx.dp.rank, ctx.dp.size,
                                    ctx.device, flag="val_files")
     window = window_tensor(window_tokens(step, args), ctx.device)
+    trainer.model.stretch_rotary(long_windows_so_far(step, args))
     forward = trainer.model if layout.pipeline is None else layout.pipeline.forward_only
     trainer.model.eval()
     total = torch.zeros((), device=ctx.device, dtype=torch.float32)
@@ -1502,6 +1573,7 @@ def forward_backward(trainer: Trainer, batches, step: int) -> Tensor:
     the global batch's mean over sequences of each sequence's summed token loss."""
     t, gradients = trainer, trainer.layout.gradients
     window = window_tensor(window_tokens(step, t.args), t.ctx.device)
+    t.model.stretch_rotary(long_windows_so_far(step, t.args))
     if t.model.loss_weights is not None:
         t.model.loss_weights.copy_(torch.tensor(loss_weights(step, t.args)))
     gradients.hold(not adam_steps(step, t.args))  # Adam's gradients stay on each rank until the step it uses them
@@ -2451,8 +2523,8 @@ def gpt2_encoding():
         raise UserError(str(e)) from None
 
 @torch.no_grad()
-def generate(model: GPT, prompt: list[int], new_tokens: int, temperature: float, top_k: int, window: int,
-             context: int, vocab_size: int, generator: torch.Generator) -> list[int]:
+def generate(model: GPT, prompt: list[int], new_tokens: int, temperature: float, top_k: int,
+             window: tuple[int, int], context: int, vocab_size: int, generator: torch.Generator) -> list[int]:
     """Tokens continuing prompt up to an end-of-text token, drawn from softmax(logits / temperature) over the top_k,
     from GPT.forward over the last `context` tokens padded to whole attention blocks (no cache)."""
     model.eval()
@@ -2486,6 +2558,7 @@ def sample_from_checkpoint(args: Hyperparameters) -> list[str]:
     run = dataclasses.replace(Hyperparameters(), **{k: v for k, v in state["hyperparameters"].items() if k in fields})
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     model = build_model(run, device)
+    model.stretch_rotary(long_windows_so_far(run.num_iterations, run))
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as e:
@@ -2513,6 +2586,7 @@ def print_sample(trainer: "Trainer", step: int) -> None:
     args = trainer.args
     model = build_model(args, torch.device("cpu"))
     model.load_state_dict(state["model"])
+    model.stretch_rotary(long_windows_so_far(step, args))
     encoding, context = gpt2_encoding(), max(args.train_seq_len, args.val_seq_len)
     tokens = generate(model, sampling_prompt(args, encoding, context), 48, args.temperature, args.top_k,
                       window_tokens(step, args), context, args.vocab_size, torch.Generator().manual_seed(step))
@@ -2712,7 +2786,7 @@ class ModelTrace(torch.overrides.TorchFunctionMode):
         tokens = torch.arange(self.seq_len + 1, device=next(model.parameters()).device) % EOT_TOKEN
         tokens[0] = EOT_TOKEN
         inputs, targets = tokens[:-1].to(torch.int32), tokens[1:]
-        window = window_tensor(ATTENTION_BLOCK_SIZE, tokens.device)
+        window = window_tensor((ATTENTION_BLOCK_SIZE, ATTENTION_BLOCK_SIZE), tokens.device)
         self.probe = inputs, targets, window
 
         def leave(module, args, kwargs, output):
@@ -4106,7 +4180,8 @@ LAYOUTS = {"dp2": (2, dict()), "dp2_zero1": (2, dict(zero=1)), "dp2_zero2": (2, 
 CHECKED_LAYOUTS = ("dp2", "dp2_zero1", "dp2_zero2", "dp2_zero3", "tp2", "tp2_sp", "pp2_afab", "pp2_1f1b",
                    "dp2_tp2_sp")
 # the tiny preset: 3 steps of 4 sequences of 256 tokens (two attention blocks) on a 3-step schedule, so that they cross
-# a change of the window (1 to 2 blocks), of the learning rate (the cooldown) and of Muon's momentum (its warm-up)
+# a change of the windows (the long one 1 to 2 blocks, YaRN stretching the rotary), of the learning rate (the cooldown)
+# and of Muon's momentum (its warm-up)
 LAYOUT_CHECK_FLAGS = dict(preset="tiny", train_seq_len=256, seqs_per_step=4, val_seq_len=256, val_tokens=1024,
                           num_iterations=3)
 # A correct layout adds floats in another order, each gradient a few float32 ulps off, which training amplifies. The

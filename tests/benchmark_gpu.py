@@ -27,18 +27,17 @@ PEAK_BF16 = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("H800",
              ("L40S", 362e12), ("A10", 125e12), ("RTX 4090", 165e12)]
 
 
-def model_flops_per_token(args: train_gpt.Hyperparameters, window_tokens: int) -> float:
+def model_flops_per_token(args: train_gpt.Hyperparameters, windows: tuple[int, int]) -> float:
     """Forward and backward FLOPs per token: 6 per weight of every matmul (q, k, v, the attention output, the MLP,
     the head over the padded vocabulary; embedding lookups are free), and for attention 12 per query, key and
-    head dimension, counting each query's keys as its sliding window (long layers the window, short ones half;
-    documents end it sooner, so this is an upper bound)."""
+    head dimension, counting each query's keys as its sliding window (short, long: windows[0] or windows[1] as the
+    layer's; documents end it sooner, so this is an upper bound)."""
     d, hdim = args.model_dim, args.num_heads * args.head_dim
     attention_free = train_gpt.layer_indices(args, "attention_free_layers")
     attention_layers = [i for i in range(args.num_layers) if i not in attention_free]
     matmul_weights = (len(attention_layers) * 4 * hdim * d + args.num_layers * 8 * d * d
                       + train_gpt.next_multiple_of_n(args.vocab_size, n=128) * d)
-    keys = sum(min(window_tokens if args.window_pattern[i] == "L" else window_tokens // 2, args.train_seq_len)
-               for i in attention_layers)
+    keys = sum(min(windows["SL".index(args.window_pattern[i])], args.train_seq_len) for i in attention_layers)
     return 6 * matmul_weights + 12 * keys * hdim
 
 
@@ -153,7 +152,7 @@ def report(args, ctx, source: str, at_step: int, steps: int, phases: dict) -> No
         if ctx.device.type == "cuda" else None
     device = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else \
         train_gpt.device_description(ctx.device)
-    lines = [f"benchmark: {ctx.world_size} x {device}, preset {args.preset}, {steps} steps at step {at_step} (window "
+    lines = [f"benchmark: {ctx.world_size} x {device}, preset {args.preset}, {steps} steps at step {at_step} (windows "
              f"{window} tokens), data: {source}",
              f"ms per step: {ms:.2f}   tokens/s per GPU: {tokens_per_gpu / ms * 1000:,.0f}",
              f"model FLOPs per step per GPU: {flops_per_gpu / 1e12:.2f} TFLOP (6 per matmul weight and token, 12 per "

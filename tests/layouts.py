@@ -94,7 +94,8 @@ class AttentionWithHeadTemperature(train_gpt.CausalSelfAttention):
         q, k, v = qkv.view(B, T, 3, -1, self.head_dim).unbind(2)
         q, k = self.rotary(norm(q)) * self.head_temperature[:, None], self.rotary(norm(k))
         v = self.values(v, ve)
-        y = train_gpt.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
+        y = train_gpt.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask,
+                                self.rotary.attention_scale)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, -1))
 
 
@@ -151,7 +152,8 @@ class AttentionWithUnplacedMatrix(train_gpt.CausalSelfAttention):
         q, k, v = qkv.view(B, T, 3, -1, self.head_dim).unbind(2)
         q, k = self.rotary(norm(q)), self.rotary(norm(k))
         v = self.values(v, ve)
-        y = train_gpt.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
+        y = train_gpt.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask,
+                                self.rotary.attention_scale)
         return self.c_proj(self.mix(y.transpose(1, 2).contiguous().view(B, T, -1)))
 
 
@@ -187,14 +189,15 @@ class GPTStretchingRotary(train_gpt.GPT):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.rotary_window = train_gpt.ATTENTION_BLOCK_SIZE  # the window, in tokens, the rotaries are stretched for
+        self.rotary_window = train_gpt.ATTENTION_BLOCK_SIZE  # the long window, in tokens, they are stretched for
 
-    def stretch_rotaries(self, window):
-        if int(window) != self.rotary_window:
+    def stretch_rotaries(self, windows):
+        long = int(windows[1])  # (short, long) tokens
+        if long != self.rotary_window:
             for module in self.modules():
                 if isinstance(module, train_gpt.Rotary):
-                    stretch_rotary(module, int(window) / train_gpt.ATTENTION_BLOCK_SIZE)
-            self.rotary_window = int(window)
+                    stretch_rotary(module, long / train_gpt.ATTENTION_BLOCK_SIZE)
+            self.rotary_window = long
 
     def forward(self, input_seq, target_seq, window, stream=None, layers=None):
         self.stretch_rotaries(window)
@@ -250,7 +253,7 @@ def attend_in_pairs(attention: train_gpt.CausalSelfAttention, qkv: torch.Tensor,
     q, k = attention.rotary(norm(q)), attention.rotary(norm(k))
     v = attention.values(v, ve)
     pairs = [torch.cat(t.chunk(2, dim=2), dim=-1).transpose(1, 2) for t in (q, k, v)]  # (B, H/2, T, 2D)
-    y = train_gpt.attention(*pairs, mask).transpose(1, 2)
+    y = train_gpt.attention(*pairs, mask, attention.rotary.attention_scale).transpose(1, 2)
     return attention.c_proj(torch.cat(y.chunk(2, dim=-1), dim=2).reshape(B, T, -1))
 
 

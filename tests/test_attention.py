@@ -43,8 +43,8 @@ def test_block_lists_hold_exactly_the_blocks_the_reference_needs(window):
     # full: every pair of the two blocks allowed (no mask_mod there); partial: some but not all; nothing else listed
     seq = sequence_with_documents(DOC_STARTS, 8 * BS)
     nb = len(seq) // BS
-    for mask, tokens in zip(document_causal_masks(seq, torch.tensor(window, dtype=torch.int32)),
-                            (window, window // 2)):
+    for mask, tokens in zip(document_causal_masks(seq, torch.tensor([window // 2, window], dtype=torch.int32)),
+                            (window // 2, window)):
         reference = reference_mask(seq, tokens)
         pairs = reference.view(nb, BS, nb, BS).permute(0, 2, 1, 3).reshape(nb, nb, BS * BS)
         full, partial = listed_blocks(mask.full_num, mask.full_idx), listed_blocks(mask.partial_num, mask.partial_idx)
@@ -55,7 +55,7 @@ def test_block_lists_hold_exactly_the_blocks_the_reference_needs(window):
 
 def test_a_window_past_the_sequence_is_plain_document_causal():
     seq = sequence_with_documents(DOC_STARTS, 8 * BS, seed=1)
-    long_mask, short_mask = document_causal_masks(seq, torch.tensor(4096, dtype=torch.int32))
+    short_mask, long_mask = document_causal_masks(seq, torch.tensor([2048, 4096], dtype=torch.int32))
     docs = (seq == EOT_TOKEN).cumsum(0)
     pos = torch.arange(len(seq))
     causal = (pos[:, None] >= pos[None, :]) & (docs[:, None] == docs[None, :])  # no window at all
@@ -65,7 +65,7 @@ def test_a_window_past_the_sequence_is_plain_document_causal():
 def test_one_document_sees_exactly_window_plus_one_tokens():
     # by hand: in one document, a query far enough in sees itself and the `window` tokens before it
     seq = sequence_with_documents([0], 4 * BS, seed=2)
-    long_mask, short_mask = document_causal_masks(seq, torch.tensor(200, dtype=torch.int32))
+    short_mask, long_mask = document_causal_masks(seq, torch.tensor([100, 200], dtype=torch.int32))
     assert long_mask.dense().sum(-1)[300:].tolist() == [201] * (len(seq) - 300)
     assert short_mask.dense().sum(-1)[300:].tolist() == [101] * (len(seq) - 300)
     assert long_mask.dense()[10].sum() == 11  # near the start: what there is
@@ -79,7 +79,7 @@ def test_flex_attention_equals_dense_twin(window):
     torch.nn.init.normal_(attn.c_proj.weight, std=0.1)  # zero-init would hide the attention output
     x = torch.randn(1, len(seq), 64)
     ve = torch.randn(1, len(seq), 64)
-    for mask in document_causal_masks(seq, torch.tensor(window, dtype=torch.int32)):
+    for mask in document_causal_masks(seq, torch.tensor([window // 2, window], dtype=torch.int32)):
         with torch.no_grad():
             flex = attn(x, ve, mask.flex())
             dense = attn(x, ve, mask.dense())

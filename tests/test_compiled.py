@@ -11,14 +11,15 @@ from layouts import train_step
 from synthetic import tiny_flags, write_synthetic_shards
 from test_attention import sequence_with_documents
 
-SEQ_LEN = 512  # four attention blocks: windows of 1 to 4 blocks over the schedule
+SEQ_LEN = 512  # four attention blocks: windows of 1 to 4 blocks over the schedule's stages
 DOC_STARTS = [0, 70, 128, 129, 300, 450]  # documents starting mid-block, on a block's edge, one token long
 
 
 def small_args(files=None, **overrides):
     files = files or dict(train_files="unused", val_files="unused")
     return train_gpt.parse_args(tiny_flags(files, fp8_head=True, train_seq_len=SEQ_LEN, val_seq_len=SEQ_LEN,
-                                           window_max_tokens=SEQ_LEN, **overrides), cuda=False)
+                                           window_blocks="1:1,1:2,2:3,2:4", final_window_blocks=4,
+                                           extension_steps=0, **overrides), cuda=False)
 
 
 def nonzero_model(args):
@@ -34,8 +35,8 @@ def nonzero_model(args):
 
 @pytest.fixture(scope="module")
 def compiled_over_the_schedule():
-    """One compiled model run forward and backward at every window size of the schedule, recompiles made errors;
-    the eager model beside it; dynamo's counters."""
+    """One compiled model run forward and backward at each stage's windows and rotary (YaRN's, retuned in place as
+    in training), recompiles made errors; the eager model beside it; dynamo's counters."""
     args = small_args(num_iterations=20)
     eager = nonzero_model(args)
     model = copy.deepcopy(eager)
@@ -44,24 +45,27 @@ def compiled_over_the_schedule():
     counters.clear()
     compiled = torch.compile(model, dynamic=False)
     tokens = sequence_with_documents(DOC_STARTS, SEQ_LEN + 1)
-    windows = sorted({train_gpt.window_tokens(step, args) for step in range(args.num_iterations + 1)})
+    stages = {train_gpt.window_tokens(step, args): train_gpt.long_windows_so_far(step, args)
+              for step in range(args.num_iterations + 1)}
     graphs_after_first_window, losses = None, []
     with torch._dynamo.config.patch(error_on_recompile=True):  # a recompile raises
-        for tokens_seen in windows:
-            window = train_gpt.window_tensor(tokens_seen, torch.device("cpu"))
+        for windows, long_windows in stages.items():
+            model.stretch_rotary(long_windows)
+            eager.stretch_rotary(long_windows)
+            window = train_gpt.window_tensor(windows, torch.device("cpu"))
             loss = compiled(tokens[:-1].to(torch.int32), tokens[1:], window)
             loss.backward()
             losses.append((loss.item(), eager(tokens[:-1].to(torch.int32), tokens[1:], window)))
             losses[-1][1].backward()
             graphs_after_first_window = graphs_after_first_window or counters["stats"]["unique_graphs"]
-    return dict(windows=windows, graph_breaks=dict(counters["graph_break"]), unique_graphs=counters["stats"]
+    return dict(windows=list(stages), graph_breaks=dict(counters["graph_break"]), unique_graphs=counters["stats"]
                 ["unique_graphs"], graphs_after_first_window=graphs_after_first_window, losses=losses, eager=eager,
                 compiled=model)
 
 
 def test_the_model_compiles_once_across_the_window_schedule_with_no_graph_break(compiled_over_the_schedule):
     run = compiled_over_the_schedule
-    assert run["windows"] == [128, 256, 384, 512]  # every window size from 1 to 4 blocks, in tokens
+    assert run["windows"] == [(128, 128), (128, 256), (256, 384), (256, 512)]  # each stage's, in tokens
     assert not run["graph_breaks"], run["graph_breaks"]
     assert run["unique_graphs"] == run["graphs_after_first_window"]
 
@@ -82,7 +86,7 @@ def test_the_fp8_head_runs_inside_the_compiled_model(compiled_over_the_schedule)
     # and its quantisation shows: an fp32 head's gradient differs from it by more than rounding, by less than 10%
     args = small_args()
     tokens = sequence_with_documents(DOC_STARTS, SEQ_LEN + 1)
-    batch = (tokens[:-1].to(torch.int32), tokens[1:], train_gpt.window_tensor(train_gpt.ATTENTION_BLOCK_SIZE, torch.device("cpu")))
+    batch = (tokens[:-1].to(torch.int32), tokens[1:], train_gpt.window_tensor((train_gpt.ATTENTION_BLOCK_SIZE, train_gpt.ATTENTION_BLOCK_SIZE), torch.device("cpu")))
     explained = torch._dynamo.explain(nonzero_model(args))(*batch)
     assert any("nanogpt.mm" in str(graph.graph) for graph in explained.graphs)
     grads = []

@@ -43,7 +43,8 @@ def test_flex_attention_equals_the_dense_twin_forward_and_backward(dtype, tolera
     torch.nn.init.normal_(attn.c_proj.weight, std=0.1)  # zero-init would hide the attention output
     x = torch.randn(1, len(seq), 128, device=CUDA, dtype=dtype)
     ve = torch.randn(1, len(seq), 128, device=CUDA, dtype=dtype)
-    for mask in train_gpt.document_causal_masks(seq, torch.tensor(window, dtype=torch.int32, device=CUDA)):
+    for mask in train_gpt.document_causal_masks(seq, torch.tensor([window // 2, window], dtype=torch.int32,
+                                                                   device=CUDA)):
         results = []
         for twin in (mask.flex(), mask.dense()):
             attn.zero_grad()
@@ -121,7 +122,7 @@ def test_compiled_model_gives_the_eager_loss_and_gradients():
             m.float()  # fp32 embeddings make every activation fp32 (the bf16 weights are exact in fp32)
     compiled = torch.compile(compiled_copy, dynamic=False)
     tokens = sequence_with_documents(DOC_STARTS, args.train_seq_len + 1).to(CUDA)
-    window = train_gpt.window_tensor(4, CUDA)
+    window = train_gpt.window_tensor((4, 4), CUDA)
     losses = [m(tokens[:-1].to(torch.int32), tokens[1:], window) for m in (eager, compiled, fp32)]
     for loss in losses:
         loss.backward()
@@ -141,20 +142,22 @@ def test_compiled_model_gives_the_eager_loss_and_gradients():
 
 
 def test_the_model_compiles_once_across_the_window_schedule_with_no_graph_break():
-    # one graph of GPT.forward for every window size; the FP8 op's bodies are compiled functions of their own, run
+    # one graph of GPT.forward for every stage's windows and rotary; the FP8 op's bodies are compiled functions of their own, run
     # inside the opaque op, which may keep a version per kind of operand (an H100 compiled a second for the head's
     # weight, by its dispatch keys), so the model's own cache entries are counted
-    args = small_args(num_iterations=20, window_max_tokens=1024)
+    args = small_args(num_iterations=20, window_blocks="1:2,2:4,3:6,4:8", final_window_blocks=8)
     model = nonzero_model(args)
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
     counters.clear()
     compiled = torch.compile(model, dynamic=False)
     tokens = sequence_with_documents(DOC_STARTS, args.train_seq_len + 1).to(CUDA)
-    windows = sorted({train_gpt.window_tokens(step, args) for step in range(args.num_iterations + 1)})
-    assert len(windows) == 1024 // train_gpt.ATTENTION_BLOCK_SIZE  # every window size from 1 to 8 blocks
-    for window in windows:
-        compiled(tokens[:-1].to(torch.int32), tokens[1:], train_gpt.window_tensor(window, CUDA)).backward()
+    stages = {train_gpt.window_tokens(step, args): train_gpt.long_windows_so_far(step, args)
+              for step in range(args.num_iterations + 1)}
+    assert len(stages) == 4  # the three thirds' and the final validation's
+    for windows, long_windows in stages.items():
+        model.stretch_rotary(long_windows)
+        compiled(tokens[:-1].to(torch.int32), tokens[1:], train_gpt.window_tensor(windows, CUDA)).backward()
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert len(_debug_get_cache_entry_list(type(model).forward.__code__)) == 1
 

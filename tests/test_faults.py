@@ -223,7 +223,8 @@ def test_checkpoints_are_counted_not_listed_for_the_room_check(tmp_path, monkeyp
 
 
 @pytest.mark.parametrize("extra, words", [
-    (["--window_max_tokens", "1000000000000000000"], "--window_max_tokens must be a whole number > 0 and below 2**31"),
+    (["--final_window_blocks", "1000000000000000000"],
+     "--final_window_blocks must be a whole number > 0 and below 2**31"),
     (["--model_dim", "1048576", "--num_heads", "8192", "--head_dim", "128"],
      "need at least"),
 ])

@@ -2,6 +2,7 @@
 learned scale starts."""
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -109,7 +110,7 @@ def test_the_layer_stack_computes_the_formulas_of_record_89():
     assert list(model.gate_networks) == ["0", "2"]  # (its XSA layers 1 and 3, output gates 3 and 5)
     tokens = torch.randint(0, args.vocab_size, (args.train_seq_len + 1,), generator=torch.Generator().manual_seed(2))
     tokens[::37] = train_gpt.EOT_TOKEN
-    window = train_gpt.window_tensor(128, torch.device("cpu"))
+    window = train_gpt.window_tensor((128, 128), torch.device("cpu"))
     with torch.no_grad():
         logits = model(tokens[:-1], None, window)
         expected = logits_by_the_formulas(model, tokens, window)
@@ -196,7 +197,7 @@ def test_the_stream_carries_a_layers_output_only_while_a_later_layer_or_the_head
     args = train_gpt.parse_args(["--preset", "tiny"], cuda=False)
     model = train_gpt.build_model(args, torch.device("cpu"))
     tokens = torch.full((args.train_seq_len,), train_gpt.EOT_TOKEN)
-    masks = model.attention_masks(tokens, train_gpt.window_tensor(128, torch.device("cpu")))
+    masks = model.attention_masks(tokens, train_gpt.window_tensor((128, 128), torch.device("cpu")))
     stream, carried = model.embed_tokens(tokens), []
     for i in range(len(model.blocks)):
         stream = model.run_block(i, stream, masks)
@@ -212,14 +213,14 @@ def test_without_the_skip_and_the_attended_layer_the_model_has_neither_and_its_b
     model = train_gpt.build_model(args, torch.device("cpu"))
     assert model.backout is None and all(block.skip_gate is None for block in model.blocks)
     tokens = torch.randint(0, args.vocab_size, (args.train_seq_len + 1,), generator=torch.Generator().manual_seed(3))
-    masks = model.attention_masks(tokens[:-1], train_gpt.window_tensor(128, torch.device("cpu")))
+    masks = model.attention_masks(tokens[:-1], train_gpt.window_tensor((128, 128), torch.device("cpu")))
     stream = model.embed_tokens(tokens[:-1])
     for i in range(len(model.blocks)):
         inputs = model.block_inputs(i, stream, masks)
         assert inputs["skip"] is None and inputs["attend_over"] is None
         stream = model.run_block(i, stream, masks)
     assert set(stream) == {"x", "x0", "ve", "gates", "bigram"}
-    model(tokens[:-1], tokens[1:], train_gpt.window_tensor(128, torch.device("cpu"))).backward()
+    model(tokens[:-1], tokens[1:], train_gpt.window_tensor((128, 128), torch.device("cpu"))).backward()
     assert model.lm_head.weight.grad.abs().sum() > 0  # (the head starts at zero: only its gradient is non-zero)
 
 
@@ -230,7 +231,7 @@ def test_the_key_offset_gives_each_key_the_previous_tokens_unrotated_dims():
     x = torch.randn(1, 256, 32)
     tokens = torch.randint(0, 1000, (256,), generator=torch.Generator().manual_seed(1))
     tokens[::50] = train_gpt.EOT_TOKEN
-    mask = train_gpt.document_causal_masks(tokens, train_gpt.window_tensor(128, torch.device("cpu")))[0].dense()
+    mask = train_gpt.document_causal_masks(tokens, train_gpt.window_tensor((128, 128), torch.device("cpu")))[0].dense()
     with torch.no_grad():
         q, k, v = attn.qkv(x).view(1, 256, 3, 2, 16).unbind(2)
         q, k = attn.rotary(norm(q)), attn.rotary(norm(k))
@@ -239,7 +240,7 @@ def test_the_key_offset_gives_each_key_the_previous_tokens_unrotated_dims():
         offset = k.clone()
         offset[:, 1:, :, unrotated] = k[:, :-1, :, unrotated]
         expected = [attn.c_proj(torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), keys.transpose(1, 2), (0.5 * v).transpose(1, 2), attn_mask=mask, scale=0.12
+            q.transpose(1, 2), keys.transpose(1, 2), (0.5 * v).transpose(1, 2), attn_mask=mask, scale=0.1
         ).transpose(1, 2).reshape(1, 256, 32)) for keys in (offset, k)]
         out = attn(x, None, mask)
         attn.key_offset = False
@@ -252,6 +253,49 @@ def test_the_key_offset_gives_each_key_the_previous_tokens_unrotated_dims():
     assert [i for i, block in enumerate(model.blocks) if block.attn is not None and block.attn.key_offset] == [3, 10]
 
 
+def test_yarn_stretches_the_rotary_and_raises_the_attention_scale_at_each_change_of_the_long_window():
+    """#31 in float64 by hand: a frequency that turns at most once over the old long window is slowed by old/new, one
+    that turns 32 times or more is kept, those between by a linear ramp; the scale, from #89's 0.1, grows by
+    0.2 ln(new/old) + 1. A stage that keeps the window changes nothing."""
+    freq, scale = train_gpt.rotary_frequencies(64, (384, 896, 896, 1408))
+    expected, expected_scale = (1 / 1024) ** np.linspace(0, 1, 16), 0.1
+    for old, new in ((384, 896), (896, 1408)):
+        ramp = np.clip((old * expected / (2 * np.pi) - 1) / 31, 0, 1)
+        expected, expected_scale = expected * ((1 - ramp) * old / new + ramp), expected_scale * (0.2 * np.log(new / old) + 1)
+    np.testing.assert_allclose(freq[:16].double().numpy(), expected, rtol=1e-6)
+    assert not freq[16:].any() and scale == pytest.approx(expected_scale, rel=1e-12)
+    # the ends by hand: 1 rad a token turns 61 times over 384 tokens, kept; 1/1024 turns 0.06 times, slowed twice
+    assert freq[0] == 1 and freq[15].item() == pytest.approx(384 / 1408 / 1024, rel=1e-6)
+    assert 0 < freq[8] / ((1 / 1024) ** (8 / 15)) < 1  # (one between: slowed, by less than the whole)
+    # the model's rotaries and attention take them: each layer's cos and sin, and the scale in the softmax
+    args, model = tiny_model_with_every_weight_nonzero()
+    tokens = torch.randint(0, args.vocab_size, (args.train_seq_len + 1,), generator=torch.Generator().manual_seed(2))
+    window = train_gpt.window_tensor((128, 256), torch.device("cpu"))
+    with torch.no_grad():
+        before = model(tokens[:-1], None, window)
+        model.stretch_rotary((128, 256))
+        after = model(tokens[:-1], None, window)
+    freq, scale = train_gpt.rotary_frequencies(args.head_dim, (128, 256))
+    theta = torch.arange(args.train_seq_len, dtype=torch.float64)[:, None] * freq.double()
+    rotaries = [m for m in model.modules() if isinstance(m, train_gpt.Rotary)]
+    assert len(rotaries) == sum(block.attn is not None for block in model.blocks)
+    for rotary in rotaries:
+        torch.testing.assert_close(rotary.cos.double(), theta.cos(), rtol=0, atol=1e-5)
+        torch.testing.assert_close(rotary.sin.double(), theta.sin(), rtol=0, atol=1e-5)
+        assert rotary.attention_scale.item() == pytest.approx(scale, rel=1e-6) and scale > 0.1 * 1.13
+    assert (after - before).abs().max() > 1e-3 * (before - before.mean()).abs().max()
+    attn, x = model.blocks[2].attn, torch.randn(1, args.train_seq_len, args.model_dim)  # (no key offset or XSA)
+    mask = model.attention_masks(tokens[:-1], window)["S"]
+    with torch.no_grad():
+        q, k, v = attn.qkv(x).view(1, args.train_seq_len, 3, args.num_heads, args.head_dim).unbind(2)
+        q, k = attn.rotary(norm(q)), attn.rotary(norm(k))
+        y = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                             attn.values(v, None).transpose(1, 2), attn_mask=mask,
+                                                             scale=scale)
+        expected = attn.c_proj(y.transpose(1, 2).reshape(1, args.train_seq_len, -1))
+        torch.testing.assert_close(attn(x, None, mask), expected, rtol=1e-5, atol=1e-6)
+
+
 def test_xsa_and_the_output_gate_change_each_heads_output_by_their_formulas():
     """#82's XSA and #85's output gate against float64 by hand: head h's output y_h loses tanh(a_h) (y_h . v_h) /
     |v_h|^2 of v_h, its own value, then is scaled by g_h, before the output projection."""
@@ -261,7 +305,7 @@ def test_xsa_and_the_output_gate_change_each_heads_output_by_their_formulas():
     strength, gate = torch.randn(1, 256, 2, dtype=torch.float64), torch.rand(1, 256, 2, dtype=torch.float64)
     tokens = torch.randint(0, 1000, (256,), generator=torch.Generator().manual_seed(1))
     tokens[::50] = train_gpt.EOT_TOKEN
-    mask = train_gpt.document_causal_masks(tokens, train_gpt.window_tensor(128, torch.device("cpu")))[0].dense()
+    mask = train_gpt.document_causal_masks(tokens, train_gpt.window_tensor((128, 128), torch.device("cpu")))[0].dense()
     with torch.no_grad():
         attn.c_proj.weight.copy_(torch.eye(32))  # the heads' outputs side by side
         plain = attn(x, None, mask).view(1, 256, 2, 16)
@@ -330,7 +374,7 @@ def test_training_adds_the_later_tokens_and_the_prefix_tokens_losses_at_their_we
     model.loss_weights = torch.tensor([1.0, 0.5, 0.25, 0.3])
     tokens = torch.randint(0, args.vocab_size, (args.train_seq_len + 1,), generator=torch.Generator().manual_seed(5))
     inputs, targets = tokens[:-1], tokens[1:]
-    window = train_gpt.window_tensor(128, torch.device("cpu"))
+    window = train_gpt.window_tensor((128, 128), torch.device("cpu"))
     with torch.no_grad():
         log_p = model(inputs, None, window).double().log_softmax(-1)
         loss = model(inputs, targets, window)
@@ -346,13 +390,14 @@ def test_training_adds_the_later_tokens_and_the_prefix_tokens_losses_at_their_we
     assert abs(loss.item() / n - next_token.item()) > 0.1  # (the added losses show)
 
 
-def test_the_loss_weights_follow_record_89s_thirds():
-    """By hand, for 1770 steps (thirds ending at 590, 1180): [next, 2nd, 3rd, prefix] from [1, 0.5, 0.25, 0.25] down to
-    [1, 0.5, 0, 0.25] over the first third, to [1, 0, 0, 0] over the second, then [1, 0, 0, 0]."""
+def test_the_loss_weights_follow_record_89s_stages():
+    """By hand, for 1770 steps of which the last 15 are the extension (thirds of 1755 ending at 585, 1170): [next,
+    2nd, 3rd, prefix] from [1, 0.5, 0.25, 0.25] down to [1, 0.5, 0, 0.25] over the first third, to [1, 0, 0, 0] over
+    the second, then [1, 0, 0, 0] through the third and the extension."""
     args = train_gpt.parse_args(["--preset", "record"], cuda=False)
-    expected = {0: [1, 0.5, 0.25, 0.25], 295: [1, 0.5, 0.125, 0.25], 590: [1, 0.5, 0, 0.25],
-                885: [1, 0.25, 0, 0.125], 1180: [1, 0, 0, 0], 1769: [1, 0, 0, 0]}
+    expected = {0: [1, 0.5, 0.25, 0.25], 117: [1, 0.5, 0.2, 0.25], 585: [1, 0.5, 0, 0.25], 702: [1, 0.4, 0, 0.2],
+                1170: [1, 0, 0, 0], 1769: [1, 0, 0, 0]}
     for step, weights in expected.items():
         assert train_gpt.loss_weights(step, args) == pytest.approx(weights, abs=1e-12), step
     no_mtp = train_gpt.parse_args(["--preset", "record", "--mtp", "false"], cuda=False)
-    assert train_gpt.loss_weights(885, no_mtp) == pytest.approx([1, 0.125])
+    assert train_gpt.loss_weights(702, no_mtp) == pytest.approx([1, 0.2])

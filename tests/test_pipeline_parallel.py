@@ -55,7 +55,7 @@ def test_what_crosses_each_boundary_is_what_the_one_process_forward_holds_there(
         model.train(training)
         tokens = torch.full((seq_len,), train_gpt.EOT_TOKEN)
         with torch.set_grad_enabled(training):
-            masks = model.attention_masks(tokens, train_gpt.window_tensor(train_gpt.ATTENTION_BLOCK_SIZE, torch.device("cpu")))
+            masks = model.attention_masks(tokens, train_gpt.window_tensor((train_gpt.ATTENTION_BLOCK_SIZE, train_gpt.ATTENTION_BLOCK_SIZE), torch.device("cpu")))
             stream = model.embed_tokens(tokens)
             for layer in range(6):
                 stream = model.run_block(layer, stream, masks)

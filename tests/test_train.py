@@ -41,6 +41,9 @@ def test_flags_override_preset_values():
     (["--num_layers", "4", "--window_pattern", "LSSL"],
      "--skip_layers '1,4' (the tiny preset's; set it to fit --num_layers) names layers [4]"),
     (["--val_tokens", "1000"], "--val_tokens 1000 must be a multiple of --val_seq_len"),
+    (["--window_blocks", "1:3,3:7"], "--window_blocks '1:3,3:7': expected four pairs short:long"),
+    (["--window_blocks", "1:1,1:2,2:x,2:2"], "--window_blocks '1:1,1:2,2:x,2:2': expected four pairs"),
+    (["--extension_steps", "20"], "--extension_steps 20 must be below --num_iterations 20 (the tiny preset's)"),
 ])
 def test_bad_flag_values_are_refused_by_name(flags, words):
     with pytest.raises(train_gpt.UserError, match=re.escape(words)):
@@ -48,20 +51,28 @@ def test_bad_flag_values_are_refused_by_name(flags, words):
 
 
 def test_schedules_at_hand_computed_points():
-    args = train_gpt.Hyperparameters(num_iterations=1000)  # the record's: cooldown over the last 60%, to 0.15
+    # the record's: 1000 scheduled steps (thirds ending at 333, 667) and 15 of extension; cooldown over the last 60%
+    # of the scheduled ones, to 0.15
+    args = train_gpt.Hyperparameters(num_iterations=1015)
     assert train_gpt.lr_multiplier(0, args) == 1.0
     assert train_gpt.lr_multiplier(399, args) == 1.0
     assert train_gpt.lr_multiplier(700, args) == pytest.approx(0.5 * 1 + 0.5 * 0.15)
     assert train_gpt.lr_multiplier(1000, args) == pytest.approx(0.15)
-    assert train_gpt.window_tokens(0, args) == 128  # at least one 128-token block
-    assert train_gpt.window_tokens(500, args) == 896  # 864 tokens -> 7 blocks
-    assert train_gpt.window_tokens(1000, args) == 1792  # 1728 -> 14 blocks
+    assert train_gpt.lr_multiplier(1014, args) == pytest.approx(0.15)  # the extension
+    # #89's windows in 128-token blocks: (1, 3), (3, 7), (5, 11), then (6, 13); 20 long at the final validation
+    blocks = {0: (1, 3), 332: (1, 3), 333: (3, 7), 666: (3, 7), 667: (5, 11), 999: (5, 11), 1000: (6, 13),
+              1014: (6, 13), 1015: (6, 20)}
+    for step, (short, long) in blocks.items():
+        assert train_gpt.window_tokens(step, args) == (128 * short, 128 * long), step
+    assert train_gpt.long_windows_so_far(0, args) == (384,)
+    assert train_gpt.long_windows_so_far(700, args) == (384, 896, 1408)
+    assert train_gpt.long_windows_so_far(1015, args) == (384, 896, 1408, 1664)  # (not stretched for the 20)
     assert train_gpt.muon_momentum(0, args) == pytest.approx(0.85)
     assert train_gpt.muon_momentum(150, args) == pytest.approx(0.90)
     assert train_gpt.muon_momentum(300, args) == pytest.approx(0.95)
-    assert train_gpt.muon_momentum(950, args) == pytest.approx(0.95)  # the cooldown's 50 steps start
-    assert train_gpt.muon_momentum(975, args) == pytest.approx(0.90)
-    assert train_gpt.muon_momentum(1000, args) == pytest.approx(0.85)
+    assert train_gpt.muon_momentum(965, args) == pytest.approx(0.95)  # the cooldown's 50 steps start
+    assert train_gpt.muon_momentum(990, args) == pytest.approx(0.90)
+    assert train_gpt.muon_momentum(1015, args) == pytest.approx(0.85)
 
 
 def build(files, **overrides):
@@ -150,7 +161,7 @@ def test_evaluation_runs_the_head_in_slices_and_averages_over_every_token():
     torch.nn.init.normal_(model.lm_head.weight)  # the zero-initialised head gives every token the same loss
     tokens = torch.randint(0, 50257, (257,))
     tokens[[0, 90, 200]] = train_gpt.EOT_TOKEN
-    inputs, targets, window = tokens[:-1], tokens[1:], train_gpt.window_tensor(2, torch.device("cpu"))
+    inputs, targets, window = tokens[:-1], tokens[1:], train_gpt.window_tensor((2, 2), torch.device("cpu"))
     head_inputs, summed_loss = [], model.lm_head.summed_loss
     model.lm_head.summed_loss = lambda x, t, w: head_inputs.append(x) or summed_loss(x, t, w)
     with torch.no_grad():
