@@ -92,8 +92,8 @@ def assert_holds_adam_gradients(state: dict, held: bool):
 
 
 # saved at step 4, after Adam's step (the tiny preset's adam_every 2); at step 3, with Adam's gradients of step 3
-# held for step 4's
-@pytest.mark.parametrize("world_size, saved_at", [(1, 4), (2, 4), (1, 3), (2, 3)])
+# held for step 4's; each in the second of the tiny run's stages (steps 3 and 4: a rotary that YaRN stretched)
+@pytest.mark.parametrize("world_size, saved_at", [(1, 4), (2, 3)])
 def test_resumed_run_ends_bit_identical_to_the_uninterrupted_one(tmp_path, files, world_size, saved_at):
     full_log = run(tmp_path, files, world_size, "full", save_every=saved_at)
     path = tmp_path / "logs" / "full" / f"step{saved_at:06d}.pt"
@@ -123,8 +123,7 @@ def assert_resumed_within_rounding(resumed: dict, reference: dict, floor_pair: t
                                        f"{multiple} x the floor {floor:.2e} (in {floor_tensor})")
 
 
-@pytest.mark.parametrize("saved_on, resumed_on, fp64_grad_sum, saved_at", [(2, 1, True, 4), (1, 2, False, 4),
-                                                                          (1, 2, True, 3), (2, 1, False, 3)])
+@pytest.mark.parametrize("saved_on, resumed_on, fp64_grad_sum, saved_at", [(2, 1, True, 4), (1, 2, False, 3)])
 def test_a_checkpoint_resumes_under_another_world_size(tmp_path, files, saved_on, resumed_on, fp64_grad_sum,
                                                        saved_at):
     # saved at step 3, Adam's gradients held: their average over the old ranks is all the new ones need
@@ -140,9 +139,8 @@ def test_a_checkpoint_resumes_under_another_world_size(tmp_path, files, saved_on
         assert_resumed_within_rounding(resumed, reference, (checkpoint(tmp_path, "saved", STEPS), reference))
 
 
-@pytest.mark.parametrize("saved, resumed, saved_at", [(dict(zero=3), dict(pp=2), 4), (dict(pp=2), dict(tp=2, sp=True), 4),
-                                                      (dict(tp=2), dict(zero=1), 4), (dict(pp=2), dict(zero=2), 3),
-                                                      (dict(tp=2), dict(pp=2), 3)])
+@pytest.mark.parametrize("saved, resumed, saved_at", [(dict(zero=3), dict(pp=2), 4), (dict(tp=2), dict(zero=1), 3),
+                                                      (dict(pp=2), dict(zero=2), 3)])
 def test_a_checkpoint_resumes_under_another_layout(tmp_path, files, saved, resumed, saved_at):
     # sharded optimizer state, tensor-parallel slices and pipeline stages are gathered into full tensors on save,
     # and cut the new layout's way on load; so are the gradients held for Adam's next step (saved at step 3)
@@ -321,7 +319,7 @@ def child_pids(pid: int) -> list[int]:
 
 
 def torchrun(files, tmp_path, run_id, *extra, max_restarts=0):
-    flags = tiny_flags(files, log_dir=tmp_path / "logs", run_id=run_id, num_iterations=16, val_loss_every=0,
+    flags = tiny_flags(files, log_dir=tmp_path / "logs", run_id=run_id, num_iterations=12, val_loss_every=0,
                        save_every=4, resume="latest")
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                              f"--max-restarts={max_restarts}", str(REPO_ROOT / "train_gpt.py"), *flags, *extra],
@@ -345,8 +343,8 @@ def test_elastic_restart_after_a_killed_worker_ends_like_an_uninterrupted_run(tm
     output = elastic.communicate(timeout=300)[0]
     assert elastic.returncode == 0, output
     log = (tmp_path / "logs" / "elastic.txt").read_text()
-    assert re.search(r"^resumed: step:\d+/16 from ", log, re.MULTILINE), log[-3000:]
-    assert_states_equal(checkpoint(tmp_path, "reference", 16), checkpoint(tmp_path, "elastic", 16))
+    assert re.search(r"^resumed: step:\d+/12 from ", log, re.MULTILINE), log[-3000:]
+    assert_states_equal(checkpoint(tmp_path, "reference", 12), checkpoint(tmp_path, "elastic", 12))
 
 
 def stop_on_rank(rank, world_size, flags, signalled_rank):

@@ -47,7 +47,7 @@ def test_the_memory_check_names_zero_3_and_more_processes_where_the_model_states
     # 2 processes, a short sequence: the parameters, gradients and optimizer states fill the GPU; ZeRO 3 splits
     # them, and so do 4 processes with ZeRO 3, while a shorter sequence is not enough
     args = train_gpt.parse_args(["--train_seq_len", "256", "--val_seq_len", "256", "--val_tokens", "2048",
-                                 "--compile", "false"], cuda=True)
+                                 "--compile", "false", "--seqs_per_step", "4"], cuda=True)  # (fewer to plan)
     free = train_gpt.planned_peak(args, 2) - 2**28
     with pytest.raises(train_gpt.UserError, match=r"it would fit with --zero 3 or 4 processes with --zero 3;"):
         train_gpt.check_memory(args, 2, int(free / train_gpt.MEMORY_HEADROOM))
