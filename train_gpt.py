@@ -164,12 +164,14 @@ def normalize_per_neuron(update: Tensor, second_moment: Tensor, beta2: float) ->
 class Muon(torch.optim.Optimizer):
     """NorMuon, of the Muon family (MomentUm Orthogonalized by Newton-Schulz), for hidden matrices: SGD's Nesterov
     momentum, orthogonalised by Polar Express and normalised per neuron, with cautious weight decay. A bank of
-    matrices (a parameter of three or more dimensions) is treated matrix by matrix."""
+    matrices (a parameter of three or more dimensions) is treated matrix by matrix; a group's `block_rows` cuts each
+    matrix into blocks of that many rows, each orthogonalised and normalised on its own (#80: attention's q and k per
+    pair of heads). `width`: the stream's, for #89's step sizes (None: each matrix's shorter side)."""
 
     def __init__(self, params, lr=0.023, momentum=0.95, beta2=0.9, weight_decay=1.2, shape_rule="89",
-                 orthogonalize=polar_express, dtype=torch.bfloat16):
+                 orthogonalize=polar_express, dtype=torch.bfloat16, width=None):
         super().__init__(params, dict(lr=lr, momentum=momentum, beta2=beta2, weight_decay=weight_decay,
-                                      shape_rule=shape_rule))
+                                      shape_rule=shape_rule, width=width, block_rows=None))
         self.orthogonalize, self.dtype = orthogonalize, dtype
 
     @torch.no_grad()
@@ -184,14 +186,20 @@ class Muon(torch.optim.Optimizer):
         neuron (grad is used up)."""
         state = self.state[p]
         if not state:
-            rows, cols = grad.shape[-2:]
+            matrices = Muon.matrices(grad, group)
+            rows, cols = matrices.shape[-2:]
             state["momentum_buffer"] = torch.zeros_like(grad)
-            state["second_moment"] = grad.new_zeros((*grad.shape[:-1], 1) if rows >= cols else
-                                                    (*grad.shape[:-2], 1, cols), dtype=torch.float32)
+            state["second_moment"] = grad.new_zeros((*matrices.shape[:-1], 1) if rows >= cols else
+                                                    (*matrices.shape[:-2], 1, cols), dtype=torch.float32)
         buf = state["momentum_buffer"]
         buf.lerp_(grad, 1 - group["momentum"])
-        update = self.orthogonalize(grad.lerp_(buf, group["momentum"]), dtype=self.dtype)
-        return normalize_per_neuron(update, state["second_moment"], group["beta2"])
+        update = self.orthogonalize(Muon.matrices(grad.lerp_(buf, group["momentum"]), group), dtype=self.dtype)
+        return normalize_per_neuron(update, state["second_moment"], group["beta2"]).view_as(grad)
+
+    @staticmethod
+    def matrices(t: Tensor, group: dict) -> Tensor:
+        """t as the matrices orthogonalised one by one: its own, or their blocks of the group's block_rows."""
+        return t if group["block_rows"] is None else t.view(-1, group["block_rows"], t.size(-1))
 
     @staticmethod
     def apply_update(p: Tensor, update: Tensor, group: dict, shape: tuple) -> None:
@@ -204,14 +212,17 @@ class Muon(torch.optim.Optimizer):
 
     @staticmethod
     def step_size(group: dict, shape: tuple) -> float:
-        """The learning rate, scaled for a matrix of this shape (out, in) by the group's shape rule."""
-        return group["lr"] * MUON_SHAPE_RULES[group["shape_rule"]](*shape[-2:])
+        """The learning rate, scaled by the group's shape rule for a matrix of this shape (out, in), or for its
+        blocks."""
+        rows, cols = (shape[-2] if group["block_rows"] is None else group["block_rows"]), shape[-1]
+        return group["lr"] * MUON_SHAPE_RULES[group["shape_rule"]](rows, cols, group["width"] or min(rows, cols))
 
-# Muon's step size over its lr for a matrix (out, in), as a record sets it: #23 scales a tall matrix up by the root
-# of its rows over its columns; #89 any matrix by the root of its longer side over its shorter, and doubles it for
-# one that reads more than it writes (the MLP's output projection)
-MUON_SHAPE_RULES = {"23": lambda rows, cols: max(1, rows / cols) ** 0.5,
-                    "89": lambda rows, cols: (max(rows, cols) / min(rows, cols)) ** 0.5 * (2 if cols > rows else 1)}
+# Muon's step size over its lr for a matrix (out, in) of a model of this width, as a record sets it: #23 scales a tall
+# matrix up by the root of its rows over its columns; #89 by the root of its longer side over the width (in #89's
+# layout, where the MLP's matrices are hidden-major: 2 for both), and doubles it for one that reads more than the
+# width (the MLP's output projection); a q or k block of a pair of heads (256 x 768) takes 1, as there
+MUON_SHAPE_RULES = {"23": lambda rows, cols, width: max(1, rows / cols) ** 0.5,
+                    "89": lambda rows, cols, width: (max(rows, cols, width) / width) ** 0.5 * (2 if cols > width else 1)}
 
 class Adam(torch.optim.Adam):
     """torch's Adam with cautious weight decay, as record #89 has it: where the step moves a weight towards zero, the
@@ -411,8 +422,11 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int, head_dim: int, max_seq_len: int, key_offset: bool = False):
         super().__init__()
         self.head_dim, self.key_offset = head_dim, key_offset
-        self.qkv = CastedLinear(dim, num_heads * head_dim, stacked=3)
-        self.value_scale = nn.Parameter(torch.tensor(0.5))  # #89's 0.5 on the qkv weight: on v (q and k are normed)
+        self.qk = CastedLinear(dim, num_heads * head_dim, stacked=2)
+        # Muon orthogonalises q and k per pair of heads (#80), each head's on its own where there is no pair
+        self.qk.muon_block_rows = head_dim * (2 if num_heads % 2 == 0 else 1)
+        self.v = CastedLinear(dim, num_heads * head_dim)
+        self.value_scale = nn.Parameter(torch.tensor(0.5))  # #89's 0.5 on the v weight (q and k are normed)
         self.rotary = Rotary(head_dim, max_seq_len)
         self.c_proj = CastedLinear(num_heads * head_dim, dim)
         self.c_proj.weight.detach().zero_()  # zero-init: each block starts as the identity
@@ -421,9 +435,8 @@ class CausalSelfAttention(nn.Module):
                 output_gate: Tensor | None = None) -> Tensor:
         """x (B, T, dim); per token and head (B, T, H), from a gate network: XSA's strength before its tanh, and the
         output gate."""
-        qkv = self.qkv(x)
-        B, T = qkv.size(0), qkv.size(1)  # B == 1: masks are per sequence
-        q, k, v = qkv.view(B, T, 3, -1, self.head_dim).unbind(2)  # (B, T, H, D) each
+        q, k, v = self.project(x)
+        B, T = q.size(0), q.size(1)  # B == 1: masks are per sequence
         q, k = self.rotary(norm(q)), self.rotary(norm(k))  # QK-norm, then rotate
         if self.key_offset:
             k = torch.where(self.rotary.stationary, torch.cat([k[:, :1], k[:, :-1]], dim=1), k)
@@ -436,6 +449,14 @@ class CausalSelfAttention(nn.Module):
         if output_gate is not None:
             y = y * output_gate.type_as(y)[..., None]
         return self.c_proj(y.contiguous().view(B, T, -1))
+
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The queries, keys and values of x, (B, T, H, D) each (T: the whole sequence's, where x is a sequence-
+        parallel shard)."""
+        qk = self.qk(x)
+        B, T = qk.size(0), qk.size(1)
+        q, k = qk.view(B, T, 2, -1, self.head_dim).unbind(2)
+        return q, k, self.v(x).view(B, T, -1, self.head_dim)
 
     def values(self, v: Tensor, ve: Tensor | None) -> Tensor:
         """v (B, T, H, D) scaled, plus the layer's gated value embedding (T, H x D) where it has one."""
@@ -1088,8 +1109,9 @@ PRESETS = {
     # ends 0.02 higher, in 230 steps), no smear (no gain, 2% more time a step) and value embeddings in every layer
     # (#89's five layers' worth, here 1, 4 and 5, end 0.02 higher), no gate networks (with XSA and output gates, 0.01
     # higher), no multi-token prediction (0.047 higher), no prefix-token loss (0.011 lower, 8% more time a step) and a
-    # bigram hash embedding of 16,384 rows (0.029 lower, at about the same time a step): records/ABLATIONS.md. The key
-    # offset is not yet measured here.
+    # bigram hash embedding of 16,384 rows (0.029 lower, at about the same time a step), and #89's windows by stage
+    # with YaRN's stretch, here 64 and 128 tokens, 128 and 256, then whole sequences (the best of four schedules tried,
+    # 0.008 above the linear growth it replaced on seed 0): records/ABLATIONS.md. The key offset is not yet measured.
     "cpu": dict(train_files="data/shakespeare/shakespeare_train_*.bin",
                 val_files="data/shakespeare/shakespeare_val_*.bin",
                 val_tokens=128 * 1024, train_seq_len=256, val_seq_len=256, seqs_per_step=8, num_layers=6,
@@ -1469,7 +1491,11 @@ def build_optimizers(model: nn.Module, groups: dict[str, list[str]], args: Hyper
                  for kind in lrs for scale in sorted({lr_scale[p] for p in held[kind]})],
                 fused=device.type != "meta")  # (stages lack some kinds; meta: the plan)
     orthogonalize = torch.compile(polar_express) if device.type == "cuda" else polar_express
-    muon = Muon(held["muon"], lr=args.lr_muon, momentum=0.95, beta2=args.muon_beta2,
+    block_rows = {p: getattr(module, "muon_block_rows", None) for module in model.modules()
+                  for p in module.parameters(False)}
+    muon = Muon([dict(params=[p for p in held["muon"] if block_rows[p] == rows], block_rows=rows)
+                 for rows in sorted({block_rows[p] for p in held["muon"]}, key=lambda rows: rows or 0)],
+                lr=args.lr_muon, momentum=0.95, beta2=args.muon_beta2, width=args.model_dim,
                 weight_decay=args.muon_weight_decay, shape_rule=args.optimizer_recipe, orthogonalize=orthogonalize,
                 dtype=torch.bfloat16 if cuda_dtypes else torch.float32)  # (bf16 matmuls are slow on a CPU)
     for opt in (adam, muon):
@@ -1673,8 +1699,9 @@ def main(argv=None) -> float | None:
 
 # 2: the log's digest, so a resume never continues another run's log; 3: NorMuon's state; 4: the held gradients;
 # 5: record #89's layer stack, whose flags an older file's hyperparameters lack; 6: its value embeddings, a table and
-# a gate for each layer they feed; 7: its gate networks, and no x0 scale in the layers they serve
-CHECKPOINT_FORMAT = 7
+# a gate for each layer they feed; 7: its gate networks, and no x0 scale in the layers they serve; 8: attention's q and k
+# apart from v (Muon's blocks of head pairs), the window stages' flags
+CHECKPOINT_FORMAT = 8
 EXIT_STOPPED = 3  # kill switch or signal: a checkpoint was saved; continue with --resume latest
 EXIT_DIVERGED = 4  # non-finite training loss or gradient norm
 EXIT_LOST = 5  # a rank stopped answering or died: no stop checkpoint; continue from the last one

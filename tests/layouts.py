@@ -89,9 +89,8 @@ class AttentionWithHeadTemperature(train_gpt.CausalSelfAttention):
         self.head_temperature = nn.Parameter(torch.linspace(0.8, 1.2, num_heads))
 
     def forward(self, x, ve, mask, xsa=None, output_gate=None):  # (a fork from before XSA and output gates)
-        qkv = self.qkv(x)
-        B, T = qkv.size(0), qkv.size(1)
-        q, k, v = qkv.view(B, T, 3, -1, self.head_dim).unbind(2)
+        q, k, v = self.project(x)
+        B, T = q.size(0), q.size(1)
         q, k = self.rotary(norm(q)) * self.head_temperature[:, None], self.rotary(norm(k))
         v = self.values(v, ve)
         y = train_gpt.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask,
@@ -147,9 +146,8 @@ class AttentionWithUnplacedMatrix(train_gpt.CausalSelfAttention):
         self.mix = CastedLinear(dim, dim)
 
     def forward(self, x, ve, mask, xsa=None, output_gate=None):
-        qkv = self.qkv(x)
-        B, T = qkv.size(0), qkv.size(1)
-        q, k, v = qkv.view(B, T, 3, -1, self.head_dim).unbind(2)
+        q, k, v = self.project(x)
+        B, T = q.size(0), q.size(1)
         q, k = self.rotary(norm(q)), self.rotary(norm(k))
         v = self.values(v, ve)
         y = train_gpt.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask,
@@ -245,11 +243,10 @@ class GPTWithAllEdits(GPTWithRecordEdits, GPTWithNaturalEdits, GPTWithLaterKinds
 # Edits a layout refuses by name: heads that attend in pairs (under tensor parallelism, a pair split over ranks), and
 # every layer's q, k, v matrices in one bank parameter of the GPT (tensor parallelism has no rule to split it)
 
-def attend_in_pairs(attention: train_gpt.CausalSelfAttention, qkv: torch.Tensor, ve, mask) -> torch.Tensor:
-    """Attention's forward from its (B, T, 3 x H x D) q, k, v, heads j and j + H/2 attending as one head of twice the
+def attend_in_pairs(attention: train_gpt.CausalSelfAttention, q, k, v, ve, mask) -> torch.Tensor:
+    """Attention's forward from its (B, T, H, D) q, k, v, heads j and j + H/2 attending as one head of twice the
     width: their queries, keys and values concatenated."""
-    B, T = qkv.size(0), qkv.size(1)
-    q, k, v = qkv.view(B, T, 3, -1, attention.head_dim).unbind(2)
+    B, T = q.size(0), q.size(1)
     q, k = attention.rotary(norm(q)), attention.rotary(norm(k))
     v = attention.values(v, ve)
     pairs = [torch.cat(t.chunk(2, dim=2), dim=-1).transpose(1, 2) for t in (q, k, v)]  # (B, H/2, T, 2D)
@@ -259,7 +256,7 @@ def attend_in_pairs(attention: train_gpt.CausalSelfAttention, qkv: torch.Tensor,
 
 class AttentionInPairs(train_gpt.CausalSelfAttention):
     def forward(self, x, ve, mask, xsa=None, output_gate=None):
-        return attend_in_pairs(self, self.qkv(x), ve, mask)
+        return attend_in_pairs(self, *self.project(x), ve, mask)
 
 
 class AttentionInPairsFromBank(train_gpt.CausalSelfAttention):
@@ -267,10 +264,11 @@ class AttentionInPairsFromBank(train_gpt.CausalSelfAttention):
 
     def __init__(self, *args):
         super().__init__(*args)
-        del self.qkv
+        del self.qk, self.v
 
     def forward(self, x, ve, mask, xsa=None, output_gate=None, qkv=None):
-        return attend_in_pairs(self, F.linear(x, qkv.flatten(end_dim=-2)), ve, mask)
+        q, k, v = F.linear(x, qkv.flatten(end_dim=-2)).view(*x.shape[:2], 3, -1, self.head_dim).unbind(2)
+        return attend_in_pairs(self, q, k, v, ve, mask)
 
 
 class GPTWithQKVBank(train_gpt.GPT):

@@ -233,7 +233,7 @@ def test_the_key_offset_gives_each_key_the_previous_tokens_unrotated_dims():
     tokens[::50] = train_gpt.EOT_TOKEN
     mask = train_gpt.document_causal_masks(tokens, train_gpt.window_tensor((128, 128), torch.device("cpu")))[0].dense()
     with torch.no_grad():
-        q, k, v = attn.qkv(x).view(1, 256, 3, 2, 16).unbind(2)
+        q, k, v = attn.project(x)
         q, k = attn.rotary(norm(q)), attn.rotary(norm(k))
         # by hand: the rotary turns dims (i, i + 8) for i < 4 of a 16-dim head; dims 4-7 and 12-15 stay put
         unrotated = [4, 5, 6, 7, 12, 13, 14, 15]
@@ -287,13 +287,23 @@ def test_yarn_stretches_the_rotary_and_raises_the_attention_scale_at_each_change
     attn, x = model.blocks[2].attn, torch.randn(1, args.train_seq_len, args.model_dim)  # (no key offset or XSA)
     mask = model.attention_masks(tokens[:-1], window)["S"]
     with torch.no_grad():
-        q, k, v = attn.qkv(x).view(1, args.train_seq_len, 3, args.num_heads, args.head_dim).unbind(2)
+        q, k, v = attn.project(x)
         q, k = attn.rotary(norm(q)), attn.rotary(norm(k))
         y = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                                              attn.values(v, None).transpose(1, 2), attn_mask=mask,
                                                              scale=scale)
         expected = attn.c_proj(y.transpose(1, 2).reshape(1, args.train_seq_len, -1))
         torch.testing.assert_close(attn(x, None, mask), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_the_record_steps_each_layers_q_and_k_per_pair_of_heads():
+    args = train_gpt.parse_args(["--preset", "record"], cuda=False)
+    model = train_gpt.build_model(args, torch.device("meta"))
+    groups = train_gpt.optimizer_param_groups(model, args.vocab_size, args.model_dim)
+    _, muon = train_gpt.build_optimizers(model, groups, args, torch.device("meta"), cuda_dtypes=False)
+    blocked = {p for group in muon.param_groups if group["block_rows"] == 2 * 128 for p in group["params"]}
+    assert blocked == {block.attn.qk.weight for block in model.blocks if block.attn is not None}
+    assert len(blocked) == 10 and all(group["width"] == 768 for group in muon.param_groups)
 
 
 def test_xsa_and_the_output_gate_change_each_heads_output_by_their_formulas():
@@ -309,7 +319,7 @@ def test_xsa_and_the_output_gate_change_each_heads_output_by_their_formulas():
     with torch.no_grad():
         attn.c_proj.weight.copy_(torch.eye(32))  # the heads' outputs side by side
         plain = attn(x, None, mask).view(1, 256, 2, 16)
-        v = 0.5 * (x @ attn.qkv.weight[2].T).view(1, 256, 2, 16)  # the values, at their 0.5
+        v = 0.5 * (x @ attn.v.weight.T).view(1, 256, 2, 16)  # the values, at their 0.5
         along_v = (plain * v).sum(-1, keepdim=True) / (v * v).sum(-1, keepdim=True)
         expected = (plain - torch.tanh(strength)[..., None] * along_v * v) * gate[..., None]
         out = attn(x, None, mask, strength, gate).view(1, 256, 2, 16)

@@ -80,7 +80,7 @@ def test_normalize_per_neuron_equals_the_fp64_formula_over_steps(shape):
 def test_cautious_weight_decay_decays_only_where_the_update_pulls_towards_zero():
     p = torch.tensor([[1.0, -2.0], [3.0, -4.0], [0.5, 0.25]])
     update = torch.tensor([[0.5, 0.5], [-1.0, -1.0], [0.0, 2.0]])
-    group = dict(lr=0.1, weight_decay=2.0, shape_rule="89")
+    group = dict(lr=0.1, weight_decay=2.0, shape_rule="89", width=None, block_rows=None)
     expected = p.clone()
     step = 0.1 * (3 / 2) ** 0.5  # lr x sqrt(rows / cols) for a tall matrix
     for i in range(3):
@@ -147,6 +147,39 @@ def test_muon_step_equals_hand_computed_update(shape_rule):
                 (max(rows, cols) / min(rows, cols)) ** 0.5 * (2 if cols > rows else 1)
             expected -= 0.1 * scale * (update + 0.5 * 0.1 * (update * expected >= 0) * expected)
         assert (p.detach().double() - expected).norm() / (expected - start[i]).norm() < 1e-4
+
+
+def test_a_group_with_block_rows_steps_each_block_of_rows_as_a_matrix_of_its_own():
+    """#80: attention's q and k weights (2, H x D, width) stepped per pair of heads, each (2D, width) block through
+    Polar Express and NorMuon on its own, in fp64 by hand, at #89's step size for such a block (1)."""
+    g = torch.Generator().manual_seed(4)
+    start = torch.randn(2, 32, 24, generator=g)  # q and k of 4 heads of 8 dims, width 24: 4 blocks of 16 rows
+    grads = [torch.randn(2, 32, 24, generator=g) for _ in range(3)]
+    runs = {}
+    for block_rows in (16, None):
+        p = torch.nn.Parameter(start.clone())
+        opt = Muon([dict(params=[p], block_rows=block_rows)], lr=0.1, momentum=0.9, beta2=0.8, weight_decay=0.5,
+                   shape_rule="89", dtype=torch.float32, width=24)
+        for grad in grads:
+            p.grad = grad.clone()
+            opt.step()
+        runs[block_rows] = p.detach().double()
+    expected, buf, mean_squares = start.double(), torch.zeros_like(start), [[0.0] * 24 for _ in range(4)]
+    for grad in grads:
+        buf = 0.9 * buf + 0.1 * grad
+        blocks = (0.1 * grad + 0.9 * buf).view(4, 16, 24)
+        update = normalized_by_hand(polar_express_by_svd(blocks), mean_squares, beta2=0.8).view(2, 32, 24)
+        expected -= 0.1 * (update + 0.5 * 0.1 * (update * expected >= 0) * expected)
+    assert (runs[16] - expected).norm() / (expected - start).norm() < 1e-4
+    assert (runs[None] - runs[16]).norm() > 0.1 * (expected - start).norm()  # (whole matrices step otherwise)
+
+
+def test_89s_step_sizes_by_shape_at_its_width():
+    # #89's, by hand at width 768: MLP input (3072 x 768) sqrt(4) = 2, output (768 x 3072) 2 x 2 (its hidden-major
+    # layout, doubled), attention's square matrices 1, a pair of heads' q or k block (256 x 768) 1
+    step = lambda shape, block_rows=None: Muon.step_size(dict(lr=1.0, shape_rule="89", width=768,
+                                                              block_rows=block_rows), shape)
+    assert [step((3072, 768)), step((768, 3072)), step((768, 768)), step((2, 768, 768), 256)] == [2, 4, 1, 1]
 
 
 def test_polar_express_compiled_as_on_cuda_equals_the_eager_one():
