@@ -1478,21 +1478,24 @@ def optimizer_param_groups(model: nn.Module, vocab_size: int, model_dim: int) ->
         groups[kind].append(name)
     return groups
 
+def held_attribute(model: nn.Module, name: str, default) -> dict[Tensor, object]:
+    """Each parameter's value of an attribute of the module holding it (the default where it has none)."""
+    return {p: getattr(module, name, default) for module in model.modules() for p in module.parameters(False)}
+
 def build_optimizers(model: nn.Module, groups: dict[str, list[str]], args: Hyperparameters, device: torch.device,
                      cuda_dtypes: bool) -> list[torch.optim.Optimizer]:
     """Adam for the heads, embeddings, scalars and gates, Muon for the hidden matrices: of each group, the parameters
     this rank's part of the model holds. A module's `lr_scale` (a Gate's) scales its parameters' Adam lr."""
     params = dict(model.named_parameters())
     held = {kind: [params[name] for name in names if name in params] for kind, names in groups.items()}
-    lr_scale = {p: getattr(module, "lr_scale", 1.0) for module in model.modules() for p in module.parameters(False)}
+    lr_scale = held_attribute(model, "lr_scale", 1.0)
     lrs = dict(head=args.lr_head, embed=args.lr_embed, scalar=args.lr_scalar, gate=args.lr_gate)
     adam = Adam([dict(params=[p for p in held[kind] if lr_scale[p] == scale], lr=lrs[kind] * scale,
                       **ADAM_RECIPES[args.optimizer_recipe][kind])
                  for kind in lrs for scale in sorted({lr_scale[p] for p in held[kind]})],
                 fused=device.type != "meta")  # (stages lack some kinds; meta: the plan)
     orthogonalize = torch.compile(polar_express) if device.type == "cuda" else polar_express
-    block_rows = {p: getattr(module, "muon_block_rows", None) for module in model.modules()
-                  for p in module.parameters(False)}
+    block_rows = held_attribute(model, "muon_block_rows", None)
     muon = Muon([dict(params=[p for p in held["muon"] if block_rows[p] == rows], block_rows=rows)
                  for rows in sorted({block_rows[p] for p in held["muon"]}, key=lambda rows: rows or 0)],
                 lr=args.lr_muon, momentum=0.95, beta2=args.muon_beta2, width=args.model_dim,
