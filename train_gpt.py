@@ -905,9 +905,13 @@ class DistributedDataLoader:
         self.pattern, self.flag, self.doc_max_tokens = pattern, flag, doc_max_tokens
         self.seq_len, self.rank, self.world_size, self.device = seq_len, rank, world_size, device
         self.seqs_per_batch, self.micro_steps = seqs_per_batch, seqs_per_batch // world_size
-        self.shard_index, self.offset, self.micro_step, self.tokens = 0, 0, 0, None
+        self.shard_index, self.offset, self.micro_step, self.tokens, self.doc_starts = 0, 0, 0, None, None
         if position is not None:
             self.shard_index, self.offset = shard_index(self.files, position, pattern), position["offset"]
+
+    def set_shape(self, seq_len: int, doc_max_tokens: int) -> None:
+        """The next batches' sequence length and document cut (a staged batch's, #46), between batches."""
+        self.seq_len, self.doc_max_tokens = seq_len, doc_max_tokens
 
     def position(self) -> dict:
         """Where the next batch starts: a shard and a token offset in it (a document start when aligned)."""
@@ -936,8 +940,8 @@ class DistributedDataLoader:
         pin = self.device.type == "cuda"
         if self.tokens is None:
             self._load(pin)
-        while (batch := cut_batch(self.offset, len(self.tokens), self.doc_starts, self.seq_len, self.seqs_per_batch,
-                                  self.doc_max_tokens)) is None:
+        while (batch := cut_batch(self.offset, len(self.tokens), self._document_starts(), self.seq_len,
+                                  self.seqs_per_batch, self.doc_max_tokens)) is None:
             need(self.shard_index + 1 < len(self.files), f"--{self.flag} {self.pattern!r}: out of data after "
                  f"{len(self.files)} shard(s); a batch needs {self.seqs_per_batch} sequences of "
                  f"{self.seq_len + 1} tokens in one shard" + (f", made of documents (each starting with token "
@@ -948,8 +952,13 @@ class DistributedDataLoader:
         return batch
 
     def _load(self, pin: bool) -> None:
-        self.tokens = load_data_shard(self.files[self.shard_index], pin_memory=pin)
-        self.doc_starts = document_starts(self.tokens.numpy()) if self.doc_max_tokens else None
+        self.tokens, self.doc_starts = load_data_shard(self.files[self.shard_index], pin_memory=pin), None
+
+    def _document_starts(self) -> np.ndarray | None:
+        """The shard's document starts, found when a batch is first cut by documents."""
+        if self.doc_max_tokens and self.doc_starts is None:
+            self.doc_starts = document_starts(self.tokens.numpy())
+        return self.doc_starts
 
 def document_starts(tokens: np.ndarray) -> np.ndarray:
     return np.flatnonzero(tokens == EOT_TOKEN)
@@ -1027,10 +1036,13 @@ class Hyperparameters:
     final_window_blocks: int = flag(20, "blocks: the long window of the final validation, the rotary as the last "
                                         "stage left it (#89's)")
     fp8_head: bool = flag(True, "FP8 matmul for the head in training")
-    num_iterations: int = flag(1770, "optimizer steps", "optimizer and schedule")
+    num_iterations: int = flag(1285, "optimizer steps", "optimizer and schedule")
     extension_steps: int = flag(15, "the last of the steps, after the schedule's three stages and cooldown: at "
                                     "lr_final and the extension's windows (#89's 15)")
-    cooldown_frac: float = flag(0.6, "final fraction of the steps with the lr falling linearly to lr_final")
+    stage_lr: str = flag("1,1.52,1.73", "lr multipliers of the three thirds of the scheduled steps, as the batch grows "
+                                        "(#46: 2**0.6 and 3**0.5 for twice and three times the tokens)")
+    cooldown_frac: float = flag(0.6, "final fraction of the scheduled steps, with the lr falling linearly from the "
+                                     "stage's to lr_final")
     lr_final: float = flag(0.15, "the lr multiplier the cooldown ends at")
     lr_head: float = flag(0.008, "Adam lr of the head (#89's; record #23's 0.22 moved logits divided by the root "
                                  "of the width, 768, before the soft cap)")
@@ -1048,10 +1060,13 @@ class Hyperparameters:
     muon_momentum_cooldown_steps: int = flag(50, "final steps over which Muon's momentum falls back to 0.85")
     seed: int = flag(0, "seed of the model's initialisation")
     train_files: str = flag("data/fineweb10B/fineweb_train_*.bin", "glob pattern of the training shards", "data")
-    train_seq_len: int = flag(48 * 1024, "tokens per micro-batch: one sequence, a multiple of 128")
+    train_seq_len: str = flag("16384,32768,49152,49152", "tokens per micro-batch (one sequence, a multiple of 128) in "
+                              "each third of the scheduled steps, then in the extension, or one number for all (#46's "
+                              "staged batch: 16K, 32K, then 48K tokens a rank)")
     seqs_per_step: int = flag(8, "sequences per step; ranks short of it accumulate gradients")
-    doc_max_tokens: int = flag(2048, "training sequences start at a document and hold whole documents cut after this "
-                                     "many tokens (0: the shards read as one stream)")
+    doc_max_tokens: str = flag("896,2048,2048,2048", "training sequences start at a document and hold whole "
+                               "documents cut after this many tokens (0: the shards read as one stream), in each "
+                               "third of the scheduled steps, then in the extension, or one number for all (#72)")
     val_files: str = flag("data/fineweb10B/fineweb_val_*.bin", "glob pattern of the validation shards",
                           "evaluation")
     val_tokens: int = flag(10485760, "tokens per evaluation, split over the ranks")
@@ -1114,7 +1129,7 @@ PRESETS = {
     # 0.008 above the linear growth it replaced on seed 0): records/ABLATIONS.md. The key offset is not yet measured.
     "cpu": dict(train_files="data/shakespeare/shakespeare_train_*.bin",
                 val_files="data/shakespeare/shakespeare_val_*.bin",
-                val_tokens=128 * 1024, train_seq_len=256, val_seq_len=256, seqs_per_step=8, num_layers=6,
+                val_tokens=128 * 1024, train_seq_len="256", val_seq_len=256, seqs_per_step=8, num_layers=6,
                 num_heads=2, head_dim=64, model_dim=128, window_pattern="LSSSSL", attention_free_layers="",
                 value_embed_layers="0,1,2,3,4,5", gate_network_layers="", xsa_layers="", output_gate_layers="",
                 bigram_rows=16384, mtp=False, prefix_loss=False, smear=False, key_offset=False, window_blocks="0.5:1,1:2,2:2,2:2",
@@ -1123,12 +1138,12 @@ PRESETS = {
                 attend_over_layer="3", muon_momentum_cooldown_steps=9, lr_head=0.077, lr_embed=0.21, lr_scalar=0.014,
                 lr_gate=0.0028, lr_muon=0.0175, soft_cap=f"30,0,{7.5 * 128 ** 0.5}", cooldown_frac=0.4,
                 lr_final=0.1, val_loss_every=46, target_val_loss=5.15, fp64_grad_sum=True,
-                doc_max_tokens=0, optimizer_recipe="23", adam_every=1,  # a stream: the shards hold 38 whole plays
+                doc_max_tokens="0", optimizer_recipe="23", adam_every=1,  # a stream: the shards hold 38 whole plays
                 save_every=230),  # (to sample from)
     # seconds, for tests and smoke runs (record #23's soft cap and head lr, which learn visibly in 20 steps)
     "tiny": dict(train_files="data/shakespeare/shakespeare_train_*.bin",
                  val_files="data/shakespeare/shakespeare_val_*.bin",
-                 val_tokens=4 * 256, train_seq_len=256, val_seq_len=256, num_layers=6, num_heads=2, head_dim=16,
+                 val_tokens=4 * 256, train_seq_len="256", val_seq_len=256, num_layers=6, num_heads=2, head_dim=16,
                  model_dim=32, window_pattern="LSSSSL", attention_free_layers="4", value_embed_layers="1,2,5",
                  gate_network_layers="0,2", xsa_layers="1,3", output_gate_layers="3,5", bigram_rows=4096,
                  prefix_loss=False,  # (it needs GPT-2's ranks, which the tests fetch only where they use them)
@@ -1136,7 +1151,7 @@ PRESETS = {
                  final_window_blocks=2, extension_steps=0, lr_head=0.22,
                  soft_cap=f"30,0,{7.5 * 32 ** 0.5}", fp8_head=False, num_iterations=20, muon_momentum_warmup_steps=5,
                  muon_momentum_cooldown_steps=1, val_loss_every=10, target_val_loss=8.0, fp64_grad_sum=True,
-                 doc_max_tokens=0),
+                 doc_max_tokens="0", stage_lr="1,1,1"),
 }
 
 def _parse_bool(text: str) -> bool:
@@ -1203,7 +1218,7 @@ def layer_indices(args: Hyperparameters, name: str) -> tuple[int, ...]:
 # flags that must be above zero; every other number must be at least zero, and every count below 2**31 (counts
 # become int32 tensors and indices), a seed below 2**63
 POSITIVE = {"num_layers", "num_heads", "head_dim", "model_dim", "vocab_size", "final_window_blocks", "num_iterations",
-            "adam_every", "train_seq_len", "seqs_per_step", "val_tokens", "val_seq_len", "collective_timeout", "tp",
+            "adam_every", "seqs_per_step", "val_tokens", "val_seq_len", "collective_timeout", "tp",
             "pp", "max_new_tokens", "temperature", "num_samples"}
 
 def soft_cap_terms(args: Hyperparameters) -> tuple[float, float, float]:
@@ -1252,9 +1267,13 @@ def check_hyperparameters(args: Hyperparameters) -> None:
     need(args.muon_beta2 < 1, f"--muon_beta2 must be in [0, 1), got {args.muon_beta2}")
     need(EOT_TOKEN < args.vocab_size <= 2**16, f"--vocab_size {args.vocab_size} must be above {EOT_TOKEN}, the "
          "end-of-text token that starts every document, and fit the uint16 token shards")
-    for name in ("train_seq_len", "val_seq_len"):
-        need(getattr(args, name) % ATTENTION_BLOCK_SIZE == 0,
-             f"--{name} {getattr(args, name)} must be a multiple of {ATTENTION_BLOCK_SIZE} (the attention block)")
+    for name in STAGE_FLAGS:
+        per_stage(args, name)
+    for seq_len in stage_seq_lens(args):
+        need(seq_len > 0 and seq_len % ATTENTION_BLOCK_SIZE == 0, f"{flag_value(args, 'train_seq_len')}: each "
+             f"stage's must be a multiple of {ATTENTION_BLOCK_SIZE} (the attention block), not {seq_len}")
+    need(args.val_seq_len % ATTENTION_BLOCK_SIZE == 0, f"--val_seq_len {args.val_seq_len} must be a multiple of "
+         f"{ATTENTION_BLOCK_SIZE} (the attention block)")
     need(args.val_tokens % args.val_seq_len == 0,
          f"--val_tokens {args.val_tokens} must be a multiple of --val_seq_len {args.val_seq_len}")
     need(len(args.window_pattern) == args.num_layers and set(args.window_pattern) <= {"L", "S"},
@@ -1302,9 +1321,9 @@ def check_world_size(args: Hyperparameters, world_size: int) -> int:
                        ("the padded vocabulary", next_multiple_of_n(args.vocab_size, n=128))):
         need(not size % tp, f"--tp {tp} does not divide {what} ({size}): tensor parallelism splits it evenly")
     need(not (args.sp and tp == 1), "--sp shards the sequence over the tensor-parallel ranks: it needs --tp 2 or more")
-    for flag in ("train_seq_len", "val_seq_len") if args.sp else ():
-        need(not getattr(args, flag) % tp, f"--sp splits --{flag} {getattr(args, flag)} over --tp {tp} ranks: it must "
-             "divide")
+    for flag, seq_lens in (("train_seq_len", stage_seq_lens(args)), ("val_seq_len", [args.val_seq_len])):
+        need(not args.sp or not any(n % tp for n in seq_lens), f"--sp splits {flag_value(args, flag)} over --tp {tp} "
+             "ranks: it must divide each")
     dp = world_size // (tp * pp)
     name = f"world size {world_size}" if tp * pp == 1 else \
         f"data-parallel size {dp} (world size {world_size} / (--tp {tp} x --pp {pp}))"
@@ -1324,23 +1343,54 @@ def check_world_size(args: Hyperparameters, world_size: int) -> int:
 # ----------------------------------------------------------------------------------------------------
 # Schedules: stages, learning rate, sliding windows and the rotary, loss weights, Muon momentum (functions of the step)
 
-def training_stage(step: int, args: Hyperparameters) -> tuple[int, float]:
-    """#89's stages: 0, 1 and 2 are thirds of the scheduled steps (all but the extension's), 3 the extension after
-    them (and the final validation); with how far through its stage `step` is."""
+def stage_starts(args: Hyperparameters) -> list[int]:
+    """The first step of each of #89's stages: 0, 1 and 2 are thirds of the scheduled steps (all but the
+    extension's), 3 the extension after them; then the step after the last."""
     scheduled = args.num_iterations - args.extension_steps
-    if step >= scheduled:
+    return [round(i * scheduled / 3) for i in range(4)] + [args.num_iterations]
+
+def training_stage(step: int, args: Hyperparameters) -> tuple[int, float]:
+    """The stage of `step` (the final validation's: the extension's), and how far through the stage it is."""
+    starts = stage_starts(args)
+    if step >= starts[3]:
         return 3, 1.0
-    bounds = [round(i * scheduled / 3) for i in range(4)]
-    stage = next(i for i in range(3) if step < bounds[i + 1])
-    return stage, (step - bounds[stage]) / (bounds[stage + 1] - bounds[stage])
+    stage = next(i for i in range(3) if step < starts[i + 1])
+    return stage, (step - starts[stage]) / (starts[stage + 1] - starts[stage])
+
+# the flags of a value per stage: how many stages they set (the extension's lr is lr_final), and the values' type
+STAGE_FLAGS = dict(train_seq_len=(4, int), doc_max_tokens=(4, int), stage_lr=(3, float))
+
+def per_stage(args: Hyperparameters, name: str) -> list:
+    """A flag's value in each stage: it gives one for every stage, or one for each."""
+    (count, kind), record = STAGE_FLAGS[name], Hyperparameters.__dataclass_fields__[name].default
+    try:
+        values = [kind(text) for text in str(getattr(args, name)).split(",")]
+    except ValueError:
+        values = []
+    need(len(values) in (1, count) and all(0 <= v < 2**31 for v in values), f"{flag_value(args, name)}: expected "
+         f"{count} {'whole ' * (kind is int)}numbers of 0 or more, for the three thirds of the scheduled steps"
+         f"{', then the extension' * (count == 4)}, or one for all, such as the record's {record!r}")
+    return values * count if len(values) == 1 else values
+
+def stage_seq_lens(args: Hyperparameters) -> list[int]:
+    return per_stage(args, "train_seq_len")
+
+def context_length(args: Hyperparameters) -> int:
+    """The longest sequence the model reads: a stage's or validation's."""
+    return max(*stage_seq_lens(args), args.val_seq_len)
+
+def batch_shape(step: int, args: Hyperparameters) -> tuple[int, int]:
+    """The training sequences' length at `step` and the length their documents are cut at (#46, #72)."""
+    stage = training_stage(step, args)[0]
+    return stage_seq_lens(args)[stage], per_stage(args, "doc_max_tokens")[stage]
 
 def lr_multiplier(step: int, args: Hyperparameters) -> float:
-    """1.0, then linear to lr_final over the final cooldown_frac of the scheduled steps; lr_final in the extension."""
-    x = min(step / (args.num_iterations - args.extension_steps), 1.0)
-    if x < 1 - args.cooldown_frac:
-        return 1.0
-    w = (1 - x) / args.cooldown_frac
-    return w * 1.0 + (1 - w) * args.lr_final
+    """The stage's multiplier (#46), then linear from it to lr_final over the final cooldown_frac of the scheduled
+    steps; lr_final in the extension."""
+    stage, x = training_stage(step, args)[0], min(step / (args.num_iterations - args.extension_steps), 1.0)
+    stage_lr = per_stage(args, "stage_lr")[min(stage, 2)]
+    w = min((1 - x) / args.cooldown_frac, 1.0) if args.cooldown_frac else float(x < 1)
+    return w * stage_lr + (1 - w) * args.lr_final
 
 def stage_windows(args: Hyperparameters) -> list[tuple[int, int]]:
     """--window_blocks: each stage's short and long window, in tokens."""
@@ -1412,7 +1462,7 @@ def build_model(args: Hyperparameters, device: torch.device, cuda_dtypes: bool |
     with torch.device("meta" if device.type == "meta" else "cpu"):
         model = GPT(vocab_size=args.vocab_size, num_layers=args.num_layers, num_heads=args.num_heads,
                     head_dim=args.head_dim, model_dim=args.model_dim,
-                    max_seq_len=max(args.train_seq_len, args.val_seq_len), window_pattern=args.window_pattern,
+                    max_seq_len=context_length(args), window_pattern=args.window_pattern,
                     layers_without_attention=layer_indices(args, "attention_free_layers"),
                     value_embed_layers=layer_indices(args, "value_embed_layers"),
                     skip=layer_indices(args, "skip_layers") or None,
@@ -1554,25 +1604,44 @@ def settle_fp8(args: Hyperparameters, capability: tuple[int, int], device_name: 
     args.fp8_head = False
     return f"fp8: off: {has}; the head multiplies in bf16 (fp8_head false)"
 
-def random_batches(args: Hyperparameters, device: torch.device):
-    """Endless random (inputs, targets) micro-batches: the compile warm-up's data."""
-    while True:
-        tokens = torch.randint(0, args.vocab_size, (args.train_seq_len + 1,), device=device)
-        yield tokens[:-1].to(torch.int32), tokens[1:]
+class RandomBatches:
+    """Endless random (inputs, targets) micro-batches, shaped as the loader's: the compile warm-up's data (on the meta
+    device, the plan's)."""
+
+    def __init__(self, vocab_size: int, device: torch.device):
+        self.vocab_size, self.device, self.seq_len = vocab_size, device, ATTENTION_BLOCK_SIZE
+
+    def set_shape(self, seq_len: int, doc_max_tokens: int) -> None:
+        self.seq_len = seq_len
+
+    def __next__(self) -> tuple[Tensor, Tensor]:
+        tokens = torch.randint(0, self.vocab_size, (self.seq_len + 1,), device=self.device)
+        return tokens[:-1].to(torch.int32), tokens[1:]
 
 def train_batches(trainer: Trainer, position: dict | None = None) -> DistributedDataLoader:
-    """This rank's training micro-batches, from the start or from a checkpoint's data position."""
+    """This rank's training micro-batches, from the start or from a checkpoint's data position (each step shapes
+    them: forward_backward)."""
     args, ctx = trainer.args, trainer.ctx
-    return DistributedDataLoader(args.train_files, args.train_seq_len, args.seqs_per_step, ctx.dp.rank, ctx.dp.size,
-                                 ctx.device, position=position, doc_max_tokens=args.doc_max_tokens)
+    return DistributedDataLoader(args.train_files, stage_seq_lens(args)[0], args.seqs_per_step, ctx.dp.rank,
+                                 ctx.dp.size, ctx.device, position=position)
+
+def first_step_of_seq_len(args: Hyperparameters) -> dict[int, int]:
+    """Each length the training sequences take, and the first step that trains at it."""
+    starts, firsts = stage_starts(args), {}
+    for stage, seq_len in enumerate(stage_seq_lens(args)):
+        if starts[stage] < starts[stage + 1]:
+            firsts.setdefault(seq_len, starts[stage])
+    return firsts
 
 def warmup_and_restore(trainer: Trainer, steps: int) -> None:
-    """`steps` training steps on random tokens (torch.compile compiles), then the model and optimizers restored."""
+    """`steps` training steps on random tokens from the first step of each sequence length (torch.compile compiles
+    the model once for each), then the model and optimizers restored."""
     initial = copy.deepcopy(dict(model=trainer.model.state_dict(),
                                  optimizers=[opt.state_dict() for opt in trainer.optimizers]))
-    batches = random_batches(trainer.args, trainer.ctx.device)
-    for step in range(steps):  # (steps on which Adam steps and steps on which it waits)
-        forward_backward(trainer, batches, step)
+    batches = RandomBatches(trainer.args.vocab_size, trainer.ctx.device)
+    for step in (s for first in first_step_of_seq_len(trainer.args).values()
+                 for s in range(first, min(first + steps, trainer.args.num_iterations))):
+        forward_backward(trainer, batches, step)  # (steps on which Adam steps and steps on which it waits)
         optimizer_step(trainer, step)
     trainer.model.load_state_dict(initial["model"])
     for opt, state in zip(trainer.optimizers, initial["optimizers"]):
@@ -1598,9 +1667,12 @@ def evaluate(trainer: Trainer, step: int) -> float:
     return layout.mean_loss_over_ranks(total / (val_seqs // ctx.dp.size)).item()
 
 def forward_backward(trainer: Trainer, batches, step: int) -> Tensor:
-    """Forward and backward of this rank's micro-batches of a step; their summed loss. Each gradient is then that of
-    the global batch's mean over sequences of each sequence's summed token loss."""
+    """Forward and backward of this rank's micro-batches of a step; their mean loss per token. Each gradient is then
+    that of the global batch's mean over sequences of each sequence's summed token loss (as #89's: the gradients grow
+    with the staged batch's sequences)."""
     t, gradients = trainer, trainer.layout.gradients
+    seq_len, doc_max_tokens = batch_shape(step, t.args)
+    batches.set_shape(seq_len, doc_max_tokens)  # the stage's sequences (#46's staged batch)
     window = window_tensor(window_tokens(step, t.args), t.ctx.device)
     t.model.stretch_rotary(long_windows_so_far(step, t.args))
     if t.model.loss_weights is not None:
@@ -1617,7 +1689,7 @@ def forward_backward(trainer: Trainer, batches, step: int) -> Tensor:
                 (loss / t.micro_batches).backward()
             loss_sum += loss.detach()
     gradients.wait()  # every gradient the step uses averaged over the data-parallel ranks
-    return loss_sum
+    return loss_sum / (t.micro_batches * seq_len)
 
 def optimizer_step(trainer: Trainer, step: int) -> None:
     """Muon's step, and on the last of every adam_every steps Adam's, whose gradients until then add up."""
@@ -1650,10 +1722,10 @@ def train(args: Hyperparameters, ctx: "ParallelContext") -> float:
                     run.log_validation(step, val_loss)
             if last_step:
                 break
-            loss_sum = forward_backward(trainer, train_loader, step)
+            loss = forward_backward(trainer, train_loader, step)
             grad_squares = trainer.layout.gradient_squares()
             optimizer_step(trainer, step)
-            stats = trainer.layout.step_stats(loss_sum, grad_squares, run.stop_requested())
+            stats = trainer.layout.step_stats(loss, grad_squares, run.stop_requested())
             run.after_step(step + 1, stats, train_loader)  # logs, guards, saves, stops (on CUDA, the step before)
     return val_loss
 
@@ -1703,8 +1775,9 @@ def main(argv=None) -> float | None:
 # 2: the log's digest, so a resume never continues another run's log; 3: NorMuon's state; 4: the held gradients;
 # 5: record #89's layer stack, whose flags an older file's hyperparameters lack; 6: its value embeddings, a table and
 # a gate for each layer they feed; 7: its gate networks, and no x0 scale in the layers they serve; 8: attention's q and k
-# apart from v (Muon's blocks of head pairs), the window stages' flags
-CHECKPOINT_FORMAT = 8
+# apart from v (Muon's blocks of head pairs), the window stages' flags; 9: the staged batch's flags, whose sequence
+# lengths and document cuts are per stage
+CHECKPOINT_FORMAT = 9
 EXIT_STOPPED = 3  # kill switch or signal: a checkpoint was saved; continue with --resume latest
 EXIT_DIVERGED = 4  # non-finite training loss or gradient norm
 EXIT_LOST = 5  # a rank stopped answering or died: no stop checkpoint; continue from the last one
@@ -2392,6 +2465,29 @@ def check_host_memory(args: Hyperparameters, device: torch.device) -> None:
          f"memory for {processes} process(es), and {available / 2**30:.1f} GiB are available: make the model "
          "smaller; --memory_check false runs it anyway")
 
+def steps_held(args: Hyperparameters, train_files: list[Path], sizes: list[int], position: dict, start: int,
+               doc_starts: dict) -> tuple[int, list[Path]]:
+    """How far the training shards hold each step's batch from `start`, read from `position` on (up to
+    --num_iterations), and the shards read; doc_starts keeps each shard's document starts."""
+    steps, read, offset = start, [], position["offset"]
+    for i in range(shard_index(train_files, position, args.train_files), len(train_files)):
+        batches = 0
+        while steps + batches < args.num_iterations:
+            seq_len, doc_max_tokens = batch_shape(steps + batches, args)
+            if doc_max_tokens and i not in doc_starts:
+                doc_starts[i] = document_starts(np.memmap(train_files[i], dtype="<u2", mode="r",
+                                                          offset=SHARD_HEADER_BYTES))
+            if not (cut := cut_batch(offset, sizes[i], doc_starts.get(i), seq_len, args.seqs_per_step,
+                                     doc_max_tokens)):
+                break
+            batches, offset = batches + 1, cut[1]
+        if batches:
+            read.append(train_files[i])
+        steps, offset = steps + batches, 0
+        if steps >= args.num_iterations:
+            break
+    return steps, read
+
 def check_data(args: Hyperparameters, dp: int, checkpoint: dict | None) -> None:
     """The validation sequences fit one shard, the training shards hold every remaining step's batch from the
     checkpoint's position on, and every shard read holds ids below --vocab_size."""
@@ -2412,30 +2508,28 @@ def check_data(args: Hyperparameters, dp: int, checkpoint: dict | None) -> None:
     sizes = [read_shard_header(f) for f in train_files]
     position = checkpoint["data"] if checkpoint is not None else dict(shard=train_files[0].name, offset=0)
     start, needed = (checkpoint["step"] if checkpoint is not None else 0), args.num_iterations
-    batch = args.seqs_per_step * args.train_seq_len
-    steps, read, offset = start, [], position["offset"]
-    for i in range(shard_index(train_files, position, args.train_files), len(train_files)):
-        if steps >= needed:
-            break
-        doc_starts = document_starts(np.memmap(train_files[i], dtype="<u2", mode="r", offset=SHARD_HEADER_BYTES)) \
-            if args.doc_max_tokens else None
-        batches = 0
-        while steps + batches < needed and (cut := cut_batch(offset, sizes[i], doc_starts, args.train_seq_len,
-                                                             args.seqs_per_step, args.doc_max_tokens)):
-            batches, offset = batches + 1, cut[1]
-        if batches:
-            read.append(train_files[i])
-        steps, offset = steps + batches, 0
+    starts = {}  # each shard's document starts, found once
+    steps, read = steps_held(args, train_files, sizes, position, start, starts)
     if steps < needed:
+        fewer, most = start, needed - 1  # the most steps that fit: their stages shorter, the same batches fit fewer
+        while fewer < most:
+            n = (fewer + most + 1) // 2
+            if n > args.extension_steps and steps_held(dataclasses.replace(args, num_iterations=n), train_files, sizes,
+                                                       position, start, starts)[0] >= n:
+                fewer = n
+            else:
+                most = n - 1
         where = f" from the checkpoint's position (token {position['offset']} of {position['shard']})" \
             if checkpoint is not None else ""
         held = f"the batches of steps {start + 1}..{steps}" if steps > start else "no batch"
+        seq_len, doc_max_tokens = batch_shape(steps, args)
         raise UserError(f"--train_files {args.train_files!r}: its {len(train_files)} shard(s) hold {held}{where} of "
-                        f"{batch} tokens (--seqs_per_step x --train_seq_len, each within one shard"
-                        + (f", of whole documents cut at --doc_max_tokens {args.doc_max_tokens}"
-                           if args.doc_max_tokens else "") + "), and the run needs "
+                        f"the stages' --seqs_per_step x --train_seq_len tokens (step {steps + 1}'s "
+                        f"{args.seqs_per_step * seq_len}), each within one shard"
+                        + (f", of whole documents cut at --doc_max_tokens {doc_max_tokens}"
+                           if doc_max_tokens else "") + ", and the run needs "
                         f"them up to step {needed}: fetch more shards, or "
-                        + (f"set --num_iterations {steps}" if steps > start else
+                        + (f"set --num_iterations {fewer}" if fewer > start else
                            "lower --seqs_per_step or --train_seq_len"))
     for path in read + fits[:1]:  # token ids below --vocab_size
         tokens = np.memmap(path, dtype="<u2", mode="r", offset=SHARD_HEADER_BYTES)
@@ -2576,7 +2670,7 @@ def sampling_prompt(args: Hyperparameters, encoding, context: int) -> list[int]:
     """--prompt's tokens after the end-of-text token that starts every document."""
     prompt = [EOT_TOKEN] + encoding.encode(args.prompt)
     need(len(prompt) <= context, f"--prompt is {len(prompt)} tokens with the document start, longer than the model's "
-         f"context of {context} (max(train_seq_len, val_seq_len) of its run): shorten it")
+         f"context of {context} (its run's longest --train_seq_len or --val_seq_len): shorten it")
     return prompt
 
 def sample_from_checkpoint(args: Hyperparameters) -> list[str]:
@@ -2594,7 +2688,7 @@ def sample_from_checkpoint(args: Hyperparameters) -> list[str]:
     except RuntimeError as e:
         raise UserError(f"checkpoint {path} does not fit this file's model ({str(e).splitlines()[1].strip()}): sample "
                         "with the train_gpt.py that wrote it (its source is in the checkpoint, under 'code')") from None
-    encoding, context = gpt2_encoding(), max(run.train_seq_len, run.val_seq_len)
+    encoding, context = gpt2_encoding(), context_length(run)
     prompt = sampling_prompt(args, encoding, context)
     generator, texts, count, start = torch.Generator().manual_seed(args.seed), [], 0, time.perf_counter()
     for i in range(args.num_samples):
@@ -2617,7 +2711,7 @@ def print_sample(trainer: "Trainer", step: int) -> None:
     model = build_model(args, torch.device("cpu"))
     model.load_state_dict(state["model"])
     model.stretch_rotary(long_windows_so_far(step, args))
-    encoding, context = gpt2_encoding(), max(args.train_seq_len, args.val_seq_len)
+    encoding, context = gpt2_encoding(), context_length(args)
     tokens = generate(model, sampling_prompt(args, encoding, context), 48, args.temperature, args.top_k,
                       window_tokens(step, args), context, args.vocab_size, torch.Generator().manual_seed(step))
     print(f"sample: step:{step} {encoding.decode(tokens)!r}", flush=True)
@@ -2968,11 +3062,9 @@ class Layout:
         """The mean of the data-parallel ranks' losses, on every rank."""
         return sum_over_ranks(self.loss_share(loss))
 
-    def step_stats(self, loss_sum: Tensor, grad_squares: Tensor, stop: bool) -> Tensor:
+    def step_stats(self, loss: Tensor, grad_squares: Tensor, stop: bool) -> Tensor:
         """[mean train loss per token, squared gradient norm, stop votes], summed over the ranks in one all-reduce."""
-        micro_batches = self.args.seqs_per_step // self.ctx.dp.size
-        loss = self.loss_share(loss_sum / (micro_batches * self.args.train_seq_len))
-        return sum_over_ranks(torch.stack([loss, grad_squares.float(),
+        return sum_over_ranks(torch.stack([self.loss_share(loss), grad_squares.float(),
                                            torch.full((), float(stop), device=self.ctx.device)]))
 
 # ----------------------------------------------------------------------------------------------------
@@ -4058,29 +4150,31 @@ def account_step(trainer: Trainer, batches, step: int = 0) -> dict:
     """One training step with the bytes this rank held (parameters and their peak, gradients, float64 sums,
     optimizer states, activations) and handed to each collective."""
     comm_bytes.clear()
-    saved = SavedActivations(trainer.model, trainer.args.train_seq_len)
+    saved = SavedActivations(trainer.model, batch_shape(step, trainer.args)[0])
     with saved:
-        loss_sum = forward_backward(trainer, batches, step)
+        loss = forward_backward(trainer, batches, step)
     held = dict(gradients=sum(nbytes(p.grad) for p in trainer.model.parameters() if p.grad is not None),
                 gradient_sums=sum(map(nbytes, trainer.layout.gradients.sums or [])), activations=saved.peak)
-    trainer.layout.step_stats(loss_sum, trainer.layout.gradient_squares(), stop=False)
+    trainer.layout.step_stats(loss, trainer.layout.gradient_squares(), stop=False)
     optimizer_step(trainer, step)
     held.update(parameters=sum(p.untyped_storage().nbytes() for p in trainer.model.parameters()),
                 peak_parameters=trainer.layout.zero.peak_parameter_bytes(trainer.model),
                 optimizer_states=sum(nbytes(t) for opt in trainer.optimizers for state in opt.state.values()
                                      for t in state.values()),
-                comm=dict(comm_bytes), loss_sum=loss_sum)
+                comm=dict(comm_bytes), loss=loss)
     return held
 
 def accounted_steps(args: Hyperparameters) -> list[int]:
-    """The steps the plan runs: one that holds Adam's gradients (each rank keeps them whole) and one on which Adam
-    steps (the most sent)."""
-    return sorted({0, args.adam_every - 1})
+    """The steps the plan runs, from the first at the longest sequences: one that holds Adam's gradients (each rank
+    keeps them whole), then one on which Adam steps (the most sent)."""
+    first = first_step_of_seq_len(args)[max(first_step_of_seq_len(args))]
+    held = [s for s in range(first, min(first + args.adam_every, args.num_iterations)) if not adam_steps(s, args)][:1]
+    return held + [next(s for s in range(held[0] if held else first, args.num_iterations) if adam_steps(s, args))]
 
 def most_held(accounts: list[dict]) -> dict:
     """account_step's figures of accounted_steps, as the plan shows them: each byte count at its largest, and the
     collectives and loss of the last step, Adam's."""
-    return {kind: accounts[-1][kind] if kind in ("comm", "loss_sum") else max(a[kind] for a in accounts)
+    return {kind: accounts[-1][kind] if kind in ("comm", "loss") else max(a[kind] for a in accounts)
             for kind in accounts[-1]}
 
 @contextlib.contextmanager
@@ -4110,8 +4204,7 @@ def plan_layout(args: Hyperparameters, world_size: int, cuda: bool) -> dict:
     compiled = args.compile if args.compile is not None else compiles_by_default(args, torch.device(
         "cuda" if cuda else "cpu"))
     args, meta = dataclasses.replace(args, compile=False), torch.device("meta")
-    tokens = torch.empty(args.train_seq_len + 1, dtype=torch.int64, device=meta)
-    batches = iter(lambda: (tokens[:-1].to(torch.int32), tokens[1:]), None)
+    batches = RandomBatches(args.vocab_size, meta)
     stream_specs, ranks, planned, owners_by_stage, shown = {}, [], {}, {}, time.monotonic()
     role = lambda rank, stage, dp_rank, tp_rank: rank_role(rank, stage, dp_rank, tp_rank, owners_by_stage.get(stage))
     with torch.random.fork_rng(devices=[]):
@@ -4122,7 +4215,7 @@ def plan_layout(args: Hyperparameters, world_size: int, cuda: bool) -> dict:
                     trainer = build_trainer(args, build_parallel_context(rank, world_size, meta, args.tp, args.pp),
                                             cuda_dtypes=cuda, stream_specs=stream_specs)
                     held = most_held([account_step(trainer, batches, step) for step in accounted_steps(args)])
-                del held["loss_sum"]
+                del held["loss"]
                 held["activations"] = int(held["activations"] * (COMPILED_ACTIVATIONS if compiled else 1))
                 names = {p: name for name, p in trainer.model.named_parameters()}
                 owners_by_stage.setdefault(stage, [{names[p]: owner for p, owner in owned.items()}
@@ -4156,8 +4249,9 @@ def check_memory(args: Hyperparameters, world_size: int, free_bytes: int) -> Non
     if needed <= room:
         return
     unit, dp = math.lcm(ATTENTION_BLOCK_SIZE, args.tp if args.sp else 1), world_size // (args.tp * args.pp)
-    options = [(f"--train_seq_len {n}", dict(train_seq_len=n), world_size) for n in
-               (args.train_seq_len // 2, args.train_seq_len // 4, args.train_seq_len // 8) if n % unit == 0 and n]
+    shorter = [",".join(str(n // divisor) for n in stage_seq_lens(args)) for divisor in (2, 4, 8)
+               if all(n % (divisor * unit) == 0 for n in stage_seq_lens(args))]
+    options = [(f"--train_seq_len {lens}", dict(train_seq_len=lens), world_size) for lens in shorter]
     if args.zero < 3 and dp > 1:
         options.append(("--zero 3", dict(zero=3, compile=False), world_size))
     if args.seqs_per_step % (2 * dp) == 0:
@@ -4209,10 +4303,10 @@ LAYOUTS = {"dp2": (2, dict()), "dp2_zero1": (2, dict(zero=1)), "dp2_zero2": (2, 
 # what --check_layout runs: one of each kind, on at most four processes
 CHECKED_LAYOUTS = ("dp2", "dp2_zero1", "dp2_zero2", "dp2_zero3", "tp2", "tp2_sp", "pp2_afab", "pp2_1f1b",
                    "dp2_tp2_sp")
-# the tiny preset: 3 steps of 4 sequences of 256 tokens (two attention blocks) on a 3-step schedule, so that they cross
-# a change of the windows (the long one 1 to 2 blocks, YaRN stretching the rotary), of the learning rate (the cooldown)
-# and of Muon's momentum (its warm-up)
-LAYOUT_CHECK_FLAGS = dict(preset="tiny", train_seq_len=256, seqs_per_step=4, val_seq_len=256, val_tokens=1024,
+# the tiny preset: 3 steps of 4 sequences on a 3-step schedule, so that they cross a change of the sequences (128 tokens
+# to 256: the staged batch), of the windows (the long one 1 to 2 blocks, YaRN stretching the rotary), of the learning
+# rate (the cooldown) and of Muon's momentum (its warm-up)
+LAYOUT_CHECK_FLAGS = dict(preset="tiny", train_seq_len="128,256,256,256", seqs_per_step=4, val_seq_len=256, val_tokens=1024,
                           num_iterations=3)
 # A correct layout adds floats in another order, each gradient a few float32 ulps off, which training amplifies. The
 # noise floor: how far one process trains from itself with every gradient jittered by 2**-20 (8 ulps) at every step.
@@ -4254,14 +4348,14 @@ def train_steps(rank: int, world_size: int, flags: list[str], steps: int, device
     for step in range(steps):
         if step in accounted_steps(args) and not jitter:
             accounts.append(account_step(trainer, batches, step))
-            loss_sum = accounts[-1].pop("loss_sum")
+            loss = accounts[-1].pop("loss")
         else:
-            loss_sum = forward_backward(trainer, batches, step)
+            loss = forward_backward(trainer, batches, step)
             for p in trainer.model.parameters() if jitter else ():
                 if p.grad is not None:
                     p.grad.mul_(1 + jitter * torch.randn(p.shape, generator=draws).to(p.grad))
             optimizer_step(trainer, step)
-        losses.append(trainer.layout.step_stats(loss_sum, no_gradient, stop=False)[0].item())
+        losses.append(trainer.layout.step_stats(loss, no_gradient, stop=False)[0].item())
     with trainer.layout.zero.whole_parameters():  # (copied: ZeRO 3 frees the gathered values afterwards)
         state = pytree.tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, gather_training_state(trainer))
     return dict(losses=losses, accounted=most_held(accounts) if accounts else None, state=state,

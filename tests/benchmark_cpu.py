@@ -38,8 +38,8 @@ def measure(source_dir: str, steps: int, eval_tokens: int, preset_flags: list[st
     args = train_gpt.parse_args(["--preset", "cpu", *preset_flags, "--val_seq_len", "256",
                                  "--val_tokens", str(eval_tokens)], cuda=False)
     ctx = train_gpt.build_parallel_context(0, 1, torch.device("cpu"))
-    batches = train_gpt.DistributedDataLoader(args.train_files, args.train_seq_len, args.seqs_per_step, 0, 1,
-                                              torch.device("cpu"))
+    seq_len = int(str(args.train_seq_len).split(",")[0])  # (the cpu preset's one length; an older file's int)
+    batches = train_gpt.DistributedDataLoader(args.train_files, seq_len, args.seqs_per_step, 0, 1, torch.device("cpu"))
     phases = dict.fromkeys(("data", "forward", "backward", "  of which float64 sums", "gradient norm",
                             "optimizer"), 0.0)
 
@@ -61,10 +61,10 @@ def measure(source_dir: str, steps: int, eval_tokens: int, preset_flags: list[st
         gradients = layout.gradients
 
         def train_step(data, step):
-            loss_sum = forward_backward(trainer, data, step)
+            loss = forward_backward(trainer, data, step)
             layout.gradient_squares()
             optimizer_step(trainer, step)
-            return loss_sum
+            return loss
         evaluate = functools.partial(train_gpt.evaluate, trainer)
     else:  # the baseline's one Run object
         run = train_gpt.build_run(args, ctx)
@@ -82,6 +82,7 @@ def measure(source_dir: str, steps: int, eval_tokens: int, preset_flags: list[st
 
     class TimedBatches:
         __next__ = staticmethod(timed("data", lambda: next(batches)))
+        set_shape = staticmethod(lambda *shape: batches.set_shape(*shape))
     data = TimedBatches()
     losses = [train_step(data, step).item() for step in range(2)]
     for phase in phases:
@@ -92,11 +93,11 @@ def measure(source_dir: str, steps: int, eval_tokens: int, preset_flags: list[st
     phases["backward"] -= phases["forward"] + phases["data"]
     start = time.perf_counter()
     val_loss = evaluate(0)
-    return dict(step_ms=1000 * wall / steps, tokens_per_s=steps * args.seqs_per_step * args.train_seq_len / wall,
+    return dict(step_ms=1000 * wall / steps, tokens_per_s=steps * args.seqs_per_step * seq_len / wall,
                 phases_ms={k: 1000 * v / steps for k, v in phases.items()},
                 user_s=(after.ru_utime - before.ru_utime) / steps, sys_s=(after.ru_stime - before.ru_stime) / steps,
                 eval_s=time.perf_counter() - start, val_loss=val_loss, losses=losses,
-                threads=torch.get_num_threads(), tokens_per_step=args.seqs_per_step * args.train_seq_len)
+                threads=torch.get_num_threads(), tokens_per_step=args.seqs_per_step * seq_len)
 
 
 def cpu_preset_flags() -> list[str]:

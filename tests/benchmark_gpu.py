@@ -27,7 +27,7 @@ PEAK_BF16 = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("H800",
              ("L40S", 362e12), ("A10", 125e12), ("RTX 4090", 165e12)]
 
 
-def model_flops_per_token(args: train_gpt.Hyperparameters, windows: tuple[int, int]) -> float:
+def model_flops_per_token(args: train_gpt.Hyperparameters, windows: tuple[int, int], seq_len: int) -> float:
     """Forward and backward FLOPs per token: 6 per weight of every matmul (q, k, v, the attention output, the MLP,
     the head over the padded vocabulary; embedding lookups are free), and for attention 12 per query, key and
     head dimension, counting each query's keys as its sliding window (short, long: windows[0] or windows[1] as the
@@ -37,7 +37,7 @@ def model_flops_per_token(args: train_gpt.Hyperparameters, windows: tuple[int, i
     attention_layers = [i for i in range(args.num_layers) if i not in attention_free]
     matmul_weights = (len(attention_layers) * 4 * hdim * d + args.num_layers * 8 * d * d
                       + train_gpt.next_multiple_of_n(args.vocab_size, n=128) * d)
-    keys = sum(min(windows["SL".index(args.window_pattern[i])], args.train_seq_len) for i in attention_layers)
+    keys = sum(min(windows["SL".index(args.window_pattern[i])], seq_len) for i in attention_layers)
     return 6 * matmul_weights + 12 * keys * hdim
 
 
@@ -63,7 +63,7 @@ def main():
     if args.compile is None:
         args.compile = train_gpt.compiles_by_default(args, ctx.device)
     at_step = args.num_iterations // 2 if ours.at_step is None else ours.at_step
-    step_tokens = args.seqs_per_step * args.train_seq_len
+    step_tokens = args.seqs_per_step * train_gpt.batch_shape(at_step, args)[0]
     with tempfile.TemporaryDirectory() as scratch:
         if not train_gpt.glob.glob(args.train_files):
             files = [None]
@@ -125,11 +125,11 @@ def time_steps(trainer, batches, at_step: int, steps: int, device: torch.device)
     pending = None
     for step in range(at_step, at_step + steps):
         marks.mark("start")
-        loss_sum = train_gpt.forward_backward(trainer, batches, step)
+        loss = train_gpt.forward_backward(trainer, batches, step)
         grad_squares = trainer.layout.gradient_squares()
         train_gpt.optimizer_step(trainer, step)
         marks.mark("optimizer")
-        stats = train_gpt.start_copy_to_host(trainer.layout.step_stats(loss_sum, grad_squares, stop=False))
+        stats = train_gpt.start_copy_to_host(trainer.layout.step_stats(loss, grad_squares, stop=False))
         if pending is not None:
             pending()  # read a step late, as the trainer does
         pending = stats
@@ -145,9 +145,10 @@ def time_steps(trainer, batches, at_step: int, steps: int, device: torch.device)
 
 def report(args, ctx, source: str, at_step: int, steps: int, phases: dict) -> None:
     ms = phases["wall_ms"] / steps
-    tokens_per_gpu = args.seqs_per_step * args.train_seq_len / ctx.world_size
+    seq_len = train_gpt.batch_shape(at_step, args)[0]
+    tokens_per_gpu = args.seqs_per_step * seq_len / ctx.world_size
     window = train_gpt.window_tokens(at_step, args)
-    flops_per_gpu = model_flops_per_token(args, window) * tokens_per_gpu
+    flops_per_gpu = model_flops_per_token(args, window, seq_len) * tokens_per_gpu
     peak = next((flops for name, flops in PEAK_BF16 if name in torch.cuda.get_device_name(ctx.device)), None) \
         if ctx.device.type == "cuda" else None
     device = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else \

@@ -93,17 +93,20 @@ def assert_holds_adam_gradients(state: dict, held: bool):
 
 # saved at step 4, after Adam's step (the tiny preset's adam_every 2); at step 3, with Adam's gradients of step 3
 # held for step 4's; each in the second of the tiny run's stages (steps 3 and 4: a rotary that YaRN stretched)
-@pytest.mark.parametrize("world_size, saved_at", [(1, 4), (2, 3)])
-def test_resumed_run_ends_bit_identical_to_the_uninterrupted_one(tmp_path, files, world_size, saved_at):
-    full_log = run(tmp_path, files, world_size, "full", save_every=saved_at)
+# the second: a staged batch, saved as its second stage (steps 3 and 4 of 8) starts: 256-token sequences of documents
+# cut at 256 after 128-token ones cut at 64
+@pytest.mark.parametrize("world_size, saved_at, staged", [
+    (1, 4, {}), (2, 3, dict(train_seq_len="128,256,128,256", doc_max_tokens="64,256,256,256"))])
+def test_resumed_run_ends_bit_identical_to_the_uninterrupted_one(tmp_path, files, world_size, saved_at, staged):
+    full_log = run(tmp_path, files, world_size, "full", save_every=saved_at, **staged)
     path = tmp_path / "logs" / "full" / f"step{saved_at:06d}.pt"
-    resumed_log = run(tmp_path, files, world_size, "resumed", save_every=saved_at, resume=path)
+    resumed_log = run(tmp_path, files, world_size, "resumed", save_every=saved_at, resume=path, **staged)
     assert f"resumed: step:{saved_at}/{STEPS} from {path}" in resumed_log
     assert_holds_adam_gradients(checkpoint(tmp_path, "full", saved_at), held=saved_at % 2 == 1)
     assert_states_equal(checkpoint(tmp_path, "full", STEPS), checkpoint(tmp_path, "resumed", STEPS))
     # a checkpoint does not change the run that saves it (held gradients averaged over the ranks and held again, in
     # float64 sums, the tiny preset's, exactly as they were)
-    run(tmp_path, files, world_size, "unsaved", save_every=STEPS)
+    run(tmp_path, files, world_size, "unsaved", save_every=STEPS, **staged)
     assert_states_equal(checkpoint(tmp_path, "unsaved", STEPS), checkpoint(tmp_path, "resumed", STEPS))
     assert checkpoint(tmp_path, "full", STEPS)["data"] == checkpoint(tmp_path, "resumed", STEPS)["data"]
     assert step_lines(resumed_log) == after_step(step_lines(full_log), saved_at)

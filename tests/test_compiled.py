@@ -17,9 +17,9 @@ DOC_STARTS = [0, 70, 128, 129, 300, 450]  # documents starting mid-block, on a b
 
 def small_args(files=None, **overrides):
     files = files or dict(train_files="unused", val_files="unused")
-    return train_gpt.parse_args(tiny_flags(files, fp8_head=True, train_seq_len=SEQ_LEN, val_seq_len=SEQ_LEN,
-                                           window_blocks="1:1,1:2,2:3,2:4", final_window_blocks=4,
-                                           extension_steps=0, **overrides), cuda=False)
+    flags = dict(fp8_head=True, train_seq_len=SEQ_LEN, val_seq_len=SEQ_LEN, window_blocks="1:1,1:2,2:3,2:4",
+                 final_window_blocks=4, extension_steps=0)
+    return train_gpt.parse_args(tiny_flags(files, **dict(flags, **overrides)), cuda=False)
 
 
 def nonzero_model(args):
@@ -108,13 +108,15 @@ def assert_warmup_restores_exactly(trainer, steps: int) -> None:
     assert all(p.grad is None for p in trainer.model.parameters())
 
 
-def test_compiled_warmup_restores_model_and_optimizer_state_exactly(tmp_path):
+def test_compiled_warmup_restores_model_and_optimizer_state_exactly_and_compiles_each_stages_shape(tmp_path):
+    # a staged batch: steps 0 and 1 of 256-token sequences, then of 512 (the warm-up's 2 steps at each)
     files = write_synthetic_shards(tmp_path)
-    args = small_args(files, compile=True, seqs_per_step=2)
+    args = small_args(files, compile=True, seqs_per_step=2, train_seq_len="256,512,512,512", num_iterations=6)
     trainer = train_gpt.build_trainer(args, train_gpt.build_parallel_context(0, 1, torch.device("cpu")))
     assert_warmup_restores_exactly(trainer, 2)
-    # and it trains from there: three steps (Adam's first step, with the zero-initialised head's, after the
-    # second), the loss falls
+    # and it trains from there across the change of sequence length with no new compile: four steps (Adam's first
+    # step, with the zero-initialised head's, after the second), the loss falls
     batches = train_gpt.DistributedDataLoader(args.train_files, SEQ_LEN, 2, 0, 1, torch.device("cpu"))
-    losses = [train_step(trainer, batches, step)[0].item() for step in range(3)]
-    assert losses[2] < losses[0]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        losses = [train_step(trainer, batches, step)[0].item() for step in range(4)]
+    assert losses[3] < losses[0]

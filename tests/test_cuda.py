@@ -121,7 +121,7 @@ def test_compiled_model_gives_the_eager_loss_and_gradients():
         if isinstance(m, torch.nn.Embedding):
             m.float()  # fp32 embeddings make every activation fp32 (the bf16 weights are exact in fp32)
     compiled = torch.compile(compiled_copy, dynamic=False)
-    tokens = sequence_with_documents(DOC_STARTS, args.train_seq_len + 1).to(CUDA)
+    tokens = sequence_with_documents(DOC_STARTS, train_gpt.context_length(args) + 1).to(CUDA)
     window = train_gpt.window_tensor((4, 4), CUDA)
     losses = [m(tokens[:-1].to(torch.int32), tokens[1:], window) for m in (eager, compiled, fp32)]
     for loss in losses:
@@ -151,7 +151,7 @@ def test_the_model_compiles_once_across_the_window_schedule_with_no_graph_break(
     counters = torch._dynamo.utils.counters
     counters.clear()
     compiled = torch.compile(model, dynamic=False)
-    tokens = sequence_with_documents(DOC_STARTS, args.train_seq_len + 1).to(CUDA)
+    tokens = sequence_with_documents(DOC_STARTS, train_gpt.context_length(args) + 1).to(CUDA)
     stages = {train_gpt.window_tokens(step, args): train_gpt.long_windows_so_far(step, args)
               for step in range(args.num_iterations + 1)}
     assert len(stages) == 4  # the three thirds' and the final validation's
@@ -173,11 +173,14 @@ def test_a_record_shape_step_with_gradient_accumulation_fits_one_gpu_and_has_a_f
     args = train_gpt.parse_args(["--preset", "record", "--seqs_per_step", "2", "--compile", "true"], cuda=True)
     trainer = train_gpt.build_trainer(args, train_gpt.build_parallel_context(0, 1, CUDA))
     torch.cuda.reset_peak_memory_stats()
-    # the first step Adam takes: the head starts at zero, so every gradient but Adam's (the head's) is zero at first,
-    # and a step that holds Adam's gradients (--adam_every 2) counts none of them in its norm
-    first_adam_step = next(step for step in range(args.num_iterations) if train_gpt.adam_steps(step, args))
-    loss_sum, grad_squares = train_step(trainer, train_gpt.random_batches(args, CUDA), first_adam_step)
-    loss = loss_sum.item() / (2 * args.train_seq_len)
+    # the first step Adam takes at the longest sequences (48K tokens): the head starts at zero, so every gradient but
+    # Adam's (the head's) is zero at first, and a step that holds Adam's gradients (--adam_every 2) counts none of
+    # them in its norm
+    longest = train_gpt.first_step_of_seq_len(args)
+    first_adam_step = next(step for step in range(longest[max(longest)], args.num_iterations)
+                           if train_gpt.adam_steps(step, args))
+    loss, grad_squares = train_step(trainer, train_gpt.RandomBatches(args.vocab_size, CUDA), first_adam_step)
+    loss = loss.item()
     assert abs(loss - 10.83) < 0.1  # the zero-initialised head: uniform over the padded vocabulary, log(50304)
     assert torch.isfinite(grad_squares) and grad_squares > 0
     # a budget, not the GPU's size (which an overrun would hit as an error first): half an 80 GB H100, where an

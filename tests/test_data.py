@@ -175,6 +175,23 @@ def test_aligned_batches_move_to_the_next_shard_and_resume_from_their_position(t
             next(loader)
 
 
+def test_a_loader_reshaped_between_batches_reads_on_in_the_new_shape_as_worked_by_hand(tmp_path):
+    # the staged batch (#46): one batch of 2 x 4 tokens as a stream (tokens 0..8), then one of 2 x 7 from documents
+    # cut at 6 (from document 2, at token 8, as in the test above: next document 6, at 35), then one of 2 x 3 as a
+    # stream again (tokens 35..41)
+    write_documents(tmp_path / "train_000000.bin", DOC_LENGTHS)
+    loader = DistributedDataLoader(str(tmp_path / "train_*.bin"), 4, 2, 0, 1, CPU)
+    batches = {(4, 0): [doc(0, 0, 5), doc(0, 4, 5) + doc(1, 0, 3) + doc(2, 0, 1)],
+               (7, 6): [doc(2, 0, 6) + doc(3, 0, 2), doc(4, 0, 2) + doc(5, 0, 6)],
+               (3, 0): [doc(6, 0, 4), doc(6, 3, 6) + doc(7, 0, 1)]}
+    for shape, expected in batches.items():
+        loader.set_shape(*shape)
+        for tokens in expected:
+            inputs, targets = next(loader)
+            assert inputs.tolist() == tokens[:-1] and targets.tolist() == tokens[1:], shape
+    assert loader.position() == {"shard": "train_000000.bin", "offset": 41}
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_aligned_rank_slices_together_equal_the_single_rank_batch(tmp_path, world_size):
     rng = np.random.default_rng(0)

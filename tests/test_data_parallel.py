@@ -47,10 +47,10 @@ def test_one_process_without_float64_sums_trains_a_model_with_a_parameter_no_ste
     files = write_synthetic_shards(tmp_path)
     args = train_gpt.parse_args(tiny_flags(files, fp64_grad_sum=False), cuda=False)
     trainer = train_gpt.build_trainer(args, train_gpt.build_parallel_context(0, 1, torch.device("cpu")))
-    batches = train_gpt.DistributedDataLoader(args.train_files, args.train_seq_len, args.seqs_per_step, 0, 1,
+    batches = train_gpt.DistributedDataLoader(args.train_files, train_gpt.context_length(args), args.seqs_per_step, 0, 1,
                                               torch.device("cpu"))
     for step in range(2):
-        loss_sum = train_gpt.forward_backward(trainer, batches, step)
+        loss = train_gpt.forward_backward(trainer, batches, step)
         assert trainer.model.unused_gain.grad is None and trainer.model.lm_head.weight.grad.norm() > 0
         train_gpt.optimizer_step(trainer, step)
-    assert torch.isfinite(loss_sum) and trainer.model.unused_gain.item() == 1.0
+    assert torch.isfinite(loss) and trainer.model.unused_gain.item() == 1.0

@@ -145,6 +145,23 @@ def test_training_shards_too_short_for_the_run_are_refused_with_the_steps_that_f
             "--train_files", "hold no batch", "lower --seqs_per_step or --train_seq_len")
 
 
+def test_shards_too_short_for_a_staged_batch_are_refused_with_a_step_count_whose_stages_fit(tmp_path, files):
+    # 150,000 tokens as a stream, 300 steps in thirds: 100 batches of 4 x 128 tokens (51,200), then of 4 x 256, each
+    # needing 1,025 in the shard: 96 more (51,200 + 95 x 1,024 + 1,025 <= 150,000). N steps take round(N / 3)
+    # batches of 512 and the rest of 1,024, plus the last target: 175 fit (58 x 512 + 117 x 1,024 + 1 = 149,505),
+    # 176 do not (59 x 512 + 117 x 1,024 + 1 = 150,017)
+    staged = dict(train_seq_len="128,256,256,256", doc_max_tokens=0, val_loss_every=0)
+    refused(flags(files, tmp_path, num_iterations=300, **staged), "--train_files", "steps 1..196", "up to step 300",
+            "(step 197's 1024)", "--num_iterations 175")
+    for steps, fits in ((175, True), (176, False)):
+        args = train_gpt.parse_args(flags(files, tmp_path, num_iterations=steps, **staged), cuda=False)
+        if fits:
+            train_gpt.check_data(args, 1, None)
+        else:
+            with pytest.raises(train_gpt.UserError, match="--num_iterations 175"):
+                train_gpt.check_data(args, 1, None)
+
+
 # 4. token ids outside the vocabulary
 
 def test_a_token_id_outside_the_vocabulary_is_refused_before_training_naming_the_file(tmp_path):

@@ -171,7 +171,7 @@ def test_code_between_gpt_forwards_steps_that_runs_once_per_part_is_refused_nami
             return super().forward(input_seq, target_seq, window, stream, layers)
     args = train_gpt.parse_args(tiny_flags(layout_files, **LAYOUT_TEST_FLAGS), cuda=False)
     model = GPTShiftingEveryPart(args.vocab_size, args.num_layers, args.num_heads, args.head_dim, args.model_dim,
-                                args.train_seq_len, args.window_pattern)
+                                train_gpt.context_length(args), args.window_pattern)
     with pytest.raises(train_gpt.UserError, match=r"GPT\.forward run in the parts the layouts run it in .* Put code "
                                                   r"that changes the stream in the embedding's branch"):
         train_gpt.ModelTrace(model, 128).run()
@@ -233,9 +233,10 @@ def test_check_layout_finds_a_layout_that_mixes_positions_or_skips_gpt_forward_w
 
 
 @pytest.mark.parametrize("flags", [train_gpt.LAYOUT_CHECK_FLAGS, LAYOUT_TEST_FLAGS])
-def test_the_layout_checks_steps_cross_a_change_of_window_learning_rate_and_momentum(flags):
+def test_the_layout_checks_steps_cross_a_change_of_sequences_window_learning_rate_and_momentum(flags):
     args = train_gpt.parse_args([f"--{k}={v}" for k, v in dict(dict(preset="tiny"), **flags).items()], cuda=False)
     steps = range(3)
+    assert len({train_gpt.batch_shape(step, args)[0] for step in steps}) > 1
     assert len({train_gpt.window_tokens(step, args) for step in steps}) > 1
     assert len({train_gpt.lr_multiplier(step, args) for step in steps}) > 1
     assert len({train_gpt.muon_momentum(step, args) for step in steps}) > 1

@@ -108,7 +108,8 @@ def test_the_layer_stack_computes_the_formulas_of_record_89():
     args, model = tiny_model_with_every_weight_nonzero()
     assert model.skip == (1, 4) and model.attend_over == 3 and model.blocks[4].attn is None  # the tiny preset's
     assert list(model.gate_networks) == ["0", "2"]  # (its XSA layers 1 and 3, output gates 3 and 5)
-    tokens = torch.randint(0, args.vocab_size, (args.train_seq_len + 1,), generator=torch.Generator().manual_seed(2))
+    tokens = torch.randint(0, args.vocab_size, (train_gpt.context_length(args) + 1,),
+                           generator=torch.Generator().manual_seed(2))
     tokens[::37] = train_gpt.EOT_TOKEN
     window = train_gpt.window_tensor((128, 128), torch.device("cpu"))
     with torch.no_grad():
@@ -133,7 +134,8 @@ def test_each_learned_scale_starts_where_record_89_starts_it():
     model = train_gpt.build_model(args, torch.device("cpu"))
     # each gate network's coefficients: x0's share 0, the skip's gate 0.5, XSA's strength 0 (tanh 0: none), the
     # output gates 0.25, as #89 starts them, whatever the token (W2 starts at zero)
-    tokens = torch.randint(0, args.vocab_size, (args.train_seq_len,), generator=torch.Generator().manual_seed(4))
+    tokens = torch.randint(0, args.vocab_size, (train_gpt.context_length(args),),
+                           generator=torch.Generator().manual_seed(4))
     stream = model.embed_tokens(tokens)
     first = model.gate_networks["0"](stream["x"])
     assert first.keys() == {"0", "1"} and first["0"].keys() == {"x0", "bigram"}
@@ -196,7 +198,7 @@ def test_gates_go_to_adam_at_their_own_share_of_the_gates_lr():
 def test_the_stream_carries_a_layers_output_only_while_a_later_layer_or_the_head_reads_it():
     args = train_gpt.parse_args(["--preset", "tiny"], cuda=False)
     model = train_gpt.build_model(args, torch.device("cpu"))
-    tokens = torch.full((args.train_seq_len,), train_gpt.EOT_TOKEN)
+    tokens = torch.full((train_gpt.context_length(args),), train_gpt.EOT_TOKEN)
     masks = model.attention_masks(tokens, train_gpt.window_tensor((128, 128), torch.device("cpu")))
     stream, carried = model.embed_tokens(tokens), []
     for i in range(len(model.blocks)):
@@ -212,7 +214,8 @@ def test_without_the_skip_and_the_attended_layer_the_model_has_neither_and_its_b
     args = train_gpt.parse_args(["--preset", "tiny", "--skip_layers", "", "--attend_over_layer", ""], cuda=False)
     model = train_gpt.build_model(args, torch.device("cpu"))
     assert model.backout is None and all(block.skip_gate is None for block in model.blocks)
-    tokens = torch.randint(0, args.vocab_size, (args.train_seq_len + 1,), generator=torch.Generator().manual_seed(3))
+    tokens = torch.randint(0, args.vocab_size, (train_gpt.context_length(args) + 1,),
+                           generator=torch.Generator().manual_seed(3))
     masks = model.attention_masks(tokens[:-1], train_gpt.window_tensor((128, 128), torch.device("cpu")))
     stream = model.embed_tokens(tokens[:-1])
     for i in range(len(model.blocks)):
@@ -269,14 +272,15 @@ def test_yarn_stretches_the_rotary_and_raises_the_attention_scale_at_each_change
     assert 0 < freq[8] / ((1 / 1024) ** (8 / 15)) < 1  # (one between: slowed, by less than the whole)
     # the model's rotaries and attention take them: each layer's cos and sin, and the scale in the softmax
     args, model = tiny_model_with_every_weight_nonzero()
-    tokens = torch.randint(0, args.vocab_size, (args.train_seq_len + 1,), generator=torch.Generator().manual_seed(2))
+    tokens = torch.randint(0, args.vocab_size, (train_gpt.context_length(args) + 1,),
+                           generator=torch.Generator().manual_seed(2))
     window = train_gpt.window_tensor((128, 256), torch.device("cpu"))
     with torch.no_grad():
         before = model(tokens[:-1], None, window)
         model.stretch_rotary((128, 256))
         after = model(tokens[:-1], None, window)
     freq, scale = train_gpt.rotary_frequencies(args.head_dim, (128, 256))
-    theta = torch.arange(args.train_seq_len, dtype=torch.float64)[:, None] * freq.double()
+    theta = torch.arange(train_gpt.context_length(args), dtype=torch.float64)[:, None] * freq.double()
     rotaries = [m for m in model.modules() if isinstance(m, train_gpt.Rotary)]
     assert len(rotaries) == sum(block.attn is not None for block in model.blocks)
     for rotary in rotaries:
@@ -284,7 +288,8 @@ def test_yarn_stretches_the_rotary_and_raises_the_attention_scale_at_each_change
         torch.testing.assert_close(rotary.sin.double(), theta.sin(), rtol=0, atol=1e-5)
         assert rotary.attention_scale.item() == pytest.approx(scale, rel=1e-6) and scale > 0.1 * 1.13
     assert (after - before).abs().max() > 1e-3 * (before - before.mean()).abs().max()
-    attn, x = model.blocks[2].attn, torch.randn(1, args.train_seq_len, args.model_dim)  # (no key offset or XSA)
+    seq_len = train_gpt.context_length(args)
+    attn, x = model.blocks[2].attn, torch.randn(1, seq_len, args.model_dim)  # (no key offset or XSA)
     mask = model.attention_masks(tokens[:-1], window)["S"]
     with torch.no_grad():
         q, k, v = attn.project(x)
@@ -292,7 +297,7 @@ def test_yarn_stretches_the_rotary_and_raises_the_attention_scale_at_each_change
         y = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                                              attn.values(v, None).transpose(1, 2), attn_mask=mask,
                                                              scale=scale)
-        expected = attn.c_proj(y.transpose(1, 2).reshape(1, args.train_seq_len, -1))
+        expected = attn.c_proj(y.transpose(1, 2).reshape(1, seq_len, -1))
         torch.testing.assert_close(attn(x, None, mask), expected, rtol=1e-5, atol=1e-6)
 
 
@@ -382,7 +387,8 @@ def test_training_adds_the_later_tokens_and_the_prefix_tokens_losses_at_their_we
     _, model = tiny_model_with_every_weight_nonzero()
     model.prefix_of = train_gpt.prefix_tokens(model.lm_head.weight.size(0))
     model.loss_weights = torch.tensor([1.0, 0.5, 0.25, 0.3])
-    tokens = torch.randint(0, args.vocab_size, (args.train_seq_len + 1,), generator=torch.Generator().manual_seed(5))
+    tokens = torch.randint(0, args.vocab_size, (train_gpt.context_length(args) + 1,),
+                           generator=torch.Generator().manual_seed(5))
     inputs, targets = tokens[:-1], tokens[1:]
     window = train_gpt.window_tensor((128, 128), torch.device("cpu"))
     with torch.no_grad():
@@ -404,10 +410,10 @@ def test_the_loss_weights_follow_record_89s_stages():
     """By hand, for 1770 steps of which the last 15 are the extension (thirds of 1755 ending at 585, 1170): [next,
     2nd, 3rd, prefix] from [1, 0.5, 0.25, 0.25] down to [1, 0.5, 0, 0.25] over the first third, to [1, 0, 0, 0] over
     the second, then [1, 0, 0, 0] through the third and the extension."""
-    args = train_gpt.parse_args(["--preset", "record"], cuda=False)
+    args = train_gpt.parse_args(["--preset", "record", "--num_iterations", "1770"], cuda=False)
     expected = {0: [1, 0.5, 0.25, 0.25], 117: [1, 0.5, 0.2, 0.25], 585: [1, 0.5, 0, 0.25], 702: [1, 0.4, 0, 0.2],
                 1170: [1, 0, 0, 0], 1769: [1, 0, 0, 0]}
     for step, weights in expected.items():
         assert train_gpt.loss_weights(step, args) == pytest.approx(weights, abs=1e-12), step
-    no_mtp = train_gpt.parse_args(["--preset", "record", "--mtp", "false"], cuda=False)
+    no_mtp = train_gpt.parse_args(["--preset", "record", "--num_iterations", "1770", "--mtp", "false"], cuda=False)
     assert train_gpt.loss_weights(702, no_mtp) == pytest.approx([1, 0.2])

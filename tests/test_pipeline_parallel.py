@@ -31,7 +31,7 @@ def stream_structures(rank, world_size, files, layout):
     args = train_gpt.parse_args(tiny_flags(files, **layout), cuda=False)
     ctx = train_gpt.build_parallel_context(rank, world_size, torch.device("cpu"), args.tp, args.pp)
     trainer = train_gpt.build_trainer(args, ctx)
-    batches = train_gpt.DistributedDataLoader(args.train_files, args.train_seq_len, args.seqs_per_step,
+    batches = train_gpt.DistributedDataLoader(args.train_files, train_gpt.context_length(args), args.seqs_per_step,
                                               ctx.dp.rank, ctx.dp.size, ctx.device)
     train_step(trainer, batches, 0)
     train_gpt.evaluate(trainer, 0)
@@ -51,7 +51,7 @@ def test_what_crosses_each_boundary_is_what_the_one_process_forward_holds_there(
         specs.update(rank_specs)
     args = train_gpt.parse_args(tiny_flags(files, **layout), cuda=False)
     model = train_gpt.build_model(args, torch.device("cpu"))
-    for training, seq_len in ((True, args.train_seq_len), (False, args.val_seq_len)):
+    for training, seq_len in ((True, train_gpt.batch_shape(0, args)[0]), (False, args.val_seq_len)):
         model.train(training)
         tokens = torch.full((seq_len,), train_gpt.EOT_TOKEN)
         with torch.set_grad_enabled(training):

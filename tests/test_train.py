@@ -22,11 +22,14 @@ def test_flags_override_preset_values():
     record = train_gpt.parse_args([], cuda=True)
     assert record == train_gpt.Hyperparameters()  # the record config is the dataclass defaults
     assert (record.val_tokens, record.train_seq_len, record.val_seq_len, record.num_iterations) == \
-        (10485760, 48 * 1024, 4 * 64 * 1024, 1770)
+        (10485760, "16384,32768,49152,49152", 4 * 64 * 1024, 1285)
 
 
 @pytest.mark.parametrize("flags, words", [
-    (["--train_seq_len", "100"], "--train_seq_len 100 must be a multiple of 128"),
+    (["--train_seq_len", "100"], "--train_seq_len '100': each stage's must be a multiple of 128 (the attention block), not 100"),
+    (["--train_seq_len", "128,256,384"], "--train_seq_len '128,256,384': expected 4 whole numbers of 0 or more"),
+    (["--doc_max_tokens", "896,x,2048,2048"], "--doc_max_tokens '896,x,2048,2048': expected 4 whole numbers"),
+    (["--stage_lr", "1,1.5"], "--stage_lr '1,1.5': expected 3 numbers of 0 or more, for the three thirds"),
     (["--window_pattern", "LLS"], "--window_pattern 'LLS' must have one letter"),
     (["--num_iterations", "0"], "--num_iterations must be a whole number > 0 and below 2**31, got 0"),
     (["--cooldown_frac", "1.5"], "--cooldown_frac must be in"),
@@ -51,14 +54,20 @@ def test_bad_flag_values_are_refused_by_name(flags, words):
 
 
 def test_schedules_at_hand_computed_points():
-    # the record's: 1000 scheduled steps (thirds ending at 333, 667) and 15 of extension; cooldown over the last 60%
-    # of the scheduled ones, to 0.15
+    # the record's: 1000 scheduled steps (thirds ending at 333, 667) and 15 of extension; the stages' lrs 1, 1.52 and
+    # 1.73, each falling over the last 60% of the scheduled steps as if from step 400, to 0.15
     args = train_gpt.Hyperparameters(num_iterations=1015)
-    assert train_gpt.lr_multiplier(0, args) == 1.0
-    assert train_gpt.lr_multiplier(399, args) == 1.0
-    assert train_gpt.lr_multiplier(700, args) == pytest.approx(0.5 * 1 + 0.5 * 0.15)
-    assert train_gpt.lr_multiplier(1000, args) == pytest.approx(0.15)
-    assert train_gpt.lr_multiplier(1014, args) == pytest.approx(0.15)  # the extension
+    lrs = {0: 1.0, 332: 1.0, 333: 1.52, 399: 1.52, 500: 1.52 * 5 / 6 + 0.15 / 6, 666: 1.52 * 0.334 / 0.6 + 0.15 *
+           (1 - 0.334 / 0.6), 700: 0.5 * 1.73 + 0.5 * 0.15, 1000: 0.15, 1014: 0.15}  # (the extension: 0.15)
+    for step, lr in lrs.items():
+        assert train_gpt.lr_multiplier(step, args) == pytest.approx(lr), step
+    # #46's staged batch: 16K-token sequences of documents cut at 896, then 32K and 48K of documents cut at 2048
+    shapes = {0: (16384, 896), 332: (16384, 896), 333: (32768, 2048), 666: (32768, 2048), 667: (49152, 2048),
+              1014: (49152, 2048)}
+    for step, shape in shapes.items():
+        assert train_gpt.batch_shape(step, args) == shape, step
+    assert train_gpt.first_step_of_seq_len(args) == {16384: 0, 32768: 333, 49152: 667}
+    assert train_gpt.accounted_steps(args) == [668, 669]  # (at the longest: one holding Adam's gradients, then not)
     # #89's windows in 128-token blocks: (1, 3), (3, 7), (5, 11), then (6, 13); 20 long at the final validation
     blocks = {0: (1, 3), 332: (1, 3), 333: (3, 7), 666: (3, 7), 667: (5, 11), 999: (5, 11), 1000: (6, 13),
               1014: (6, 13), 1015: (6, 20)}
