@@ -222,7 +222,8 @@ class Muon(torch.optim.Optimizer):
 # layout, where the MLP's matrices are hidden-major: 2 for both), and doubles it for one that reads more than the
 # width (the MLP's output projection); a q or k block of a pair of heads (256 x 768) takes 1, as there
 MUON_SHAPE_RULES = {"23": lambda rows, cols, width: max(1, rows / cols) ** 0.5,
-                    "89": lambda rows, cols, width: (max(rows, cols, width) / width) ** 0.5 * (2 if cols > width else 1)}
+                    "89": lambda rows, cols, width:
+                        (max(rows, cols, width) / width) ** 0.5 * (2 if cols > width else 1)}
 
 class Adam(torch.optim.Adam):
     """torch's Adam with cautious weight decay, as record #89 has it: where the step moves a weight towards zero, the
@@ -322,28 +323,26 @@ def rotary_frequencies(head_dim: int, long_windows: tuple[int, ...] = ()) -> tup
 
 class Rotary(nn.Module):
     """Half-truncated RoPE: only the first half of each head's dims rotate; the rest pass through. It also holds the
-    attention's scale, which YaRN retunes with the frequencies (`retune`)."""
+    attention's scale, which YaRN retunes with the frequencies (`retune`). The angles are computed for each sequence
+    (a table of every position a layer could see is 134 MB a layer at the record's 262K-token validation)."""
 
-    def __init__(self, head_dim: int, max_seq_len: int):
+    def __init__(self, head_dim: int):
         super().__init__()
         angular_freq, scale = rotary_frequencies(head_dim)
-        self.cos = nn.Buffer(torch.empty(max_seq_len, head_dim // 2), persistent=False)
-        self.sin = nn.Buffer(torch.empty(max_seq_len, head_dim // 2), persistent=False)
+        self.angular_freq = nn.Buffer(angular_freq, persistent=False)
         self.attention_scale = nn.Buffer(torch.tensor(scale), persistent=False)
         self.stationary = nn.Buffer((angular_freq == 0).repeat(2), persistent=False)  # (head_dim,): unrotated dims
-        self.retune(angular_freq, scale)
 
     @torch.no_grad()
     def retune(self, angular_freq: Tensor, scale: float) -> None:
         """In place, so that a compiled graph holding the buffers reads the new values."""
-        theta = torch.outer(torch.arange(self.cos.size(0), dtype=torch.float32), angular_freq)
-        self.cos.copy_(theta.cos())
-        self.sin.copy_(theta.sin())
+        self.angular_freq.copy_(angular_freq)
         self.attention_scale.fill_(scale)
 
     def forward(self, x_BTHD: Tensor) -> Tensor:
-        T = x_BTHD.size(-3)
-        cos, sin = self.cos[None, :T, None, :], self.sin[None, :T, None, :]
+        theta = torch.outer(torch.arange(x_BTHD.size(-3), dtype=torch.float32, device=x_BTHD.device),
+                            self.angular_freq)
+        cos, sin = theta.cos()[None, :, None, :], theta.sin()[None, :, None, :]
         x1, x2 = x_BTHD.float().chunk(2, dim=-1)
         return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1).type_as(x_BTHD)
 
@@ -419,7 +418,7 @@ class CausalSelfAttention(nn.Module):
     """Attention with QK-norm and half-truncated rotary; with key_offset (#49), each key's unrotated dims are the
     previous token's, so that one layer can match what a token's predecessor was."""
 
-    def __init__(self, dim: int, num_heads: int, head_dim: int, max_seq_len: int, key_offset: bool = False):
+    def __init__(self, dim: int, num_heads: int, head_dim: int, key_offset: bool = False):
         super().__init__()
         self.head_dim, self.key_offset = head_dim, key_offset
         self.qk = CastedLinear(dim, num_heads * head_dim, stacked=2)
@@ -427,7 +426,7 @@ class CausalSelfAttention(nn.Module):
         self.qk.muon_block_rows = head_dim * (2 if num_heads % 2 == 0 else 1)
         self.v = CastedLinear(dim, num_heads * head_dim)
         self.value_scale = nn.Parameter(torch.tensor(0.5))  # #89's 0.5 on the v weight (q and k are normed)
-        self.rotary = Rotary(head_dim, max_seq_len)
+        self.rotary = Rotary(head_dim)
         self.c_proj = CastedLinear(num_heads * head_dim, dim)
         self.c_proj.weight.detach().zero_()  # zero-init: each block starts as the identity
 
@@ -567,11 +566,11 @@ class Block(nn.Module):
     embedding gated per head. In a layer a gate network serves (`gated`), those shares and the skip's gate are its
     per-token coefficients, and attention may take two more: XSA's strength and per-head output gates."""
 
-    def __init__(self, dim: int, num_heads: int, head_dim: int, max_seq_len: int, has_attention: bool,
+    def __init__(self, dim: int, num_heads: int, head_dim: int, has_attention: bool,
                  takes_skip: bool, takes_value_embed: bool = False, key_offset: bool = False, gated: bool = False,
                  xsa: bool = False, output_gate: bool = False, bigram_joins: str | None = None):
         super().__init__()
-        self.attn = CausalSelfAttention(dim, num_heads, head_dim, max_seq_len, key_offset) if has_attention else None
+        self.attn = CausalSelfAttention(dim, num_heads, head_dim, key_offset) if has_attention else None
         self.value_gate = Gate(2 * VALUE_GATE_CHANNELS, num_heads) if takes_value_embed else None
         self.mlp = MLP(dim)
         self.attn_scales = nn.Parameter(torch.tensor([1.1 ** 0.5, 1.0])) if has_attention else None  # x, out
@@ -696,10 +695,10 @@ class GPT(nn.Module):
     each block to the head; layouts run the forward in parts along it, and hook its two seams."""
 
     def __init__(self, vocab_size: int, num_layers: int, num_heads: int, head_dim: int, model_dim: int,
-                 max_seq_len: int, window_pattern: str, layers_without_attention=(),
-                 value_embed_layers=(), skip: tuple[int, int] | None = None, attend_over: int | None = None,
-                 gate_network_layers=(), xsa_layers=(), output_gate_layers=(), bigram_rows=0, smear=True,
-                 key_offset=True, mtp=False, prefix_loss=False, fp8_head=True,
+                 window_pattern: str, layers_without_attention=(), value_embed_layers=(),
+                 skip: tuple[int, int] | None = None, attend_over: int | None = None, gate_network_layers=(),
+                 xsa_layers=(), output_gate_layers=(), bigram_rows=0, smear=True, key_offset=True, mtp=False,
+                 prefix_loss=False, fp8_head=True,
                  soft_cap: tuple[float, float, float] = RECORD_SOFT_CAP):
         super().__init__()
         self.window_pattern = window_pattern
@@ -717,7 +716,7 @@ class GPT(nn.Module):
             value_embed.weight.detach().mul_(0.01)
         self.bigram = BigramHashEmbedding(bigram_rows, model_dim) if bigram_rows else None
         starts = sorted(gate_network_layers) + [num_layers]  # a network serves its layer up to the next one's
-        self.blocks = nn.ModuleList([Block(model_dim, num_heads, head_dim, max_seq_len,
+        self.blocks = nn.ModuleList([Block(model_dim, num_heads, head_dim,
                                            i not in layers_without_attention, skip is not None and i == skip[1],
                                            str(i) in self.value_embeds, key_offset and window_pattern[i] == "L",
                                            i >= starts[0], i in xsa_layers, i in output_gate_layers,
@@ -1126,19 +1125,20 @@ PRESETS = {
     # higher), no multi-token prediction (0.047 higher), no prefix-token loss (0.011 lower, 8% more time a step) and a
     # bigram hash embedding of 16,384 rows (0.029 lower, at about the same time a step), and #89's windows by stage
     # with YaRN's stretch, here 64 and 128 tokens, 128 and 256, then whole sequences (the best of four schedules tried,
-    # 0.008 above the linear growth it replaced on seed 0): records/ABLATIONS.md. The key offset is not yet measured.
+    # 0.008 above the linear growth it replaced on seed 0), and not #89's staged batch (the first third at 128-token
+    # sequences: 12% less time, 0.083 higher): records/ABLATIONS.md. The key offset is not yet measured.
     "cpu": dict(train_files="data/shakespeare/shakespeare_train_*.bin",
                 val_files="data/shakespeare/shakespeare_val_*.bin",
                 val_tokens=128 * 1024, train_seq_len="256", val_seq_len=256, seqs_per_step=8, num_layers=6,
                 num_heads=2, head_dim=64, model_dim=128, window_pattern="LSSSSL", attention_free_layers="",
                 value_embed_layers="0,1,2,3,4,5", gate_network_layers="", xsa_layers="", output_gate_layers="",
-                bigram_rows=16384, mtp=False, prefix_loss=False, smear=False, key_offset=False, window_blocks="0.5:1,1:2,2:2,2:2",
-                final_window_blocks=2, extension_steps=0,
+                bigram_rows=16384, mtp=False, prefix_loss=False, smear=False, key_offset=False,
+                window_blocks="0.5:1,1:2,2:2,2:2", final_window_blocks=2, extension_steps=0,
                 fp8_head=False, num_iterations=230, muon_momentum_warmup_steps=50, skip_layers="1,3",
                 attend_over_layer="3", muon_momentum_cooldown_steps=9, lr_head=0.077, lr_embed=0.21, lr_scalar=0.014,
                 lr_gate=0.0028, lr_muon=0.0175, soft_cap=f"30,0,{7.5 * 128 ** 0.5}", cooldown_frac=0.4,
                 lr_final=0.1, val_loss_every=46, target_val_loss=5.15, fp64_grad_sum=True,
-                doc_max_tokens="0", optimizer_recipe="23", adam_every=1,  # a stream: the shards hold 38 whole plays
+                doc_max_tokens="0", stage_lr="1", optimizer_recipe="23", adam_every=1,  # a stream: 38 whole plays
                 save_every=230),  # (to sample from)
     # seconds, for tests and smoke runs (record #23's soft cap and head lr, which learn visibly in 20 steps)
     "tiny": dict(train_files="data/shakespeare/shakespeare_train_*.bin",
@@ -1151,7 +1151,7 @@ PRESETS = {
                  final_window_blocks=2, extension_steps=0, lr_head=0.22,
                  soft_cap=f"30,0,{7.5 * 32 ** 0.5}", fp8_head=False, num_iterations=20, muon_momentum_warmup_steps=5,
                  muon_momentum_cooldown_steps=1, val_loss_every=10, target_val_loss=8.0, fp64_grad_sum=True,
-                 doc_max_tokens="0", stage_lr="1,1,1"),
+                 doc_max_tokens="0", stage_lr="1"),
 }
 
 def _parse_bool(text: str) -> bool:
@@ -1461,8 +1461,7 @@ def build_model(args: Hyperparameters, device: torch.device, cuda_dtypes: bool |
     moved to the device."""
     with torch.device("meta" if device.type == "meta" else "cpu"):
         model = GPT(vocab_size=args.vocab_size, num_layers=args.num_layers, num_heads=args.num_heads,
-                    head_dim=args.head_dim, model_dim=args.model_dim,
-                    max_seq_len=context_length(args), window_pattern=args.window_pattern,
+                    head_dim=args.head_dim, model_dim=args.model_dim, window_pattern=args.window_pattern,
                     layers_without_attention=layer_indices(args, "attention_free_layers"),
                     value_embed_layers=layer_indices(args, "value_embed_layers"),
                     skip=layer_indices(args, "skip_layers") or None,
@@ -1774,9 +1773,9 @@ def main(argv=None) -> float | None:
 
 # 2: the log's digest, so a resume never continues another run's log; 3: NorMuon's state; 4: the held gradients;
 # 5: record #89's layer stack, whose flags an older file's hyperparameters lack; 6: its value embeddings, a table and
-# a gate for each layer they feed; 7: its gate networks, and no x0 scale in the layers they serve; 8: attention's q and k
-# apart from v (Muon's blocks of head pairs), the window stages' flags; 9: the staged batch's flags, whose sequence
-# lengths and document cuts are per stage
+# a gate for each layer they feed; 7: its gate networks, and no x0 scale in the layers they serve; 8: attention's q
+# and k apart from v (Muon's blocks of head pairs), the window stages' flags; 9: the staged batch's flags, whose
+# sequence lengths and document cuts are per stage
 CHECKPOINT_FORMAT = 9
 EXIT_STOPPED = 3  # kill switch or signal: a checkpoint was saved; continue with --resume latest
 EXIT_DIVERGED = 4  # non-finite training loss or gradient norm
@@ -4197,8 +4196,9 @@ def rank_role(rank: int, stage: int, dp_rank: int, tp_rank: int, owners: list[di
     return stage, tp_rank, *(frozenset(name for name, owner in owned.items() if owner == dp_rank) for owned in owners)
 
 def plan_layout(args: Hyperparameters, world_size: int, cuda: bool) -> dict:
-    """What each rank holds and sends per training step, in bytes: each role's first step of the real code, on the
-    meta device under a fake process group (activations estimated: SavedActivations)."""
+    """What each rank holds and sends per training step, in bytes: each role's accounted steps of the real code (at
+    the longest sequences), on the meta device under a fake process group (activations estimated:
+    SavedActivations)."""
     need(not dist.is_initialized(), "--plan runs in one process, not under torchrun: give the process count with "
          "--nproc")
     compiled = args.compile if args.compile is not None else compiles_by_default(args, torch.device(
@@ -4306,8 +4306,8 @@ CHECKED_LAYOUTS = ("dp2", "dp2_zero1", "dp2_zero2", "dp2_zero3", "tp2", "tp2_sp"
 # the tiny preset: 3 steps of 4 sequences on a 3-step schedule, so that they cross a change of the sequences (128 tokens
 # to 256: the staged batch), of the windows (the long one 1 to 2 blocks, YaRN stretching the rotary), of the learning
 # rate (the cooldown) and of Muon's momentum (its warm-up)
-LAYOUT_CHECK_FLAGS = dict(preset="tiny", train_seq_len="128,256,256,256", seqs_per_step=4, val_seq_len=256, val_tokens=1024,
-                          num_iterations=3)
+LAYOUT_CHECK_FLAGS = dict(preset="tiny", train_seq_len="128,256,256,256", seqs_per_step=4, val_seq_len=256,
+                          val_tokens=1024, num_iterations=3)
 # A correct layout adds floats in another order, each gradient a few float32 ulps off, which training amplifies. The
 # noise floor: how far one process trains from itself with every gradient jittered by 2**-20 (8 ulps) at every step.
 # A layout may be NOISE_MULTIPLE times as far; one that trains another model is off by far more (0.07 to 1.7 in the

@@ -9,8 +9,8 @@ loss per step, of the validation loss, and of every parameter (||a - b|| / ||b||
 1 and 5. A port is held to 5 times that floor, or to the fixed bounds (loss and validation loss 1%, parameters 2%),
 whichever is larger.
 
-Then this file against #89. The port is landing in steps (the optimizer first); until the model is #89's there are
-no parameters to map, and that part says so rather than comparing unlike models. Skips with a message when
+Then this file against #89. The port is landing in steps; until the model is #89's whole, its parameters do not all
+map onto this file's, and that part says so rather than comparing unlike models. Skips with a message when
 ../shared/head_cpu is missing. Runs both trainers as subprocesses, two at a time (one thread each).
 """
 import argparse
@@ -125,8 +125,9 @@ def main(argv=None) -> int:
     for what, floor in floors.items():
         fixed = FIXED_BOUNDS["parameters" if what.startswith("parameters") else what]
         print(f"  {what:28s} floor {floor:.2e}  tolerance {max(FLOOR_MULTIPLE * floor, fixed):.2e}")
-    print("\nthis file against #89: not compared yet. The port lands in steps; the model is still record #23's, so no "
-          "parameter maps onto #89's banks and no loss is comparable.")
+    print("\nthis file against #89: not compared yet. The port lands in steps; #89's MUDD connections, DC-MHA, "
+          "paired-head attention and its head tied to the embedding until two thirds of the run are not in the model "
+          "yet, so #89's parameters do not all map onto this file's and no loss is comparable.")
     return 0
 
 

@@ -84,8 +84,8 @@ class HeadWithLearnedCap(train_gpt.LMHead):
 
 
 class AttentionWithHeadTemperature(train_gpt.CausalSelfAttention):
-    def __init__(self, dim, num_heads, head_dim, max_seq_len, *args):
-        super().__init__(dim, num_heads, head_dim, max_seq_len, *args)
+    def __init__(self, dim, num_heads, head_dim, *args):
+        super().__init__(dim, num_heads, head_dim, *args)
         self.head_temperature = nn.Parameter(torch.linspace(0.8, 1.2, num_heads))
 
     def forward(self, x, ve, mask, xsa=None, output_gate=None):  # (a fork from before XSA and output gates)
@@ -161,12 +161,9 @@ class AttentionWithUnplacedMatrix(train_gpt.CausalSelfAttention):
 
 def stretch_rotary(rotary: train_gpt.Rotary, factor: float) -> None:
     """The rotary's frequencies divided by factor: positions stretched, as dynamic YaRN does when the window grows."""
-    half = rotary.cos.size(-1)
+    half = rotary.angular_freq.numel()
     frequencies = (1 / 1024) ** torch.linspace(0, 1, steps=half // 2)
-    frequencies = torch.cat([frequencies, frequencies.new_zeros(half // 2)]) / factor
-    angles = torch.outer(torch.arange(rotary.cos.size(0), dtype=torch.float32), frequencies)
-    rotary.cos.copy_(angles.cos())
-    rotary.sin.copy_(angles.sin())
+    rotary.angular_freq.copy_(torch.cat([frequencies, frequencies.new_zeros(half // 2)]) / factor)
 
 
 class AttentionWithInputScale(AttentionWithHeadTemperature):
@@ -299,9 +296,11 @@ class BlockWithUngatedValueEmbeds(train_gpt.Block):
 
 # A table looked up inside attention (learned positions added to the queries): tensor parallelism refuses it
 class AttentionWithPositionTable(train_gpt.CausalSelfAttention):
-    def __init__(self, dim, num_heads, head_dim, max_seq_len, *args):
-        super().__init__(dim, num_heads, head_dim, max_seq_len, *args)
-        self.positions = nn.Embedding(max_seq_len, dim)
+    POSITIONS = 256  # (the tests' longest sequence)
+
+    def __init__(self, dim, num_heads, head_dim, *args):
+        super().__init__(dim, num_heads, head_dim, *args)
+        self.positions = nn.Embedding(self.POSITIONS, dim)
 
     def forward(self, x, ve, mask, *gates):
         return super().forward(x + self.positions(torch.arange(x.size(1))), ve, mask, *gates)

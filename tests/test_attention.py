@@ -75,7 +75,7 @@ def test_one_document_sees_exactly_window_plus_one_tokens():
 def test_flex_attention_equals_dense_twin(window):
     torch.manual_seed(window)
     seq = sequence_with_documents(DOC_STARTS, 8 * BS)
-    attn = CausalSelfAttention(dim=64, num_heads=2, head_dim=32, max_seq_len=len(seq))
+    attn = CausalSelfAttention(dim=64, num_heads=2, head_dim=32)
     torch.nn.init.normal_(attn.c_proj.weight, std=0.1)  # zero-init would hide the attention output
     x = torch.randn(1, len(seq), 64)
     ve = torch.randn(1, len(seq), 64)

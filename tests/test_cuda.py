@@ -39,7 +39,7 @@ def test_flex_attention_equals_the_dense_twin_forward_and_backward(dtype, tolera
     # the two kernels add in different orders, in bf16 with an 8-bit mantissa
     torch.manual_seed(window)
     seq = sequence_with_documents(DOC_STARTS, 8 * train_gpt.ATTENTION_BLOCK_SIZE).to(CUDA)
-    attn = train_gpt.CausalSelfAttention(dim=128, num_heads=2, head_dim=64, max_seq_len=len(seq)).to(CUDA)
+    attn = train_gpt.CausalSelfAttention(dim=128, num_heads=2, head_dim=64).to(CUDA)
     torch.nn.init.normal_(attn.c_proj.weight, std=0.1)  # zero-init would hide the attention output
     x = torch.randn(1, len(seq), 128, device=CUDA, dtype=dtype)
     ve = torch.randn(1, len(seq), 128, device=CUDA, dtype=dtype)

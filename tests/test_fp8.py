@@ -73,7 +73,7 @@ def test_casted_linear_uses_fp8_only_in_training():
 
 
 def test_lm_head_carries_record_89s_scales():
-    model = train_gpt.GPT(vocab_size=300, num_layers=6, num_heads=1, head_dim=16, model_dim=64, max_seq_len=128,
+    model = train_gpt.GPT(vocab_size=300, num_layers=6, num_heads=1, head_dim=16, model_dim=64,
                           window_pattern="LSSSSL")
     head = model.lm_head
     assert head.use_fp8 and head.weight.shape == (384, 64)  # vocab padded to a multiple of 128

@@ -171,7 +171,7 @@ def test_code_between_gpt_forwards_steps_that_runs_once_per_part_is_refused_nami
             return super().forward(input_seq, target_seq, window, stream, layers)
     args = train_gpt.parse_args(tiny_flags(layout_files, **LAYOUT_TEST_FLAGS), cuda=False)
     model = GPTShiftingEveryPart(args.vocab_size, args.num_layers, args.num_heads, args.head_dim, args.model_dim,
-                                train_gpt.context_length(args), args.window_pattern)
+                                args.window_pattern)
     with pytest.raises(train_gpt.UserError, match=r"GPT\.forward run in the parts the layouts run it in .* Put code "
                                                   r"that changes the stream in the embedding's branch"):
         train_gpt.ModelTrace(model, 128).run()
