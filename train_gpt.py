@@ -1126,7 +1126,8 @@ PRESETS = {
     # bigram hash embedding of 16,384 rows (0.029 lower, at about the same time a step), and #89's windows by stage
     # with YaRN's stretch, here 64 and 128 tokens, 128 and 256, then whole sequences (the best of four schedules tried,
     # 0.008 above the linear growth it replaced on seed 0), and not #89's staged batch (the first third at 128-token
-    # sequences: 12% less time, 0.083 higher): records/ABLATIONS.md. The key offset is not yet measured.
+    # sequences: 12% less time, 0.076 higher) or its key offset (one seed 0.011 lower, one unchanged):
+    # records/ABLATIONS.md.
     "cpu": dict(train_files="data/shakespeare/shakespeare_train_*.bin",
                 val_files="data/shakespeare/shakespeare_val_*.bin",
                 val_tokens=128 * 1024, train_seq_len="256", val_seq_len=256, seqs_per_step=8, num_layers=6,
