@@ -4,9 +4,10 @@
     python tests/benchmark_vs_reference.py [--steps 40] [--reference ../shared/reference/train_gpt_2025-05-25.py]
 
 The reference runs from a scratch copy patched as its README says (world size 1, fewer steps, one validation
-sequence at the end); ours runs with --seqs_per_step 1. Both read the same shards: FineWeb's when data/fineweb10B
-has them, synthetic ones of the same format otherwise. It prints each one's ms per step over the steps after the
-first ten, their ratio (ours / reference) and each one's peak memory.
+sequence at the end); ours runs with --seqs_per_step 1 and 48K-token sequences in every stage (no staged batch).
+Both read the same shards: FineWeb's when data/fineweb10B has them, synthetic ones of the same format otherwise. It
+prints each one's ms per step over the steps after the first ten, their ratio (ours / reference) and each one's peak
+memory.
 """
 import argparse
 import os
@@ -73,7 +74,8 @@ def main():
         if reference.returncode:
             raise SystemExit(f"the reference failed:\n{reference.stdout[-3000:]}\n{reference.stderr[-3000:]}")
         ours = subprocess.run(torchrun + [str(REPO_ROOT / "train_gpt.py"), "--seqs_per_step", "1", "--num_iterations",
-                                          str(flags.steps), "--val_loss_every", "0", "--val_tokens", "262144",
+                                          str(flags.steps), "--train_seq_len", "49152", "--doc_max_tokens", "2048",
+                                          "--val_loss_every", "0", "--val_tokens", "262144",
                                           "--train_files", str(data / "fineweb_train_*.bin"),
                                           "--val_files", str(data / "fineweb_val_*.bin"),
                                           "--log_dir", str(scratch / "ours"), "--run_id", "ours"],
