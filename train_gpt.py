@@ -339,12 +339,16 @@ class Rotary(nn.Module):
         self.angular_freq.copy_(angular_freq)
         self.attention_scale.fill_(scale)
 
-    def forward(self, x_BTHD: Tensor) -> Tensor:
-        theta = torch.outer(torch.arange(x_BTHD.size(-3), dtype=torch.float32, device=x_BTHD.device),
+    def forward(self, q_BTHD: Tensor, k_BTHD: Tensor) -> tuple[Tensor, Tensor]:
+        """q and k rotated, by the angles of their positions (computed once for both)."""
+        theta = torch.outer(torch.arange(q_BTHD.size(-3), dtype=torch.float32, device=q_BTHD.device),
                             self.angular_freq)
         cos, sin = theta.cos()[None, :, None, :], theta.sin()[None, :, None, :]
-        x1, x2 = x_BTHD.float().chunk(2, dim=-1)
-        return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1).type_as(x_BTHD)
+
+        def rotate(x: Tensor) -> Tensor:
+            x1, x2 = x.float().chunk(2, dim=-1)
+            return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1).type_as(x)
+        return rotate(q_BTHD), rotate(k_BTHD)
 
 ATTENTION_BLOCK_SIZE = 128  # FlexAttention's block granularity, and the unit of the sliding window's schedule
 
@@ -436,7 +440,7 @@ class CausalSelfAttention(nn.Module):
         output gate."""
         q, k, v = self.project(x)
         B, T = q.size(0), q.size(1)  # B == 1: masks are per sequence
-        q, k = self.rotary(norm(q)), self.rotary(norm(k))  # QK-norm, then rotate
+        q, k = self.rotary(norm(q), norm(k))  # QK-norm, then rotate
         if self.key_offset:
             k = torch.where(self.rotary.stationary, torch.cat([k[:, :1], k[:, :-1]], dim=1), k)
         v = self.values(v, ve)
@@ -1448,9 +1452,10 @@ def adam_steps(step: int, args: Hyperparameters) -> bool:
     return (step + 1) % args.adam_every == 0 or step + 1 == args.num_iterations
 
 def set_schedules(optimizers: list[torch.optim.Optimizer], step: int, args: Hyperparameters) -> None:
+    multiplier = lr_multiplier(step, args)
     for opt in optimizers:
         for group in opt.param_groups:
-            group["lr"] = group["initial_lr"] * lr_multiplier(step, args)
+            group["lr"] = group["initial_lr"] * multiplier
     for group in optimizers[1].param_groups:
         group["momentum"] = muon_momentum(step, args)
 
@@ -4167,7 +4172,8 @@ def account_step(trainer: Trainer, batches, step: int = 0) -> dict:
 def accounted_steps(args: Hyperparameters) -> list[int]:
     """The steps the plan runs, from the first at the longest sequences: one that holds Adam's gradients (each rank
     keeps them whole), then one on which Adam steps (the most sent)."""
-    first = first_step_of_seq_len(args)[max(first_step_of_seq_len(args))]
+    firsts = first_step_of_seq_len(args)
+    first = firsts[max(firsts)]
     held = [s for s in range(first, min(first + args.adam_every, args.num_iterations)) if not adam_steps(s, args)][:1]
     return held + [next(s for s in range(held[0] if held else first, args.num_iterations) if adam_steps(s, args))]
 

@@ -91,7 +91,8 @@ class AttentionWithHeadTemperature(train_gpt.CausalSelfAttention):
     def forward(self, x, ve, mask, xsa=None, output_gate=None):  # (a fork from before XSA and output gates)
         q, k, v = self.project(x)
         B, T = q.size(0), q.size(1)
-        q, k = self.rotary(norm(q)) * self.head_temperature[:, None], self.rotary(norm(k))
+        q, k = self.rotary(norm(q), norm(k))
+        q = q * self.head_temperature[:, None]
         v = self.values(v, ve)
         y = train_gpt.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask,
                                 self.rotary.attention_scale)
@@ -148,7 +149,7 @@ class AttentionWithUnplacedMatrix(train_gpt.CausalSelfAttention):
     def forward(self, x, ve, mask, xsa=None, output_gate=None):
         q, k, v = self.project(x)
         B, T = q.size(0), q.size(1)
-        q, k = self.rotary(norm(q)), self.rotary(norm(k))
+        q, k = self.rotary(norm(q), norm(k))
         v = self.values(v, ve)
         y = train_gpt.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask,
                                 self.rotary.attention_scale)
@@ -244,7 +245,7 @@ def attend_in_pairs(attention: train_gpt.CausalSelfAttention, q, k, v, ve, mask)
     """Attention's forward from its (B, T, H, D) q, k, v, heads j and j + H/2 attending as one head of twice the
     width: their queries, keys and values concatenated."""
     B, T = q.size(0), q.size(1)
-    q, k = attention.rotary(norm(q)), attention.rotary(norm(k))
+    q, k = attention.rotary(norm(q), norm(k))
     v = attention.values(v, ve)
     pairs = [torch.cat(t.chunk(2, dim=2), dim=-1).transpose(1, 2) for t in (q, k, v)]  # (B, H/2, T, 2D)
     y = train_gpt.attention(*pairs, mask, attention.rotary.attention_scale).transpose(1, 2)

@@ -237,7 +237,7 @@ def test_the_key_offset_gives_each_key_the_previous_tokens_unrotated_dims():
     mask = train_gpt.document_causal_masks(tokens, train_gpt.window_tensor((128, 128), torch.device("cpu")))[0].dense()
     with torch.no_grad():
         q, k, v = attn.project(x)
-        q, k = attn.rotary(norm(q)), attn.rotary(norm(k))
+        q, k = attn.rotary(norm(q), norm(k))
         # by hand: the rotary turns dims (i, i + 8) for i < 4 of a 16-dim head; dims 4-7 and 12-15 stay put
         unrotated = [4, 5, 6, 7, 12, 13, 14, 15]
         offset = k.clone()
@@ -289,7 +289,9 @@ def test_yarn_stretches_the_rotary_and_raises_the_attention_scale_at_each_change
     assert len(rotaries) == sum(block.attn is not None for block in model.blocks)
     for rotary in rotaries:
         # (fp32 angles of up to 255 rad are 1.5e-5 off, on values of up to ~4)
-        torch.testing.assert_close(rotary(probe.float()).double(), rotated, rtol=0, atol=2e-4)
+        q_turned, k_turned = rotary(probe.float(), -probe.float())  # (k: the probe negated, so a swap shows)
+        torch.testing.assert_close(q_turned.double(), rotated, rtol=0, atol=2e-4)
+        torch.testing.assert_close(k_turned.double(), -rotated, rtol=0, atol=2e-4)
         assert rotary.attention_scale.item() == pytest.approx(scale, rel=1e-6) and scale > 0.1 * 1.13
     assert (after - before).abs().max() > 1e-3 * (before - before.mean()).abs().max()
     seq_len = train_gpt.context_length(args)
@@ -297,7 +299,7 @@ def test_yarn_stretches_the_rotary_and_raises_the_attention_scale_at_each_change
     mask = model.attention_masks(tokens[:-1], window)["S"]
     with torch.no_grad():
         q, k, v = attn.project(x)
-        q, k = attn.rotary(norm(q)), attn.rotary(norm(k))
+        q, k = attn.rotary(norm(q), norm(k))
         y = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                                              attn.values(v, None).transpose(1, 2), attn_mask=mask,
                                                              scale=scale)
