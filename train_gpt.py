@@ -702,7 +702,7 @@ class GPT(nn.Module):
                  window_pattern: str, layers_without_attention=(), value_embed_layers=(),
                  skip: tuple[int, int] | None = None, attend_over: int | None = None, gate_network_layers=(),
                  xsa_layers=(), output_gate_layers=(), bigram_rows=0, smear=True, key_offset=True, mtp=False,
-                 prefix_loss=False, fp8_head=True,
+                 prefix_loss=False, fp8_head=True, tied_embed=False,
                  soft_cap: tuple[float, float, float] = RECORD_SOFT_CAP):
         super().__init__()
         self.window_pattern = window_pattern
@@ -711,7 +711,11 @@ class GPT(nn.Module):
         self.read_until = {} if skip is None else {skip[0]: skip[1]}
         if attend_over is not None:
             self.read_until[attend_over] = num_layers
-        self.embed = nn.Embedding(vocab_size, model_dim)
+        head_rows = next_multiple_of_n(vocab_size, n=128)  # vocab padded to a multiple of 128 for faster kernels
+        # tied_embed: the head and the embedding start as one table, #89's (#51): each row N(0, 0.005^2), the embedding
+        # as many rows as the head; the optimizers keep them one until the schedule unties them (TiedEmbedding)
+        self.embed = nn.Embedding(head_rows if tied_embed else vocab_size, model_dim)
+        self.embed.tied_to_head = tied_embed
         self.smear = Smear() if smear else None
         # by the layer each feeds (a checkpoint's tables go to the layers they trained in)
         self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(vocab_size, model_dim)
@@ -732,10 +736,14 @@ class GPT(nn.Module):
         self.gate_networks = nn.ModuleDict({str(start): GateNetwork(model_dim, layers)
                                             for start, layers in wanted.items() if layers})
         self.backout = nn.Parameter(torch.tensor(-0.5)) if attend_over is not None else None
-        # vocab padded to a multiple of 128 for faster kernels; the FP8 scales are #89's, for its soft cap's logits
-        self.lm_head = LMHead(model_dim, next_multiple_of_n(vocab_size, n=128), soft_cap=soft_cap, use_fp8=fp8_head,
-                              x_s=100 / 448, w_s=1.6 / 448, grad_s=0.75 / 448)
-        self.lm_head.weight.detach().zero_()
+        # the FP8 scales are #89's, for its soft cap's logits
+        self.lm_head = LMHead(model_dim, head_rows, soft_cap=soft_cap, use_fp8=fp8_head, x_s=100 / 448, w_s=1.6 / 448,
+                              grad_s=0.75 / 448)
+        if tied_embed:
+            self.embed.weight.detach().normal_(std=0.005)
+            self.lm_head.weight.detach().copy_(self.embed.weight)
+        else:
+            self.lm_head.weight.detach().zero_()
         # in training, the head's targets beyond the next token: the MTP_TOKENS - 1 after it (#53) and its prefix
         # token (#88), weighted as the schedule sets loss_weights (forward_backward)
         self.later_targets = MTP_TOKENS - 1 if mtp else 0
@@ -1044,6 +1052,10 @@ class Hyperparameters:
                                     "lr_final and the extension's windows (#89's 15)")
     stage_lr: str = flag("1,1.52,1.73", "lr multipliers of the three thirds of the scheduled steps, as the batch grows "
                                         "(#46: 2**0.6 and 3**0.5 for twice and three times the tokens)")
+    tied_stages: int = flag(2, "the head and the token embedding start as one table and stay one through this many "
+                               "thirds of the scheduled steps (and the Adam step ending them), then train apart from "
+                               "the same Adam state (#89's 2, #51, #53; 0: apart from the start)",
+                            choices=(0, 1, 2, 3))
     cooldown_frac: float = flag(0.6, "final fraction of the scheduled steps, with the lr falling linearly from the "
                                      "stage's to lr_final")
     lr_final: float = flag(0.15, "the lr multiplier the cooldown ends at")
@@ -1142,7 +1154,7 @@ PRESETS = {
                 fp8_head=False, num_iterations=230, muon_momentum_warmup_steps=50, skip_layers="1,3",
                 attend_over_layer="3", muon_momentum_cooldown_steps=9, lr_head=0.077, lr_embed=0.21, lr_scalar=0.014,
                 lr_gate=0.0028, lr_muon=0.0175, soft_cap=f"30,0,{7.5 * 128 ** 0.5}", cooldown_frac=0.4,
-                lr_final=0.1, val_loss_every=46, target_val_loss=5.15, fp64_grad_sum=True,
+                lr_final=0.1, val_loss_every=46, target_val_loss=5.15, fp64_grad_sum=True, tied_stages=0,
                 doc_max_tokens="0", stage_lr="1", optimizer_recipe="23", adam_every=1,  # a stream: 38 whole plays
                 save_every=230),  # (to sample from)
     # seconds, for tests and smoke runs (record #23's soft cap and head lr, which learn visibly in 20 steps)
@@ -1156,7 +1168,7 @@ PRESETS = {
                  final_window_blocks=2, extension_steps=0, lr_head=0.22,
                  soft_cap=f"30,0,{7.5 * 32 ** 0.5}", fp8_head=False, num_iterations=20, muon_momentum_warmup_steps=5,
                  muon_momentum_cooldown_steps=1, val_loss_every=10, target_val_loss=8.0, fp64_grad_sum=True,
-                 doc_max_tokens="0", stage_lr="1"),
+                 doc_max_tokens="0", stage_lr="1", tied_stages=0),
 }
 
 def _parse_bool(text: str) -> bool:
@@ -1451,6 +1463,14 @@ def adam_steps(step: int, args: Hyperparameters) -> bool:
     and on the run's last step (its gradients would go unused)."""
     return (step + 1) % args.adam_every == 0 or step + 1 == args.num_iterations
 
+def last_tied_step(args: Hyperparameters) -> int:
+    """The last step on which the head and the token embedding are one table (-1: none): the first on which Adam
+    steps from the start of the stage after --tied_stages thirds (#89's: the third stage's first odd step)."""
+    if not args.tied_stages:
+        return -1
+    start = stage_starts(args)[args.tied_stages]
+    return next((s for s in range(start, args.num_iterations) if adam_steps(s, args)), args.num_iterations)
+
 def set_schedules(optimizers: list[torch.optim.Optimizer], step: int, args: Hyperparameters) -> None:
     multiplier = lr_multiplier(step, args)
     for opt in optimizers:
@@ -1476,7 +1496,8 @@ def build_model(args: Hyperparameters, device: torch.device, cuda_dtypes: bool |
                     xsa_layers=layer_indices(args, "xsa_layers"),
                     output_gate_layers=layer_indices(args, "output_gate_layers"), bigram_rows=args.bigram_rows,
                     smear=args.smear, mtp=args.mtp, prefix_loss=args.prefix_loss,
-                    key_offset=args.key_offset, fp8_head=args.fp8_head, soft_cap=soft_cap_terms(args))
+                    key_offset=args.key_offset, fp8_head=args.fp8_head, tied_embed=args.tied_stages > 0,
+                    soft_cap=soft_cap_terms(args))
     return to_device(model, device, cuda_dtypes)
 
 def to_device(model: nn.Module, device: torch.device, cuda_dtypes: bool | None = None) -> nn.Module:
@@ -1493,14 +1514,14 @@ def is_head(module: nn.Module, vocab_size: int) -> bool:
     """A head is a linear layer with an output per vocabulary entry, whatever its name."""
     return isinstance(module, (CastedLinear, nn.Linear)) and module.weight.size(-2) >= vocab_size
 
-# Each parameter goes to one group, by the kind of module that holds it; where two modules hold it (tied
-# weights), the first kind in this order wins
+# Each parameter goes to one group, by the kind of module that holds it (an embedding tied to the head: the head's);
+# where two modules hold it (tied weights), the first kind in this order wins
 OPTIMIZER_GROUPS = ("scalar", "gate", "head", "embed", "muon")
 
 # Adam's momenta and cautious weight decay (x lr^2) by kind, as a record sets them (--optimizer_recipe): #23's (its
 # betas for gates too, which it had none of), and #89's where its lrs are this file's: the token and value embeddings
 # share the lr of its value embeddings (0.6), the scalars that of its scalars (0.04); the head #89's (its decay 150 x
-# its base 0.005), at its lr 0.008 (#89 ties it to the token embedding until two thirds of the run; not yet here);
+# its base 0.005), at its lr 0.008, which the token embedding tied to it takes too (#89's, apart or not);
 # the gates its base lr 0.008 and decay 0.005 (the smear's gate has none there: 0.005 x (0.01 x 0.008)^2 is nothing)
 ADAM_RECIPES = {
     "23": dict(head=dict(betas=(0.8, 0.95)), embed=dict(betas=(0.8, 0.95)), scalar=dict(betas=(0.8, 0.95)),
@@ -1519,7 +1540,8 @@ def optimizer_param_groups(model: nn.Module, vocab_size: int, model_dim: int) ->
         for p in module.parameters(recurse=False):
             lr_scales[p].add(getattr(module, "lr_scale", 1.0))
             kinds[p].add("gate" if isinstance(module, (Gate, GateNetwork)) else "scalar" if p.ndim < 2 else
-                         "head" if is_head(module, vocab_size) else "muon" if linear
+                         "head" if is_head(module, vocab_size) or getattr(module, "tied_to_head", False) else
+                         "muon" if linear
                          else "embed" if isinstance(module, nn.Embedding) else
                          "muon" if model_dim in p.shape[-2:] else None)
     groups = {kind: [] for kind in OPTIMIZER_GROUPS}
@@ -1697,12 +1719,19 @@ def forward_backward(trainer: Trainer, batches, step: int) -> Tensor:
     return loss_sum / (t.micro_batches * seq_len)
 
 def optimizer_step(trainer: Trainer, step: int) -> None:
-    """Muon's step, and on the last of every adam_every steps Adam's, whose gradients until then add up."""
+    """Muon's step, and on the last of every adam_every steps Adam's, whose gradients until then add up; while the
+    head and the token embedding are tied, the embedding takes the head's step."""
     set_schedules(trainer.optimizers, step, trainer.args)
     adam, muon = trainer.optimizers
     stepping = [adam, muon] if adam_steps(step, trainer.args) else [muon]
+    last_tied = last_tied_step(trainer.args)
+    tie = trainer.layout.tie if adam in stepping and step <= last_tied else None
+    if tie is not None:  # the head and the token embedding one table (#51): the head steps on both's gradients
+        tie.add_embedding_gradient()
     for opt in stepping:
         opt.step()  # (a parameter without a gradient here is another rank's to update)
+    if tie is not None:
+        tie.copy_head(untie=step == last_tied)
     trainer.layout.send_updated_parameters()  # ZeRO: each owner's updated parameters to the other ranks
     for opt in stepping:
         opt.zero_grad(set_to_none=True)
@@ -1781,8 +1810,8 @@ def main(argv=None) -> float | None:
 # 5: record #89's layer stack, whose flags an older file's hyperparameters lack; 6: its value embeddings, a table and
 # a gate for each layer they feed; 7: its gate networks, and no x0 scale in the layers they serve; 8: attention's q
 # and k apart from v (Muon's blocks of head pairs), the window stages' flags; 9: the staged batch's flags, whose
-# sequence lengths and document cuts are per stage
-CHECKPOINT_FORMAT = 9
+# sequence lengths and document cuts are per stage; 10: the embedding tied to the head (the head's rows and group)
+CHECKPOINT_FORMAT = 10
 EXIT_STOPPED = 3  # kill switch or signal: a checkpoint was saved; continue with --resume latest
 EXIT_DIVERGED = 4  # non-finite training loss or gradient norm
 EXIT_LOST = 5  # a rank stopped answering or died: no stop checkpoint; continue from the last one
@@ -2999,10 +3028,11 @@ def apply_layout(model: GPT, args: Hyperparameters, ctx: ParallelContext, stream
     # the trace's probe sequence: a multiple of the attention block, and of --tp for sequence parallelism to cut
     probe = math.lcm(ATTENTION_BLOCK_SIZE, ctx.tp.size) if args.sp else ATTENTION_BLOCK_SIZE
     trace = ModelTrace(model, probe).run() if ctx.tp.size > 1 or ctx.pp.size > 1 or args.zero >= 3 else None
+    tie = tied_pair(model, args.vocab_size) if args.tied_stages else None  # (named in the whole model)
     if ctx.tp.size > 1:
         tensor_parallelize(model, ctx.tp, args, trace)
     pipeline = PipelineStage(model, ctx, args.pp_schedule, trace, stream_specs) if ctx.pp.size > 1 else None
-    return Layout(args, ctx, model, trace, pipeline)
+    return Layout(args, ctx, model, trace, pipeline, tie)
 
 def sum_over_ranks(value: Tensor) -> Tensor:
     if dist.is_initialized():
@@ -3013,12 +3043,14 @@ def sum_over_ranks(value: Tensor) -> Tensor:
 class Layout:
     """What the training step calls around this rank's part of the model so that it trains the one-process model:
     the pipeline schedule, the gradients averaged over the data-parallel ranks, the optimizers' work and states
-    shared (ZeRO), what owners updated sent after the step, the loss and gradient norm summed over the ranks."""
+    shared (ZeRO), what owners updated sent after the step, the head and embedding kept one while tied, the loss and
+    gradient norm summed over the ranks."""
 
     def __init__(self, args: Hyperparameters, ctx: ParallelContext, model: GPT, trace: "ModelTrace | None",
-                 pipeline: "PipelineStage | None"):
+                 pipeline: "PipelineStage | None", tied_names: tuple[str, str] | None = None):
         self.args, self.ctx, self.model, self.trace, self.pipeline = args, ctx, model, trace, pipeline
         self.shared = pipeline.shared if pipeline is not None else {}  # parameter -> the stages holding a copy
+        self.tied_names = tied_names
 
     def share(self, optimizers: list[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
         """Once the part is on its device: the same start on every data-parallel rank, each parameter's owner
@@ -3028,7 +3060,11 @@ class Layout:
             for p in model.parameters():
                 dist.broadcast(p.detach(), ctx.dp.global_rank(0), group=ctx.dp.group)
         adam, muon = optimizers
-        self.zero = zero = Zero.build(args.zero, adam, muon, ctx.dp)
+        tied = [p for name, p in model.named_parameters() if name in (self.tied_names or ())]
+        self.zero = zero = Zero.build(args.zero, adam, muon, ctx.dp, tied)
+        self.tie = None if self.tied_names is None else TiedEmbedding(
+            model, self.tied_names, self.pipeline.stage_of if self.pipeline is not None else {}, adam, ctx,
+            updates=lambda p: zero.stage == 0 or zero.owns(p))
         if ctx.dp.size > 1 or ctx.tp.size > 1:
             muon = DataParallelMuon(muon, ctx.dp, exchange_updates=zero.stage < 3)
         adam_params = {p for group in adam.param_groups for p in group["params"]}
@@ -3071,6 +3107,80 @@ class Layout:
         """[mean train loss per token, squared gradient norm, stop votes], summed over the ranks in one all-reduce."""
         return sum_over_ranks(torch.stack([self.loss_share(loss), grad_squares.float(),
                                            torch.full((), float(stop), device=self.ctx.device)]))
+
+def tied_pair(model: nn.Module, vocab_size: int) -> tuple[str, str] | None:
+    """The names of the embedding tied to the head and of the head's weight, as the one-process model holds them
+    (None: no embedding is tied, or it is the head's own parameter)."""
+    names = {p: name for name, p in model.named_parameters()}
+    embeds = [m.weight for m in model.modules() if isinstance(m, nn.Embedding) and getattr(m, "tied_to_head", False)]
+    heads = [m.weight for m in model.modules() if is_head(m, vocab_size)]
+    if not embeds or embeds[0] is heads[0]:
+        return None
+    need(len(embeds) == len(heads) == 1 and embeds[0].shape == heads[0].shape, f"the model ties {len(embeds)} "
+         f"embedding(s) to {len(heads)} head(s) (shapes {[tuple(p.shape) for p in embeds + heads]}): tie one "
+         "embedding to one head of its shape, or train them apart with --tied_stages 0")
+    return names[embeds[0]], names[heads[0]]
+
+class TiedEmbedding:
+    """The head and the token embedding as one table until the schedule unties them (#51, #53): on each of Adam's
+    steps while tied, the head's gradient takes in the embedding's and the head steps alone, then the embedding takes
+    the head's values; on the last, also its Adam state, from which the two go on apart. The ranks updating the head
+    do this (under ZeRO its owner, which owns the embedding too); where pipeline stages hold the two apart, each
+    sends to the other's rank at its own data- and tensor-parallel place."""
+
+    def __init__(self, model: nn.Module, names: tuple[str, str], stage_of: dict[str, int], adam: Adam,
+                 ctx: ParallelContext, updates: Callable[[Tensor], bool]):
+        params = dict(model.named_parameters())
+        self.embed, self.head = (params.get(name) for name in names)
+        self.adam, self.pp = adam, ctx.pp
+        here = self.head if self.head is not None else self.embed
+        self.updating = here is not None and updates(here)
+        # the rank holding the other of the two (None: this one holds both)
+        self.peer = None if self.embed is not None and self.head is not None or here is None else \
+            self.pp.global_rank(stage_of[names[0] if self.embed is None else names[1]])
+
+    def add_embedding_gradient(self) -> None:
+        """Before Adam's step: the head's gradient is the sum of both; the embedding's is used up."""
+        if not self.updating:
+            return
+        if self.embed is None:
+            self.head.grad += self._receive(torch.float32)
+            return
+        grad, self.embed.grad = self.embed.grad, None
+        if self.head is None:
+            self._send(grad.float())
+        else:
+            self.head.grad += grad
+
+    def copy_head(self, untie: bool) -> None:
+        """After Adam's step: the embedding takes the head's values, and on untying its Adam state."""
+        if not self.updating:
+            return
+        if self.head is not None:
+            state = self.adam.state[self.head]
+            head = [self.head.detach(), *([state["exp_avg"], state["exp_avg_sq"], state["step"]] if untie else [])]
+            if self.embed is None:
+                for t in head:
+                    self._send(t)
+                return
+        else:
+            head = [self._receive(torch.float32) for _ in range(1 + 2 * untie)]
+            head += [self._receive(torch.float32, shape=())] if untie else []
+        self.embed.detach().copy_(head[0])
+        if untie:  # (moments in the embedding's dtype, as a checkpoint restores them)
+            self.adam.state[self.embed] = dict(exp_avg=head[1].to(self.embed.dtype, copy=True),
+                                               exp_avg_sq=head[2].to(self.embed.dtype, copy=True),
+                                               step=head[3].clone())
+
+    def _send(self, t: Tensor) -> None:
+        count_comm("send", t)
+        dist.send(t.contiguous(), self.peer, group=self.pp.group)
+
+    def _receive(self, dtype: torch.dtype, shape: tuple | None = None) -> Tensor:
+        here = self.head if self.head is not None else self.embed
+        t = torch.empty(here.shape if shape is None else shape, dtype=dtype, device=here.device)
+        dist.recv(t, self.peer, group=self.pp.group)
+        return t
 
 # ----------------------------------------------------------------------------------------------------
 # Data parallel: gradients averaged over the data-parallel ranks in buckets, while backward still runs
@@ -3354,10 +3464,14 @@ class Zero:
     sharded: "ShardedParameters | None" = None
 
     @staticmethod
-    def build(stage: int, adam: torch.optim.Optimizer, muon: Muon, dp: Axis) -> "Zero":
+    def build(stage: int, adam: torch.optim.Optimizer, muon: Muon, dp: Axis, tied: list[Tensor] = ()) -> "Zero":
         owner_of = muon_owners([p for group in muon.param_groups for p in group["params"]], dp.size)
         adam_params, load = [p for group in adam.param_groups for p in group["params"]], [0] * dp.size
-        for p in sorted(adam_params, key=lambda p: -p.numel()):  # largest first, to the least loaded rank
+        for p in tied:  # a tied head and embedding: one owner, the same on every pipeline stage (TiedEmbedding)
+            owner_of[p] = 0
+            load[0] += p.numel()
+        # the others largest first, each to the least loaded rank
+        for p in sorted((p for p in adam_params if p not in owner_of), key=lambda p: -p.numel()):
             owner_of[p] = load.index(min(load))
             load[owner_of[p]] += p.numel()
         return Zero(stage, dp, owner_of, adam_params if stage in (1, 2) and dp.size > 1 else [])
@@ -3983,6 +4097,7 @@ class PipelineStage:
                 if ctx.rank in ranks:
                     self.shared.update({p: (Axis(ranks.index(ctx.rank), len(ranks), group, tuple(ranks)), stages)
                                         for p, s in readers.items() if tuple(sorted(s)) == stages})
+        self.stage_of = {name: min(readers[p]) for name, p in model.named_parameters()}  # (the first, if several)
         keep_only_parameters(model, {p for p, s in readers.items() if pp.rank in s})
         # (boundary layer, sequence length, grad enabled) -> the stream's structure there; the plan shares one
         self.stream_specs = {} if stream_specs is None else stream_specs
@@ -4312,9 +4427,9 @@ CHECKED_LAYOUTS = ("dp2", "dp2_zero1", "dp2_zero2", "dp2_zero3", "tp2", "tp2_sp"
                    "dp2_tp2_sp")
 # the tiny preset: 3 steps of 4 sequences on a 3-step schedule, so that they cross a change of the sequences (128 tokens
 # to 256: the staged batch), of the windows (the long one 1 to 2 blocks, YaRN stretching the rotary), of the learning
-# rate (the cooldown) and of Muon's momentum (its warm-up)
+# rate (the cooldown) and of Muon's momentum (its warm-up), and the untying of the head and the embedding (step 1)
 LAYOUT_CHECK_FLAGS = dict(preset="tiny", train_seq_len="128,256,256,256", seqs_per_step=4, val_seq_len=256,
-                          val_tokens=1024, num_iterations=3)
+                          val_tokens=1024, num_iterations=3, tied_stages=1)
 # A correct layout adds floats in another order, each gradient a few float32 ulps off, which training amplifies. The
 # noise floor: how far one process trains from itself with every gradient jittered by 2**-20 (8 ulps) at every step.
 # A layout may be NOISE_MULTIPLE times as far; one that trains another model is off by far more (0.07 to 1.7 in the

@@ -338,7 +338,8 @@ def model_edit(name):
 # the layout tests' steps: the tiny preset on a 3-step schedule, so that they cross a change of the learning rate and
 # of Muon's momentum, and of the window (1 to 2 blocks: what a window-dependent forward sees, though a 128-token
 # sequence holds one block)
-LAYOUT_TEST_FLAGS = dict(num_iterations=3, train_seq_len="256,128,128,128")  # (a staged batch, shrinking: cheaper)
+LAYOUT_TEST_FLAGS = dict(num_iterations=3, train_seq_len="256,128,128,128",  # (a staged batch, shrinking: cheaper)
+                         tied_stages=1)  # (the head and embedding untied after step 1)
 
 
 def edited_train_steps(rank, world_size, edit, flags, steps, jitter=0.0):

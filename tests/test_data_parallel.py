@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import train_gpt
-from layouts import assert_holds_and_sends_what_the_plan_predicts, assert_trains_like_one_process
+from layouts import LAYOUT_TEST_FLAGS, assert_holds_and_sends_what_the_plan_predicts, assert_trains_like_one_process
 from synthetic import tiny_flags, write_synthetic_shards
 from train_gpt import run_on_ranks
 
@@ -12,7 +12,7 @@ def test_two_ranks_with_buckets_match_one_rank_after_three_steps(tmp_path):
     # float32 gradient sums: 1 and 2 ranks add in another order, within the layout check's tolerance (the noise
     # floor measured below); the tiny model's ~64 MB of gradients span several 25 MB buckets
     files = write_synthetic_shards(tmp_path)
-    flags = tiny_flags(files, fp64_grad_sum=False)
+    flags = tiny_flags(files, **LAYOUT_TEST_FLAGS, fp64_grad_sum=False)
     model = train_gpt.build_model(train_gpt.parse_args(flags, cuda=False), torch.device("cpu"))
     assert len(train_gpt.GradientBuckets(model.parameters()).buckets) > 1
     single = run_on_ranks(train_gpt.train_steps, 1, flags, 3)[0]

@@ -1,4 +1,5 @@
 """The run as a whole: flags, schedules, warm-up restore, the log file, and training that learns."""
+import dataclasses
 import json
 import math
 import re
@@ -82,6 +83,13 @@ def test_schedules_at_hand_computed_points():
     assert train_gpt.muon_momentum(965, args) == pytest.approx(0.95)  # the cooldown's 50 steps start
     assert train_gpt.muon_momentum(990, args) == pytest.approx(0.90)
     assert train_gpt.muon_momentum(1015, args) == pytest.approx(0.85)
+    # the head and the embedding one table through the first of Adam's (odd) steps of the third stage (#89's 1270
+    # scheduled steps: 847), or of the second; apart from the start; with Adam on every third step, 335 (333 is not)
+    assert train_gpt.last_tied_step(args) == 667
+    assert train_gpt.last_tied_step(train_gpt.Hyperparameters()) == 847
+    assert train_gpt.last_tied_step(dataclasses.replace(args, tied_stages=1)) == 333
+    assert train_gpt.last_tied_step(dataclasses.replace(args, tied_stages=0)) == -1
+    assert train_gpt.last_tied_step(dataclasses.replace(args, tied_stages=1, adam_every=3)) == 335
 
 
 def build(files, **overrides):
@@ -137,6 +145,59 @@ def test_adam_steps_every_other_step_with_the_sum_of_both_steps_gradients(tmp_pa
         assert torch.allclose(p, copy, rtol=0, atol=1e-6), (p.shape, (p - copy).abs().max().item())
         moved = max(moved, (p - begin).abs().max().item())
     assert moved > 1e-3  # a real step, against which 1e-6 is small
+
+
+class GPTWithOneTable(train_gpt.GPT):
+    """The head and the token embedding as one parameter: what the tie must train, step for step."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.embed.weight = self.lm_head.weight
+
+
+def test_the_tied_head_and_embedding_train_as_one_parameter_then_apart_from_its_adam_state(tmp_path, monkeypatch):
+    files = write_synthetic_shards(tmp_path)
+    flags = dict(tied_stages=1, num_iterations=8)  # thirds start at steps 0, 3, 5: one table through step 3
+    args, tied = build(files, **flags)
+    with monkeypatch.context() as patched:
+        patched.setattr(train_gpt, "GPT", GPTWithOneTable)
+        _, one_table = build(files, **flags)
+    assert train_gpt.last_tied_step(args) == 3
+    embed, head, table = tied.model.embed.weight, tied.model.lm_head.weight, one_table.model.embed.weight
+    assert table is one_table.model.lm_head.weight and torch.equal(embed, table) and torch.equal(head, table)
+    loader = lambda: train_gpt.DistributedDataLoader(files["train_files"], 128, 4, 0, 1, torch.device("cpu"),
+                                                     doc_max_tokens=256)
+    batches, one_table_batches, start = loader(), loader(), table.detach().clone()
+    for step in range(4):
+        train_step(tied, batches, step)
+        train_step(one_table, one_table_batches, step)
+        assert torch.equal(embed, head)  # one table: the embedding takes the head's values
+    # the same training, but for the order in which the two gradients add up, which Adam amplifies where a gradient
+    # is near zero: within 1e-3 of each tensor's norm (measured: 6.6e-5 at most; --check_layout's noise floor after
+    # 3 steps is 1.9e-4), after a real move; without the embedding's gradient in the head's, some are 0.85 off
+    assert (table - start).norm() > 0.1 * start.norm()
+    for name, p in one_table.model.named_parameters():
+        ours = dict(tied.model.named_parameters())[name]
+        assert (ours - p).norm() <= 1e-3 * p.norm(), name
+    adam = tied.optimizers[0]
+    for key in ("exp_avg", "exp_avg_sq", "step"):  # untied with the head's Adam state
+        assert torch.equal(adam.state[embed][key], adam.state[head][key]), key
+        theirs = one_table.optimizers[0].state[table][key]
+        assert (adam.state[embed][key] - theirs).norm() <= 1e-3 * theirs.norm(), key
+    # apart: the embedding's next Adam step is torch's Adam (with cautious decay) on that state and its own gradient
+    state = {key: value.clone() for key, value in adam.state[embed].items()}
+    before = embed.detach().clone()
+    train_step(tied, batches, 4)  # (Adam waits)
+    train_gpt.forward_backward(tied, batches, 5)
+    grad, group = embed.grad.clone(), next(g for g in adam.param_groups if any(p is embed for p in g["params"]))
+    train_gpt.optimizer_step(tied, 5)
+    copy = before.clone().requires_grad_()
+    reference = train_gpt.Adam([dict(group, params=[copy])], fused=True)
+    reference.state[copy] = state
+    copy.grad = grad
+    reference.step()
+    assert torch.equal(embed, copy) and not torch.equal(embed, head)
+    assert (embed - before).norm() > 1e-3 * before.norm()
 
 
 def test_warmup_leaves_no_trace(tmp_path):
