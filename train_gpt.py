@@ -533,28 +533,32 @@ class BigramHashEmbedding(nn.Module):
 
 class GateNetwork(nn.Module):
     """Per-token coefficients for the layers it serves, read off the stream entering the first of them:
-    (W2 gelu(W1 x) + b) s, 64 hidden units, s a learned scale starting at 0.1 (#85's gate networks, after MUDD's
-    dynamic dense connections, Xiao et al. 2025). W2 starts at zero, so each coefficient starts at its block's
-    value. Adam trains it as a gate, at 1/10 of the gates' lr."""
-    lr_scale = 0.1
+    (W2 gelu(W1 x) + b) s, 64 hidden units, s a learned scale starting at 0.1 (#85's gate networks), or MUDD's fixed
+    0.1 (dynamic dense connections, Xiao et al. 2025; #40, #81). W2 starts at zero, so each coefficient starts at its
+    block's value. Adam trains it as a gate, at lr_scale times the gates' lr (#89's: 1/10; MUDD's 1/4)."""
 
-    def __init__(self, dim: int, wanted: dict[str, dict[str, tuple[int, float]]], hidden: int = 64):
-        """wanted: layer -> coefficient name -> (width, starting value)."""
+    def __init__(self, dim: int, wanted: dict[str, dict[str, tuple[int, float]]], hidden: int = 64,
+                 lr_scale: float = 0.1, fixed_scale: float | None = None):
+        """wanted: layer -> coefficient name -> (width, starting value, or a tuple of one for each)."""
         super().__init__()
         self.widths = {layer: {name: width for name, (width, _) in coefs.items()} for layer, coefs in wanted.items()}
-        starts = [start for coefs in wanted.values() for width, start in coefs.values() for _ in range(width)]
-        self.hidden = Gate(dim, hidden, self.lr_scale)
+        starts = [s for coefs in wanted.values() for width, start in coefs.values()
+                  for s in (start if isinstance(start, tuple) else (start,) * width)]
+        self.lr_scale = lr_scale
+        self.hidden = Gate(dim, hidden, lr_scale)
         nn.init.kaiming_uniform_(self.hidden.weight, a=math.sqrt(5))  # (nn.Linear's, as #89's)
-        self.out = Gate(hidden, len(starts), self.lr_scale)
-        self.scale = nn.Parameter(torch.tensor(0.1))
-        self.bias = nn.Parameter(torch.tensor(starts) / self.scale.detach())  # in units of the scale, as #89's
+        self.out = Gate(hidden, len(starts), lr_scale)
+        self.scale = nn.Parameter(torch.tensor(0.1)) if fixed_scale is None else fixed_scale
+        self.bias = nn.Parameter(torch.tensor(starts) / 0.1)  # in units of the scale, as #89's
 
     def forward(self, x: Tensor) -> dict[str, dict[str, Tensor]]:
-        coefs = (self.out(F.gelu(self.hidden(x))) + self.bias.type_as(x)) * self.scale.type_as(x)
+        scale = self.scale.type_as(x) if isinstance(self.scale, Tensor) else self.scale
+        coefs = (self.out(F.gelu(self.hidden(x))) + self.bias.type_as(x)) * scale
         parts = iter(coefs.split([w for widths in self.widths.values() for w in widths.values()], dim=-1))
         return {layer: {name: next(parts) for name in widths} for layer, widths in self.widths.items()}
 
 VALUE_GATE_CHANNELS = 6  # a value embedding's gate reads this many channels of attention's input and of the embedding
+VALUE_GATE_LANES = 2  # a dense layer's value-embedding gate: one per-token coefficient for each half of the heads
 
 # a gated skip starts at #89's weight: sigmoid(-1.5) times its gate's 0.5 (the gate a gate network's coefficient, or
 # else folded into the logit)
@@ -565,61 +569,101 @@ class Block(nn.Module):
     """Attention (none in an attention-free layer), then the MLP. Each sublayer scales the residual and its own output
     by learned scalars, the residual's starting at sqrt(1.1), so 1.1 a layer with attention (#45); the embedding x0
     re-enters after attention at a learned share starting at 0, and the bigram embedding with it at one starting at
-    0.05 (in the first layer, before attention: `bigram_joins`). A skip from an earlier layer joins first through a
-    sigmoid gate; attention may read another layer's output than the block's input, and its values take a value
-    embedding gated per head. In a layer a gate network serves (`gated`), those shares and the skip's gate are its
-    per-token coefficients, and attention may take two more: XSA's strength and per-head output gates."""
+    0.05 (`bigram_joins` "output"; the first layer's share is the GPT's to add before it, "input"). A skip from an
+    earlier layer joins first through a sigmoid gate; attention may read another layer's output than the block's
+    input, and its values take a value embedding gated per head. In a layer a gate network serves (`gated`), those
+    shares and the skip's gate are its per-token coefficients, and attention may take two more: XSA's strength and
+    per-head output gates. A dense layer (MUDD's, #40, #81, #85: `dense_sources` earlier states) takes its own
+    network's coefficients instead of its scalars, shares and value gate (one per half of the heads, starting at 2),
+    and two mixes of those states and its input: one its input takes in, one its values (dense_coefficients)."""
 
     def __init__(self, dim: int, num_heads: int, head_dim: int, has_attention: bool,
                  takes_skip: bool, takes_value_embed: bool = False, key_offset: bool = False, gated: bool = False,
-                 xsa: bool = False, output_gate: bool = False, bigram_joins: str | None = None):
+                 xsa: bool = False, output_gate: bool = False, bigram_joins: str | None = None,
+                 dense_sources: int = 0):
         super().__init__()
         self.attn = CausalSelfAttention(dim, num_heads, head_dim, key_offset) if has_attention else None
-        self.value_gate = Gate(2 * VALUE_GATE_CHANNELS, num_heads) if takes_value_embed else None
+        self.value_gate = Gate(2 * VALUE_GATE_CHANNELS, num_heads) if takes_value_embed and not dense_sources else None
         self.mlp = MLP(dim)
-        self.attn_scales = nn.Parameter(torch.tensor([1.1 ** 0.5, 1.0])) if has_attention else None  # x, out
-        self.mlp_scales = nn.Parameter(torch.tensor([1.1 ** 0.5, 1.0]))  # x, out
+        # each sublayer's scales of the residual and of its output, as #89 starts them: learned, or a dense layer's
+        # per token
+        scales = dict(attn_scales=(1.1 ** 0.5, 1.0) if has_attention else None, mlp_scales=(1.1 ** 0.5, 1.0))
+        for name, start in scales.items():
+            setattr(self, name, nn.Parameter(torch.tensor(start)) if start and not dense_sources else None)
         self.skip_gate = nn.Parameter(torch.tensor(SKIP_SCALE_START if gated else SKIP_GATE_START)) if takes_skip \
             else None
         self.bigram_joins = bigram_joins  # "input", "output" (after attention) or None
-        # the shares of x0 and the bigram embedding, as #89 starts them: a gate network's (per token), or learned
+        # the shares of x0 and the bigram embedding, as #89 starts them: a network's (per token), or learned
         shares = dict(x0=0.0 if has_attention else None, bigram=0.05 if bigram_joins else None)
         shares = {name: start for name, start in shares.items() if start is not None}
-        self.shares = nn.ParameterDict({} if gated else {name: torch.tensor(start) for name, start in shares.items()})
-        # what a gate network gives this layer: name -> (width, starting value)
-        wanted = dict(**{name: (1, start) for name, start in shares.items()},
+        self.shares = nn.ParameterDict({} if gated or dense_sources else {name: torch.tensor(start)
+                                                                          for name, start in shares.items()})
+        # what a gate network gives this layer, and a dense layer's own network: name -> (width, starting value)
+        wanted = dict(**({} if dense_sources else {name: (1, start) for name, start in shares.items()}),
                       skip=(1, SKIP_COEFFICIENT_START) if takes_skip else None,
                       xsa=(num_heads, 0.0) if xsa else None, output_gate=(num_heads, 0.25) if output_gate else None)
         self.gate_coefficients = {name: want for name, want in wanted.items() if want is not None} if gated else {}
+        values = has_attention and dense_sources  # (#89's order of its 14)
+        dense = dict(dense_value=(dense_sources + 1, 0.0) if values else None, dense=(dense_sources + 1, 0.0),
+                     value_gate=(VALUE_GATE_LANES, 2.0) if values and takes_value_embed else None,
+                     attn_scales=(2, scales["attn_scales"]) if has_attention else None,
+                     **{name: (1, start) for name, start in shares.items()}, mlp_scales=(2, scales["mlp_scales"]))
+        self.dense_coefficients = {name: want for name, want in dense.items() if want is not None} \
+            if dense_sources else {}
 
     def forward(self, x: Tensor, skip: Tensor | None, ve: Tensor | None, x0: Tensor, mask: BlockMask | Tensor,
                 gates: dict[str, Tensor], bigram: Tensor | None = None, attend_over: Tensor | None = None,
-                **for_attention) -> Tensor:
+                dense: list[Tensor] | None = None, **for_attention) -> Tensor:
+        """dense: a dense layer's earlier states (in its network's order)."""
         if skip is not None:
             x = x + torch.sigmoid(self.skip_gate) * gates.get("skip", 1.0) * skip
-        if bigram is not None and self.bigram_joins == "input":
-            x = x + self.share("bigram", gates) * bigram
+        dense_value = None
+        if dense is not None:  # its input, and its values, take in the earlier states and itself at per-token shares
+            states = [*dense, x]
+            dense_value = self.mix(gates.get("dense_value"), states)
+            x = x + self.mix(gates["dense"], states)
         if self.attn is not None:
             read = norm(x if attend_over is None else attend_over)
-            out = self.attn(read, self.gated_value_embed(read, ve), mask, gates.get("xsa"), gates.get("output_gate"),
-                            **for_attention)
-            x = self.attn_scales[0] * x + self.attn_scales[1] * out + self.share("x0", gates) * x0
+            out = self.attn(read, self.value_input(read, ve, gates, dense_value), mask, gates.get("xsa"),
+                            gates.get("output_gate"), **for_attention)
+            residual, output = self.scales("attn_scales", gates)
+            x = residual * x + output * out + self.share("x0", gates) * x0
             if bigram is not None and self.bigram_joins == "output":
                 x = x + self.share("bigram", gates) * bigram
-        return self.mlp_scales[0] * x + self.mlp_scales[1] * self.mlp(norm(x))
+        residual, output = self.scales("mlp_scales", gates)
+        return residual * x + output * self.mlp(norm(x))
 
     def share(self, name: str, gates: dict[str, Tensor]) -> Tensor:
-        """x0's or the bigram embedding's share: the gate network's coefficient, or this block's learned scalar."""
+        """x0's or the bigram embedding's share: a network's coefficient, or this block's learned scalar."""
         return gates[name] if name in gates else self.shares[name]
 
-    def gated_value_embed(self, read: Tensor, ve: Tensor | None) -> Tensor | None:
-        """Each head's share of the value embedding (T, D): 2 sigmoid of a gate reading the first channels of
-        attention's input and of the embedding, starting at 1 (#89's gate, by @photomz)."""
-        if ve is None:
+    def scales(self, name: str, gates: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """A sublayer's scales of the residual and of its output: a dense layer's coefficients, or learned."""
+        residual, output = gates[name].split(1, dim=-1) if name in gates else getattr(self, name)
+        return residual, output
+
+    @staticmethod
+    def mix(coefficients: Tensor | None, states: list[Tensor]) -> Tensor | None:
+        """sum_k coefficients[..., k] states[k] (None without coefficients)."""
+        if coefficients is None:
             return None
-        n = VALUE_GATE_CHANNELS
-        gate = 2 * torch.sigmoid(self.value_gate(torch.cat([read[..., :n], ve[None, :, :n]], dim=-1)))  # (1, T, H)
-        return (gate[..., None] * ve.unflatten(-1, (gate.size(-1), -1))).flatten(-2)
+        return sum(coefficients[..., k, None] * state for k, state in enumerate(states))
+
+    def value_input(self, read: Tensor, ve: Tensor | None, gates: dict[str, Tensor],
+                    dense_value: Tensor | None) -> Tensor | None:
+        """What attention's values take in (T, D): each head's share of the value embedding, 2 sigmoid of a gate
+        reading the first channels of attention's input and of the embedding, starting at 1 (#89's gate, by
+        @photomz), or a dense layer's per-token lanes; and a dense layer's mix of earlier states."""
+        if ve is None:
+            return dense_value
+        if "value_gate" in gates:  # (the whole embedding's heads: a tensor-parallel rank's are split off later)
+            lanes = gates["value_gate"]
+            gate = lanes.repeat_interleave(ve.size(-1) // self.attn.head_dim // lanes.size(-1), dim=-1)
+        else:
+            n = VALUE_GATE_CHANNELS
+            gate = 2 * torch.sigmoid(self.value_gate(torch.cat([read[..., :n], ve[None, :, :n]], dim=-1)))  # (1, T, H)
+        gated = (gate[..., None] * ve.unflatten(-1, (gate.size(-1), -1))).flatten(-2)
+        return gated if dense_value is None else gated + dense_value
 
 RECORD_SOFT_CAP = (23.0, 5.0, 7.5)  # #89's (#54): 23 * sigmoid((logits + 5) / 7.5)
 
@@ -695,22 +739,36 @@ class GPT(nn.Module):
     starting at -0.5). Gate networks, each reading the stream where it enters a layer, give per-token coefficients
     to that layer and those up to the next network's (#85): x0's share, the skip's gate, XSA's strength (#82) and
     per-head output gates (#28, #85) where those are on. A bigram hash embedding (#62, #83) joins the first layer's
-    input and each later attention layer's output. The stream (a dict of tensors) goes from the embedding through
-    each block to the head; layouts run the forward in parts along it, and hook its two seams."""
+    input and each later attention layer's output. With MUDD (#40, #81, #85), networks of the same kind make the
+    last layer's scalars per token and mix earlier states into its input and values, and into the head's input (the
+    backout among them). The stream (a dict of tensors) goes from the embedding through each block to the head;
+    layouts run the forward in parts along it, and hook its two seams."""
 
     def __init__(self, vocab_size: int, num_layers: int, num_heads: int, head_dim: int, model_dim: int,
                  window_pattern: str, layers_without_attention=(), value_embed_layers=(),
                  skip: tuple[int, int] | None = None, attend_over: int | None = None, gate_network_layers=(),
                  xsa_layers=(), output_gate_layers=(), bigram_rows=0, smear=True, key_offset=True, mtp=False,
-                 prefix_loss=False, fp8_head=True, tied_embed=False,
+                 prefix_loss=False, fp8_head=True, tied_embed=False, mudd=False,
                  soft_cap: tuple[float, float, float] = RECORD_SOFT_CAP):
         super().__init__()
         self.window_pattern = window_pattern
         self.skip, self.attend_over = skip, attend_over
+        # MUDD (#40, #81, #85), as #89 trims it: the last layer is dense, taking in the first layer's input (-1) and
+        # the attended layer's output; the head's input takes in those, the last layer's input, the first value
+        # embedding and the skip's source (`stream_state` names), backout folded in (starting at -0.5)
+        self.dense_layer = num_layers - 1 if mudd else None
+        self.dense_sources = (-1, attend_over) if mudd else ()
+        first_value_embed = min(value_embed_layers, default=None)
+        self.head_sources = ("layer-1", f"layer{attend_over}", f"layer{num_layers - 2}", f"ve{first_value_embed}",
+                             f"layer{skip[0] if skip else None}") if mudd else ()
         # layer -> the last layer reading its output (the number of layers: the head), which the stream carries on
-        self.read_until = {} if skip is None else {skip[0]: skip[1]}
-        if attend_over is not None:
-            self.read_until[attend_over] = num_layers
+        readers = [(skip[0], skip[1])] if skip is not None else []
+        readers += [(attend_over, num_layers)] if attend_over is not None else []
+        readers += [(j, num_layers - 1) for j in self.dense_sources]
+        readers += [(int(name[5:]), num_layers) for name in self.head_sources if name.startswith("layer")]
+        self.read_until = {}
+        for layer, reader in readers:
+            self.read_until[layer] = max(reader, self.read_until.get(layer, reader))
         head_rows = next_multiple_of_n(vocab_size, n=128)  # vocab padded to a multiple of 128 for faster kernels
         # tied_embed: the head and the embedding start as one table, #89's (#51): each row N(0, 0.005^2), the embedding
         # as many rows as the head; the optimizers keep them one until the schedule unties them (TiedEmbedding)
@@ -729,13 +787,21 @@ class GPT(nn.Module):
                                            str(i) in self.value_embeds, key_offset and window_pattern[i] == "L",
                                            i >= starts[0], i in xsa_layers, i in output_gate_layers,
                                            None if not bigram_rows else "input" if i == 0 else
-                                           "output" if i not in layers_without_attention else None)
+                                           "output" if i not in layers_without_attention else None,
+                                           len(self.dense_sources) if i == self.dense_layer else 0)
                                      for i in range(num_layers)])
         wanted = {start: {str(i): self.blocks[i].gate_coefficients for i in range(start, end)
                           if self.blocks[i].gate_coefficients} for start, end in zip(starts, starts[1:])}
         self.gate_networks = nn.ModuleDict({str(start): GateNetwork(model_dim, layers)
                                             for start, layers in wanted.items() if layers})
-        self.backout = nn.Parameter(torch.tensor(-0.5)) if attend_over is not None else None
+        # MUDD's networks: the dense layer's coefficients, and the head's (by the layer each serves)
+        dense = {str(self.dense_layer): self.blocks[self.dense_layer].dense_coefficients,
+                 "head": {name: (1, -0.5 if name == f"layer{attend_over}" else 0.0) for name in self.head_sources}} \
+            if mudd else {}
+        self.dense_networks = nn.ModuleDict({layer: GateNetwork(model_dim, {layer: coefficients}, lr_scale=0.25,
+                                                                fixed_scale=0.1)
+                                             for layer, coefficients in dense.items()})
+        self.backout = nn.Parameter(torch.tensor(-0.5)) if attend_over is not None and not mudd else None
         # the FP8 scales are #89's, for its soft cap's logits
         self.lm_head = LMHead(model_dim, head_rows, soft_cap=soft_cap, use_fp8=fp8_head, x_s=100 / 448, w_s=1.6 / 448,
                               grad_s=0.75 / 448)
@@ -796,38 +862,62 @@ class GPT(nn.Module):
         return stream if self.bigram is None else dict(stream, bigram=self.bigram(input_seq))
 
     def run_block(self, i: int, stream: dict, masks: dict) -> dict:
-        stream = self.gate_coefficients(i, stream)
+        stream = self.enter_block(i, stream)
         return self.keep_output(i, dict(stream, x=self.blocks[i](**self.block_inputs(i, stream, masks))))
 
-    def gate_coefficients(self, i: int, stream: dict) -> dict:
-        """The stream entering block i, with the coefficients of the layers it serves where a gate network reads it."""
-        if self.gate_networks is None or str(i) not in self.gate_networks:  # (None: a pipeline stage holding none)
-            return stream
-        return dict(stream, gates=dict(stream["gates"], **self.gate_networks[str(i)](stream["x"])))
+    def enter_block(self, i: int, stream: dict) -> dict:
+        """The stream entering block i: with the coefficients of the layers it serves where a gate network or a
+        dense layer's network reads it; in the first layer, the bigram embedding joined at the layer's share, and
+        the result kept where later layers read it ("layer-1")."""
+        gates = stream["gates"]
+        for networks in (self.gate_networks, self.dense_networks):
+            if networks is not None and str(i) in networks and networks[str(i)] is not None:  # (None: elsewhere)
+                coefficients = networks[str(i)](stream["x"])
+                gates = dict(gates, **{layer: dict(gates.get(layer, {}), **coefs)
+                                       for layer, coefs in coefficients.items()})
+        stream = dict(stream, gates=gates)
+        if self.blocks[i].bigram_joins == "input":
+            share = self.blocks[i].share("bigram", gates.get(str(i), {}))
+            stream = dict(stream, x=stream["x"] + share * stream["bigram"])
+        return dict(stream, **{"layer-1": stream["x"]}) if i == 0 and -1 in self.read_until else stream
 
     def block_inputs(self, i: int, stream: dict, masks: dict) -> dict:
         """What block i takes from the stream."""
-        skip, over = self.skip, self.attend_over
+        skip, over, dense = self.skip, self.attend_over, i == self.dense_layer
+        # (#89's dense layer re-adds the first layer's input, the bigram embedding in it, where the others add x0)
         return dict(x=stream["x"], skip=stream[f"layer{skip[0]}"] if skip is not None and i == skip[1] else None,
-                    ve=stream["ve"].get(str(i)), x0=stream["x0"], mask=masks[self.window_pattern[i]],
-                    gates=stream["gates"].get(str(i), {}), bigram=stream.get("bigram"),
-                    attend_over=stream[f"layer{over}"] if over is not None and i > over else None)
+                    ve=stream["ve"].get(str(i)), x0=stream["layer-1" if dense else "x0"],
+                    mask=masks[self.window_pattern[i]], gates=stream["gates"].get(str(i), {}),
+                    bigram=stream.get("bigram"), attend_over=stream[f"layer{over}"] if over is not None and i > over
+                    else None, dense=[stream[f"layer{j}"] for j in self.dense_sources] if dense else None)
 
     def keep_output(self, i: int, stream: dict) -> dict:
         """The stream after block i: its output carried on where a later layer or the head reads it, and the outputs
         block i was the last to read, and its value embedding and gate coefficients, dropped."""
         stream = {key: value for key, value in stream.items()
                   if key not in {f"layer{j}" for j, last in self.read_until.items() if last == i}}
-        for own in ("ve", "gates"):
-            stream[own] = {layer: value for layer, value in stream[own].items() if layer != str(i)}
+        stream["ve"] = {layer: ve for layer, ve in stream["ve"].items()
+                        if layer != str(i) or f"ve{layer}" in self.head_sources}  # (kept: one the head reads)
+        stream["gates"] = {layer: gates for layer, gates in stream["gates"].items() if layer != str(i)}
         return dict(stream, **{f"layer{i}": stream["x"]}) if i in self.read_until else stream
 
     def head_loss(self, stream: dict, target_seq: Tensor | None) -> Tensor:
-        x = stream["x"] if self.backout is None else stream["x"] + self.backout * stream[f"layer{self.attend_over}"]
+        x = stream["x"]
+        if self.backout is not None:
+            x = x + self.backout * stream[f"layer{self.attend_over}"]
+        if self.head_sources:  # MUDD's dense connections into the head's input
+            coefficients = self.dense_networks["head"](x)["head"]
+            x = x + sum(coefficients[name] * self.stream_state(stream, name) for name in self.head_sources)
         if self.training and self.loss_weights is not None and target_seq is not None:
             return self.lm_head(norm(x)[0], self.training_targets(target_seq), self.loss_weights)
         out = self.lm_head(norm(x)[0], target_seq)
         return out if self.training or target_seq is None else out / len(target_seq)
+
+    @staticmethod
+    def stream_state(stream: dict, name: str) -> Tensor:
+        """A state the dense connections read: a layer's output ("layer3"; "layer-1": the first layer's input) or
+        the value embedding of a layer ("ve1")."""
+        return stream["ve"][name[2:]][None] if name.startswith("ve") else stream[name]
 
     def training_targets(self, target_seq: Tensor) -> Tensor:
         """(T, J): each position's next token, the later ones it also predicts (-1 past the sequence) and its next
@@ -1037,6 +1127,10 @@ class Hyperparameters:
     bigram_rows: int = flag(50304 * 15 // 2, "rows of the bigram hash embedding (#62, #83), into which each token's "
                                              "pair with the one before is hashed (0: none)")
     smear: bool = flag(True, "each token's embedding takes in a gated share of the previous token's (#89)")
+    mudd: bool = flag(True, "#89's dynamic dense connections (MUDD, #40, #81, #85): the last layer's input and values "
+                            "take in per-token shares of the first layer's input and the attended layer's output, "
+                            "and its scalars become per-token; the head's input takes in those two, the last "
+                            "layer's input, the first value embedding and the skip's source (the backout folded in)")
     key_offset: bool = flag(True, "in the long-window layers, each key's unrotated dims are the previous token's "
                                   "(#49)")
     soft_cap: str = flag(",".join(f"{term:g}" for term in RECORD_SOFT_CAP), "the logits' soft cap C,S,D: C x "
@@ -1149,7 +1243,7 @@ PRESETS = {
                 val_tokens=128 * 1024, train_seq_len="256", val_seq_len=256, seqs_per_step=8, num_layers=6,
                 num_heads=2, head_dim=64, model_dim=128, window_pattern="LSSSSL", attention_free_layers="",
                 value_embed_layers="0,1,2,3,4,5", gate_network_layers="", xsa_layers="", output_gate_layers="",
-                bigram_rows=16384, mtp=False, prefix_loss=False, smear=False, key_offset=False,
+                bigram_rows=16384, mtp=False, prefix_loss=False, smear=False, key_offset=False, mudd=False,
                 window_blocks="0.5:1,1:2,2:2,2:2", final_window_blocks=2, extension_steps=0,
                 fp8_head=False, num_iterations=230, muon_momentum_warmup_steps=50, skip_layers="1,3",
                 attend_over_layer="3", muon_momentum_cooldown_steps=9, lr_head=0.077, lr_embed=0.21, lr_scalar=0.014,
@@ -1314,6 +1408,13 @@ def check_hyperparameters(args: Hyperparameters) -> None:
         need(not unserved, f"{flag_value(args, name)} names layers {unserved}, which no gate network serves "
              f"({flag_value(args, 'gate_network_layers')}): their coefficients come from one; add a network at or "
              "before them")
+    missing = [name for name in ("skip_layers", "attend_over_layer", "value_embed_layers")
+               if not layer_indices(args, name)]
+    need(not args.mudd or not missing, f"--mudd true reads the skip's source, the attended layer and the first "
+         f"value embedding, but {', '.join(flag_value(args, name) for name in missing)}: name them, or use --mudd "
+         "false")
+    need(not args.mudd or args.num_layers >= 2, "--mudd true makes the last layer dense and the head reads the one "
+         "before it: use 2 or more layers, or --mudd false")
     need(not args.prefix_loss or args.vocab_size >= 50257, f"--prefix_loss reads GPT-2's tokens' bytes, but "
          f"--vocab_size {args.vocab_size} is smaller than GPT-2's 50257: use --prefix_loss false")
     need(args.bigram_rows != 1, "--bigram_rows 1: the hash takes every row but the last, which the first position "
@@ -1497,7 +1598,7 @@ def build_model(args: Hyperparameters, device: torch.device, cuda_dtypes: bool |
                     output_gate_layers=layer_indices(args, "output_gate_layers"), bigram_rows=args.bigram_rows,
                     smear=args.smear, mtp=args.mtp, prefix_loss=args.prefix_loss,
                     key_offset=args.key_offset, fp8_head=args.fp8_head, tied_embed=args.tied_stages > 0,
-                    soft_cap=soft_cap_terms(args))
+                    mudd=args.mudd, soft_cap=soft_cap_terms(args))
     return to_device(model, device, cuda_dtypes)
 
 def to_device(model: nn.Module, device: torch.device, cuda_dtypes: bool | None = None) -> nn.Module:
@@ -1810,8 +1911,9 @@ def main(argv=None) -> float | None:
 # 5: record #89's layer stack, whose flags an older file's hyperparameters lack; 6: its value embeddings, a table and
 # a gate for each layer they feed; 7: its gate networks, and no x0 scale in the layers they serve; 8: attention's q
 # and k apart from v (Muon's blocks of head pairs), the window stages' flags; 9: the staged batch's flags, whose
-# sequence lengths and document cuts are per stage; 10: the embedding tied to the head (the head's rows and group)
-CHECKPOINT_FORMAT = 10
+# sequence lengths and document cuts are per stage; 10: the embedding tied to the head (the head's rows and group);
+# 11: MUDD's networks, and no scalars, shares or value gate in its dense layer
+CHECKPOINT_FORMAT = 11
 EXIT_STOPPED = 3  # kill switch or signal: a checkpoint was saved; continue with --resume latest
 EXIT_DIVERGED = 4  # non-finite training loss or gradient norm
 EXIT_LOST = 5  # a rank stopped answering or died: no stop checkpoint; continue from the last one

@@ -125,9 +125,9 @@ def main(argv=None) -> int:
     for what, floor in floors.items():
         fixed = FIXED_BOUNDS["parameters" if what.startswith("parameters") else what]
         print(f"  {what:28s} floor {floor:.2e}  tolerance {max(FLOOR_MULTIPLE * floor, fixed):.2e}")
-    print("\nthis file against #89: not compared yet. The port lands in steps; #89's MUDD connections, DC-MHA and "
-          "paired-head attention are not in the model yet, so #89's parameters do not all map onto this file's and "
-          "no loss is comparable.")
+    print("\nthis file against #89: not compared yet. The port lands in steps; #89's DC-MHA and paired-head "
+          "attention are not in the model yet, so #89's parameters do not all map onto this file's and no loss is "
+          "comparable.")
     return 0
 
 

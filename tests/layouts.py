@@ -25,19 +25,24 @@ class BlockWithAttentionGate(train_gpt.Block):
         super().__init__(*args)
         self.attn_gate = nn.Parameter(torch.tensor(0.7)) if self.attn is not None else None
 
-    def forward(self, x, skip, ve, x0, mask, gates, bigram=None, attend_over=None, **for_attention):  # (a GPT's
-        if skip is not None:                                                                     # for attention)
+    def forward(self, x, skip, ve, x0, mask, gates, bigram=None, attend_over=None, dense=None,
+                **for_attention):  # (a GPT's for attention)
+        if skip is not None:
             x = x + torch.sigmoid(self.skip_gate) * gates.get("skip", 1.0) * skip
-        if bigram is not None and self.bigram_joins == "input":
-            x = x + self.share("bigram", gates) * bigram
+        dense_value = None
+        if dense is not None:
+            dense_value = self.mix(gates.get("dense_value"), [*dense, x])
+            x = x + self.mix(gates["dense"], [*dense, x])
         if self.attn is not None:
             read = norm(x if attend_over is None else attend_over)
-            out = self.attn_gate * self.attn(read, self.gated_value_embed(read, ve), mask, gates.get("xsa"),
-                                             gates.get("output_gate"), **for_attention)
-            x = self.attn_scales[0] * x + self.attn_scales[1] * out + self.share("x0", gates) * x0
+            out = self.attn_gate * self.attn(read, self.value_input(read, ve, gates, dense_value), mask,
+                                             gates.get("xsa"), gates.get("output_gate"), **for_attention)
+            residual, output = self.scales("attn_scales", gates)
+            x = residual * x + output * out + self.share("x0", gates) * x0
             if bigram is not None and self.bigram_joins == "output":
                 x = x + self.share("bigram", gates) * bigram
-        return self.mlp_scales[0] * x + self.mlp_scales[1] * self.mlp(norm(x))
+        residual, output = self.scales("mlp_scales", gates)
+        return residual * x + output * self.mlp(norm(x))
 
 
 class GatedMLP(train_gpt.MLP):
@@ -119,6 +124,8 @@ class GPTWithRecordEdits(train_gpt.GPT):
 
     def run_block(self, i, stream, masks):
         stream = super().run_block(i, stream, masks)
+        if self.blocks[i].mlp_scales is None:  # (a dense layer's scales are per token)
+            return stream
         return dict(stream, x=stream["x"] + 0.1 * self.blocks[i].mlp_scales[1] * stream["x0"])
 
     def head_loss(self, stream, target_seq):
@@ -225,7 +232,7 @@ class GPTWithLaterKinds(GPTStretchingRotary):
 
     def run_block(self, i, stream, masks):
         for_attention = dict(scale=self.attention_scales[i]) if self.blocks[i].attn is not None else {}
-        stream = self.gate_coefficients(i, stream)
+        stream = self.enter_block(i, stream)
         x, update = self.blocks[i](**self.block_inputs(i, stream, masks), **for_attention)
         return self.keep_output(i, dict(stream, x=x, updates=stream["updates"] + update))
 
@@ -278,7 +285,7 @@ class GPTWithQKVBank(train_gpt.GPT):
 
     def run_block(self, i, stream, masks):
         for_attention = dict(qkv=self.qkv_bank[i]) if self.blocks[i].attn is not None else {}
-        stream = self.gate_coefficients(i, stream)
+        stream = self.enter_block(i, stream)
         return self.keep_output(i, dict(stream, x=self.blocks[i](**self.block_inputs(i, stream, masks),
                                                                  **for_attention)))
 
@@ -291,8 +298,8 @@ class BlockWithUngatedValueEmbeds(train_gpt.Block):
         super().__init__(*args)
         self.value_gate = None
 
-    def gated_value_embed(self, read, ve):
-        return ve
+    def value_input(self, read, ve, gates, dense_value):
+        return ve if dense_value is None else ve + dense_value
 
 
 # A table looked up inside attention (learned positions added to the queries): tensor parallelism refuses it

@@ -11,8 +11,8 @@ import train_gpt
 from train_gpt import norm
 
 
-def tiny_model_with_every_weight_nonzero():
-    args = train_gpt.parse_args(["--preset", "tiny"], cuda=False)
+def tiny_model_with_every_weight_nonzero(mudd=True):
+    args = train_gpt.parse_args(["--preset", "tiny", "--mudd", str(mudd)], cuda=False)
     model = train_gpt.build_model(args, torch.device("cpu"))
     draws = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -39,10 +39,19 @@ def gated_by_the_formula(block, read, ve):
 
 
 def coefficients_by_the_formula(network, x):
-    """#85's gate network: (W2 gelu(W1 x) + b) s, cut into its layers' coefficients in the order it lists them."""
+    """#85's gate network and MUDD's: (W2 gelu(W1 x) + b) s, cut into its layers' coefficients in the order it lists
+    them (MUDD's: its dense layer's, or the head's)."""
     flat = (F.gelu(x @ network.hidden.weight.T) @ network.out.weight.T + network.bias) * network.scale
     parts = iter(flat.split([w for widths in network.widths.values() for w in widths.values()], dim=-1))
-    return {int(layer): {name: next(parts) for name in widths} for layer, widths in network.widths.items()}
+    return {int(layer) if layer.isdigit() else layer: {name: next(parts) for name in widths}
+            for layer, widths in network.widths.items()}
+
+
+def lanes_by_the_formula(lanes, ve, head_dim):
+    """A dense layer's value-embedding gate (#89's): head h of H takes lane h x L // H of its L lanes."""
+    heads = ve.chunk(ve.size(-1) // head_dim, dim=-1)
+    return torch.cat([lanes[0, :, h * lanes.size(-1) // len(heads), None] * part for h, part in enumerate(heads)],
+                     dim=-1)
 
 
 def int32(value):
@@ -67,12 +76,15 @@ def bigram_by_the_formula(model, tokens):
 
 
 def logits_by_the_formulas(model, tokens, window, backout=True, attend_over=True, smear=True, value_gates=True,
-                           xsa=True, output_gates=True, bigram=True):
+                           xsa=True, output_gates=True, bigram=True, dense=True, dense_head=True):
     """#89's residual stream spelled out, each block's attention and MLP taken as they are: the previous token's
     embedding smeared in, gate networks' coefficients for the layers from theirs to the next one's, the gated skip
     into its layer's input, attention over the kept layer's output after it with a value embedding gated per head,
     scales on the residual and each output, x0 after attention, and the kept output's share taken back out before
-    the head."""
+    the head; with MUDD, the last layer's input and values take in the first layer's input, the attended layer's
+    output and the layer's own input, its value gate per half of the heads, its scales and shares per token (x0's
+    of the first layer's input), and the head's input the first layer's input, the attended layer's output, the
+    last layer's input, the first value embedding and the skip's source (backout in it)."""
     masks = model.attention_masks(tokens[:-1], window)
     embeddings = model.embed(tokens[:-1])
     embed = norm((smeared_by_the_formula(model, embeddings) if smear else embeddings)[None])
@@ -80,34 +92,54 @@ def logits_by_the_formulas(model, tokens, window, backout=True, attend_over=True
     pairs = bigram_by_the_formula(model, tokens[:-1]) if bigram else torch.zeros_like(x)
     (skip_from, skip_to), over = model.skip, model.attend_over
     for i, block in enumerate(model.blocks):
-        if str(i) in model.gate_networks:
-            coefficients.update(coefficients_by_the_formula(model.gate_networks[str(i)], x))
+        for network in (networks[str(i)] for networks in (model.gate_networks, model.dense_networks)
+                        if str(i) in networks):
+            for layer, coefs in coefficients_by_the_formula(network, x).items():
+                coefficients.setdefault(layer, {}).update(coefs)
         gates = coefficients.get(i, {})
         if i == skip_to:
             x = x + torch.sigmoid(block.skip_gate) * gates["skip"] * outputs[skip_from]
         if i == 0:  # the bigram embedding: into the first layer's input, after each later layer's attention
             x = x + gates["bigram"] * pairs
+            outputs[-1] = x
+        dense_value = None
+        if i == model.dense_layer:
+            states = [outputs[-1], outputs[over], x]
+            dense_value = sum(gates["dense_value"][..., k, None] * state for k, state in enumerate(states))
+            x = x + sum(gates["dense"][..., k, None] * state for k, state in enumerate(states)) * dense
         if block.attn is not None:
             read = norm(outputs[over] if attend_over and i > over else x)
             ve = model.value_embeds[str(i)](tokens[:-1]) if str(i) in model.value_embeds else None
             if ve is not None and value_gates:
-                ve = gated_by_the_formula(block, read, ve)
+                ve = gated_by_the_formula(block, read, ve) if "value_gate" not in gates else \
+                    lanes_by_the_formula(gates["value_gate"], ve, block.attn.head_dim)
+            if dense_value is not None and dense:
+                ve = dense_value if ve is None else ve + dense_value
             out = block.attn(read, ve, masks[model.window_pattern[i]], gates.get("xsa") if xsa else None,
                              gates.get("output_gate") if output_gates else None)
-            x = block.attn_scales[0] * x + block.attn_scales[1] * out + gates["x0"] * x0
+            residual, output = gates["attn_scales"].split(1, -1) if "attn_scales" in gates else block.attn_scales
+            x = residual * x + output * out + gates["x0"] * (outputs[-1] if i == model.dense_layer else x0)
             if i > 0:
                 x = x + gates["bigram"] * pairs
-        x = block.mlp_scales[0] * x + block.mlp_scales[1] * block.mlp(norm(x))
+        residual, output = gates["mlp_scales"].split(1, -1) if "mlp_scales" in gates else block.mlp_scales
+        x = residual * x + output * block.mlp(norm(x))
         outputs[i] = x
-    if backout:
+    if backout and model.backout is not None:
         x = x + model.backout * outputs[over]
+    if model.head_sources and dense_head:
+        coefs = coefficients_by_the_formula(model.dense_networks["head"], x)["head"]
+        ve = model.value_embeds[str(min(map(int, model.value_embeds)))](tokens[:-1])[None]
+        states = [outputs[-1], outputs[over], outputs[len(model.blocks) - 2], ve, outputs[skip_from]]
+        x = x + sum(coef * state for coef, state in zip(coefs.values(), states))
     return model.lm_head(norm(x)[0], None)  # the logits
 
 
-def test_the_layer_stack_computes_the_formulas_of_record_89():
-    args, model = tiny_model_with_every_weight_nonzero()
+@pytest.mark.parametrize("mudd", [True, False])
+def test_the_layer_stack_computes_the_formulas_of_record_89(mudd):
+    args, model = tiny_model_with_every_weight_nonzero(mudd=mudd)
     assert model.skip == (1, 4) and model.attend_over == 3 and model.blocks[4].attn is None  # the tiny preset's
     assert list(model.gate_networks) == ["0", "2"]  # (its XSA layers 1 and 3, output gates 3 and 5)
+    assert list(model.dense_networks) == (["5", "head"] if mudd else [])
     tokens = torch.randint(0, args.vocab_size, (train_gpt.context_length(args) + 1,),
                            generator=torch.Generator().manual_seed(2))
     tokens[::37] = train_gpt.EOT_TOKEN
@@ -116,16 +148,14 @@ def test_the_layer_stack_computes_the_formulas_of_record_89():
         logits = model(tokens[:-1], None, window)
         expected = logits_by_the_formulas(model, tokens, window)
         spread = (expected - expected.mean()).abs().max()  # (the soft cap centres the logits on 15)
-        # what the comparison can see: without the backout, with layer 5 attending over its own input, without the
-        # smear, with the value embeddings ungated, without XSA or without the output gates
-        for changed in (logits_by_the_formulas(model, tokens, window, backout=False),
-                        logits_by_the_formulas(model, tokens, window, attend_over=False),
-                        logits_by_the_formulas(model, tokens, window, smear=False),
-                        logits_by_the_formulas(model, tokens, window, value_gates=False),
-                        logits_by_the_formulas(model, tokens, window, xsa=False),
-                        logits_by_the_formulas(model, tokens, window, output_gates=False),
-                        logits_by_the_formulas(model, tokens, window, bigram=False)):
-            assert (changed - expected).abs().max() > 1e-3 * spread
+        # what the comparison can see: without the backout (or MUDD's dense connections into the last layer's input
+        # and values, or into the head's), with layer 5 attending over its own input, without the smear, with the
+        # value embeddings ungated, without XSA or without the output gates
+        changes = [dict(dense=False), dict(dense_head=False)] if mudd else [dict(backout=False)]
+        for change in changes + [dict(attend_over=False), dict(smear=False), dict(value_gates=False), dict(xsa=False),
+                                 dict(output_gates=False), dict(bigram=False)]:
+            changed = logits_by_the_formulas(model, tokens, window, **change)
+            assert (changed - expected).abs().max() > 1e-3 * spread, change
     assert (logits - expected).abs().max() <= 1e-5 * spread  # the same float32 ops: rounding only
 
 
@@ -149,7 +179,7 @@ def test_each_learned_scale_starts_where_record_89_starts_it():
     # the skip: sigmoid(-1.5) x its gate's starting 0.5
     assert torch.sigmoid(model.blocks[4].skip_gate).item() == torch.sigmoid(torch.tensor(-1.5)).item()
     assert [i for i, block in enumerate(model.blocks) if block.skip_gate is not None] == [4]
-    for block in model.blocks:  # the residual grows by 1.1 a layer; outputs at 1; x0's share from the networks
+    for block in model.blocks[:-1]:  # the residual grows by 1.1 a layer; outputs at 1; x0's share from the networks
         scales = block.mlp_scales if block.attn is None else block.mlp_scales * block.attn_scales[0]
         assert math.isclose(scales[0].item(), 1.1 if block.attn is not None else 1.1 ** 0.5, rel_tol=1e-6)
         assert block.mlp_scales[1].item() == 1.0
@@ -158,22 +188,37 @@ def test_each_learned_scale_starts_where_record_89_starts_it():
     # without gate networks, the skip's gate is one learned scalar starting at the same weight, by hand
     # 0.5 / (1 + e^1.5), and x0's and the bigram embedding's shares learned scalars starting at 0 and 0.05
     static = train_gpt.build_model(train_gpt.parse_args(["--preset", "tiny", "--gate_network_layers", "",
-                                                         "--xsa_layers", "", "--output_gate_layers", ""],
-                                                        cuda=False), torch.device("cpu"))
+                                                         "--xsa_layers", "", "--output_gate_layers", "",
+                                                         "--mudd", "false"], cuda=False), torch.device("cpu"))
+    assert static.backout.item() == -0.5 and not static.dense_networks  # (without MUDD: a learned scalar)
     assert not static.gate_networks and static.blocks[0].shares["x0"].item() == 0.0
     assert static.blocks[0].shares["bigram"].item() == pytest.approx(0.05) and "bigram" not in static.blocks[4].shares
     # the bigram table starts at zero; its signs are +-1
     assert not model.bigram.table.weight.any() and set(model.bigram.signs.unique().tolist()) == {-1.0, 1.0}
     assert math.isclose(torch.sigmoid(static.blocks[4].skip_gate).item(), 0.0912128, rel_tol=1e-6)
-    assert model.backout.item() == -0.5
+    # MUDD's networks (#89's): the last layer's 14 coefficients, whatever the token, start at its mixes 0, its value
+    # gate 2 per half of the heads, its scales sqrt(1.1) and 1, x0's share 0 and the bigram's 0.05; the head's at 0
+    # but -0.5 for the attended layer's output (the backout, which it replaces)
+    assert model.backout is None and model.blocks[-1].attn_scales is None and model.blocks[-1].mlp_scales is None
+    x = torch.randn_like(stream["x"])
+    dense = model.dense_networks["5"](x)["5"]
+    starts = dict(dense_value=[0.0] * 3, dense=[0.0] * 3, value_gate=[2.0, 2.0], attn_scales=[1.1 ** 0.5, 1.0],
+                  x0=[0.0], bigram=[0.05], mlp_scales=[1.1 ** 0.5, 1.0])
+    assert list(dense) == list(starts)  # (#89's order)
+    for name, values in starts.items():
+        assert torch.allclose(dense[name], torch.tensor(values).expand_as(dense[name]), rtol=1e-6, atol=0), name
+    head = model.dense_networks["head"](x)["head"]
+    assert list(head) == ["layer-1", "layer3", "layer4", "ve1", "layer1"]
+    for name, value in head.items():
+        assert torch.allclose(value, torch.full_like(value, -0.5 if name == "layer3" else 0.0), rtol=1e-6, atol=0)
     # the smear: off (its scale 0), its gate at zero (so at sigmoid(0) = 1/2 once the scale moves)
     assert model.smear.scale.item() == 0.0 and not model.smear.gate.weight.any()
     # the value embeddings: one table per listed layer, 0.01 randn; each gate at 2 sigmoid(0) = 1; v at 0.5
     assert list(model.value_embeds) == ["1", "2", "5"]
     for value_embed in model.value_embeds.values():
         assert abs(value_embed.weight.std().item() - 0.01) < 0.001
-    assert [i for i, block in enumerate(model.blocks) if block.value_gate is not None] == [1, 2, 5]
-    assert all(not block.value_gate.weight.any() for i, block in enumerate(model.blocks) if i in (1, 2, 5))
+    assert [i for i, block in enumerate(model.blocks) if block.value_gate is not None] == [1, 2]  # (5's: MUDD's)
+    assert all(not block.value_gate.weight.any() for i, block in enumerate(model.blocks) if i in (1, 2))
     assert all(block.attn.value_scale.item() == 0.5 for block in model.blocks if block.attn is not None)
 
 
@@ -183,7 +228,8 @@ def test_gates_go_to_adam_at_their_own_share_of_the_gates_lr():
     groups = train_gpt.optimizer_param_groups(model, args.vocab_size, args.model_dim)
     networks = [f"gate_networks.{i}.{name}" for i in (0, 2) for name in ("scale", "bias", "hidden.weight",
                                                                          "out.weight")]
-    assert groups["gate"] == ["smear.gate.weight", *(f"blocks.{i}.value_gate.weight" for i in (1, 2, 5)), *networks]
+    networks += [f"dense_networks.{i}.{name}" for i in (5, "head") for name in ("bias", "hidden.weight", "out.weight")]
+    assert groups["gate"] == ["smear.gate.weight", *(f"blocks.{i}.value_gate.weight" for i in (1, 2)), *networks]
     assert "smear.scale" in groups["scalar"]
     adam, muon = train_gpt.build_optimizers(model, groups, args, torch.device("cpu"), cuda_dtypes=False)
     lr_of = {p: (group["lr"], group["betas"]) for group in adam.param_groups for p in group["params"]}
@@ -192,11 +238,14 @@ def test_gates_go_to_adam_at_their_own_share_of_the_gates_lr():
     assert lr_of[model.blocks[1].value_gate.weight] == (0.5, (0.9, 0.99))  # #89's value gates: its base lr
     for p in model.gate_networks.parameters():  # #89's gate networks, their biases and scale too: 1/10 of it
         assert lr_of[p] == (0.5 * 0.1, (0.9, 0.99))
+    for p in model.dense_networks.parameters():  # #89's MUDD networks: 1/4 of it
+        assert lr_of[p] == (0.5 * 0.25, (0.9, 0.99))
     assert all(p is not model.smear.gate.weight for group in muon.param_groups for p in group["params"])
 
 
-def test_the_stream_carries_a_layers_output_only_while_a_later_layer_or_the_head_reads_it():
-    args = train_gpt.parse_args(["--preset", "tiny"], cuda=False)
+@pytest.mark.parametrize("mudd", [False, True])
+def test_the_stream_carries_a_layers_output_only_while_a_later_layer_or_the_head_reads_it(mudd):
+    args = train_gpt.parse_args(["--preset", "tiny", "--mudd", str(mudd)], cuda=False)
     model = train_gpt.build_model(args, torch.device("cpu"))
     tokens = torch.full((train_gpt.context_length(args),), train_gpt.EOT_TOKEN)
     masks = model.attention_masks(tokens, train_gpt.window_tensor((128, 128), torch.device("cpu")))
@@ -206,12 +255,20 @@ def test_the_stream_carries_a_layers_output_only_while_a_later_layer_or_the_head
         carried.append({key for key in stream if key.startswith("layer")} | set(stream["ve"]))
     # the tiny preset: layer 1's output until the skip into layer 4 takes it, layer 3's (attended over by layer 5,
     # taken back out before the head) to the end; the value embeddings of layers 1, 2 and 5 until they feed them
-    assert carried == [{"1", "2", "5"}, {"layer1", "2", "5"}, {"layer1", "5"}, {"layer1", "layer3", "5"},
-                       {"layer3", "5"}, {"layer3"}]
+    if not mudd:
+        assert carried == [{"1", "2", "5"}, {"layer1", "2", "5"}, {"layer1", "5"}, {"layer1", "layer3", "5"},
+                           {"layer3", "5"}, {"layer3"}]
+    else:  # and to the end, for MUDD's head: the first layer's input (layer 5 reads it too), layer 1's output (the
+        # skip's source), layer 4's (layer 5's input) and layer 1's value embedding
+        assert carried == [{"layer-1", "1", "2", "5"}, {"layer-1", "layer1", "1", "2", "5"},
+                           {"layer-1", "layer1", "1", "5"}, {"layer-1", "layer1", "layer3", "1", "5"},
+                           {"layer-1", "layer1", "layer3", "layer4", "1", "5"},
+                           {"layer-1", "layer1", "layer3", "layer4", "1"}]
 
 
 def test_without_the_skip_and_the_attended_layer_the_model_has_neither_and_its_blocks_read_their_own_stream():
-    args = train_gpt.parse_args(["--preset", "tiny", "--skip_layers", "", "--attend_over_layer", ""], cuda=False)
+    args = train_gpt.parse_args(["--preset", "tiny", "--skip_layers", "", "--attend_over_layer", "", "--mudd",
+                                 "false"], cuda=False)
     model = train_gpt.build_model(args, torch.device("cpu"))
     assert model.backout is None and all(block.skip_gate is None for block in model.blocks)
     tokens = torch.randint(0, args.vocab_size, (train_gpt.context_length(args) + 1,),
@@ -338,12 +395,24 @@ def test_xsa_and_the_output_gate_change_each_heads_output_by_their_formulas():
     assert (expected - plain * gate[..., None]).abs().max() > 0.01 * expected.abs().max()  # XSA shows
 
 
+def test_a_dense_layers_value_gate_gives_each_half_of_the_heads_its_lane():
+    # #89's six heads: heads 0-2 take the first lane, 3-5 the second, by hand; the dense mix is added after
+    block = train_gpt.Block(48, 6, 8, True, False, takes_value_embed=True, dense_sources=2)
+    assert block.value_gate is None and block.dense_coefficients["value_gate"] == (2, 2.0)
+    draws = torch.Generator().manual_seed(5)
+    ve, lanes, mix = (torch.randn(shape, generator=draws) for shape in ((7, 48), (1, 7, 2), (1, 7, 48)))
+    gated = block.value_input(None, ve, dict(value_gate=lanes), mix)
+    by_hand = torch.cat([lanes[0, :, 0, None] * ve[:, 8 * h:8 * h + 8] for h in range(3)] +
+                        [lanes[0, :, 1, None] * ve[:, 8 * h:8 * h + 8] for h in range(3, 6)], dim=-1)
+    assert torch.allclose(gated, by_hand + mix, rtol=1e-6, atol=1e-6)
+
+
 def test_the_record_gate_networks_serve_record_89s_layers():
     """#89's two networks: at the embedding, for layers 0-3 (x0's and the bigram embedding's shares in each, XSA in 1
     and 3, output gates in 3), and at layer 4's input, for 4-10 (those shares in each layer with attention, the
     skip's gate into 6, XSA in 4 and 7, output gates in 10): by hand 4 x 2 + 2 x 6 + 6 = 26 coefficients, #89's, and
-    6 x 2 + 1 + 2 x 6 + 6 = 31 (#89's 41 add DC-MHA's 12 weights, not here yet, and take layer 10's two shares from
-    MUDD's network)."""
+    5 x 2 + 1 + 2 x 6 + 6 = 29 (#89's 41 add DC-MHA's 12 weights, not here yet); layer 10's two shares come from
+    MUDD's network at its input, with its 14 (#89's), and the head's takes 5."""
     args = train_gpt.parse_args(["--preset", "record"], cuda=False)
     model = train_gpt.build_model(args, torch.device("meta"))
     widths = {start: {int(layer): coefficients for layer, coefficients in network.widths.items()}
@@ -351,9 +420,13 @@ def test_the_record_gate_networks_serve_record_89s_layers():
     shares = dict(x0=1, bigram=1)
     assert widths == {"0": {0: shares, 1: dict(**shares, xsa=6), 2: shares, 3: dict(**shares, xsa=6, output_gate=6)},
                       "4": {4: dict(**shares, xsa=6), 5: shares, 6: dict(skip=1), 7: dict(**shares, xsa=6),
-                            8: shares, 9: shares, 10: dict(**shares, output_gate=6)}}
-    assert [network.bias.numel() for network in model.gate_networks.values()] == [26, 31]
-    assert all(network.hidden.weight.shape == (64, 768) for network in model.gate_networks.values())
+                            8: shares, 9: shares, 10: dict(output_gate=6)}}
+    assert [network.bias.numel() for network in model.gate_networks.values()] == [26, 29]
+    assert [network.bias.numel() for network in model.dense_networks.values()] == [14, 5]  # #89's mudd_b2 rows
+    assert list(model.dense_networks) == ["10", "head"] and model.dense_sources == (-1, 7)
+    assert model.head_sources == ("layer-1", "layer7", "layer9", "ve1", "layer3")
+    networks = [*model.gate_networks.values(), *model.dense_networks.values()]
+    assert all(network.hidden.weight.shape == (64, 768) for network in networks)
     assert model.bigram.table.weight.shape == (377280, 768)  # #89's 50304 x 15 / 2 rows
 
 

@@ -40,10 +40,11 @@ def stream_structures(rank, world_size, files, layout):
 
 def test_what_crosses_each_boundary_is_what_the_one_process_forward_holds_there(files):
     # 3 stages of 2 blocks: x, x0, the value embeddings of the layers still to come (the tiny model's feed layers 1,
-    # 2 and 5: layers 2 and 5's after stage 0, layer 5's after stage 1) and the outputs of the layers read later (its
-    # skip from layer 1 into layer 4, and layer 3's output, which layer 5 attends over and the head reads): layer 1's
-    # after stage 0, layers 1 and 3's after stage 1, and the gate coefficients of the layers still to come (its
-    # networks at layers 0 and 2 serve 0-1 and 2-5: none after stage 0, layers 4 and 5's after stage 1), and the
+    # 2 and 5: layers 2 and 5's after stage 0, layer 5's after stage 1) and layer 1's, which MUDD's head reads, and
+    # the states read later (its skip from layer 1 into layer 4, and layer 3's output, which layer 5 attends over;
+    # both, and the first layer's input, MUDD's dense layer 5 or head reads): the first layer's input and layer 1's
+    # output after stage 0, those and layer 3's after stage 1, and the gate coefficients of the layers still to come
+    # (its networks at layers 0 and 2 serve 0-1 and 2-5: none after stage 0, layers 4 and 5's after stage 1), and the
     # bigram embedding, which every layer with attention takes
     layout = dict(pp=3)
     specs = {}
@@ -60,9 +61,9 @@ def test_what_crosses_each_boundary_is_what_the_one_process_forward_holds_there(
             for layer in range(6):
                 stream = model.run_block(layer, stream, masks)
                 if layer + 1 in (2, 4):
-                    kept = {"layer1"} if layer + 1 == 2 else {"layer1", "layer3"}
+                    kept = {"layer-1", "layer1"} if layer + 1 == 2 else {"layer-1", "layer1", "layer3"}
                     assert set(stream) == {"x", "x0", "ve", "gates", "bigram"} | kept
-                    assert set(stream["ve"]) == ({"2", "5"} if layer + 1 == 2 else {"5"})
+                    assert set(stream["ve"]) == ({"1", "2", "5"} if layer + 1 == 2 else {"1", "5"})
                     assert set(stream["gates"]) == (set() if layer + 1 == 2 else {"4", "5"})
                     # the kept output is the residual itself: one tensor, sent once
                     assert stream[f"layer{layer}"] is stream["x"]
