@@ -1224,7 +1224,7 @@ class Hyperparameters:
 
 PRESETS = {
     "record": {},
-    # the CPU track: ~4.5 minutes of training on 2 cores (~7.5 with evaluation), on the embedded Shakespeare shards.
+    # the CPU track: ~3.5 minutes of training on 2 cores (~5 with evaluation), on the embedded Shakespeare shards.
     # Tuned for equal time: most of a step is the 50304-wide lm_head, so width and depth cost little next to it;
     # 8 sequences a step beat 4 (noisier) and 16 (too few steps), and such short runs want 0.35x record #23's lrs,
     # its soft cap (#89's, 23 sigmoid((z + 5) / 7.5), ends 0.08 higher: its logits start 8 below their cap),
@@ -1236,21 +1236,22 @@ PRESETS = {
     # bigram hash embedding of 16,384 rows (0.029 lower, at about the same time a step), and #89's windows by stage
     # with YaRN's stretch, here 64 and 128 tokens, 128 and 256, then whole sequences (the best of four schedules tried,
     # 0.008 above the linear growth it replaced on seed 0), and not #89's staged batch (the first third at 128-token
-    # sequences: 12% less time, 0.076 higher) or its key offset (one seed 0.011 lower, one unchanged):
-    # records/ABLATIONS.md.
+    # sequences: 12% less time, 0.076 higher), its key offset (one seed 0.011 lower, one unchanged) or its head tied to
+    # the embedding until two thirds of the run (0.029 higher), and #89's MUDD (0.005 lower, both seeds); 220 steps:
+    # record #2's training time on the same machine (CPU record #3). records/ABLATIONS.md.
     "cpu": dict(train_files="data/shakespeare/shakespeare_train_*.bin",
                 val_files="data/shakespeare/shakespeare_val_*.bin",
                 val_tokens=128 * 1024, train_seq_len="256", val_seq_len=256, seqs_per_step=8, num_layers=6,
                 num_heads=2, head_dim=64, model_dim=128, window_pattern="LSSSSL", attention_free_layers="",
                 value_embed_layers="0,1,2,3,4,5", gate_network_layers="", xsa_layers="", output_gate_layers="",
-                bigram_rows=16384, mtp=False, prefix_loss=False, smear=False, key_offset=False, mudd=False,
+                bigram_rows=16384, mtp=False, prefix_loss=False, smear=False, key_offset=False,
                 window_blocks="0.5:1,1:2,2:2,2:2", final_window_blocks=2, extension_steps=0,
-                fp8_head=False, num_iterations=230, muon_momentum_warmup_steps=50, skip_layers="1,3",
+                fp8_head=False, num_iterations=220, muon_momentum_warmup_steps=50, skip_layers="1,3",
                 attend_over_layer="3", muon_momentum_cooldown_steps=9, lr_head=0.077, lr_embed=0.21, lr_scalar=0.014,
                 lr_gate=0.0028, lr_muon=0.0175, soft_cap=f"30,0,{7.5 * 128 ** 0.5}", cooldown_frac=0.4,
                 lr_final=0.1, val_loss_every=46, target_val_loss=5.15, fp64_grad_sum=True, tied_stages=0,
                 doc_max_tokens="0", stage_lr="1", optimizer_recipe="23", adam_every=1,  # a stream: 38 whole plays
-                save_every=230),  # (to sample from)
+                save_every=220),  # (to sample from)
     # seconds, for tests and smoke runs (record #23's soft cap and head lr, which learn visibly in 20 steps)
     "tiny": dict(train_files="data/shakespeare/shakespeare_train_*.bin",
                  val_files="data/shakespeare/shakespeare_val_*.bin",
@@ -1803,8 +1804,9 @@ def forward_backward(trainer: Trainer, batches, step: int) -> Tensor:
     batches.set_shape(seq_len, doc_max_tokens)  # the stage's sequences (#46's staged batch)
     window = window_tensor(window_tokens(step, t.args), t.ctx.device)
     t.model.stretch_rotary(long_windows_so_far(step, t.args))
-    if t.model.loss_weights is not None:
-        t.model.loss_weights.copy_(torch.tensor(loss_weights(step, t.args)))
+    if t.model.loss_weights is not None:  # (from pinned memory: a pageable copy would wait for the GPU's queue)
+        weights = torch.tensor(loss_weights(step, t.args), pin_memory=t.ctx.device.type == "cuda")
+        t.model.loss_weights.copy_(weights, non_blocking=True)
     gradients.hold(not adam_steps(step, t.args))  # Adam's gradients stay on each rank until the step it uses them
     if t.layout.pipeline is not None:  # pipeline parallel: the stages pass the micro-batches on in their schedule
         loss_sum = t.layout.pipeline.run_schedule(batches, window, t.micro_batches, gradients)
@@ -4554,8 +4556,8 @@ def trains_like_one_process(ranks: list[dict], reference: dict, floors: tuple[fl
     (worst, tensor), losses = worst_difference(ranks[0]["state"], reference["state"]), \
         max(loss_difference(rank, reference) for rank in ranks)
     ok = worst <= NOISE_MULTIPLE * floors[0] and losses <= NOISE_MULTIPLE * floors[1]
-    return ok, (f"largest difference {worst:.1e} of the norm, in {tensor}" if worst else "bit-identical") + \
-        f"; losses {losses:.1e} apart"
+    return ok, (f"largest difference {worst:.1e} of the norm, in {tensor}" if worst else
+                "training state bit-identical") + f"; losses {losses:.1e} apart (each summed in its own order)"
 
 def train_steps(rank: int, world_size: int, flags: list[str], steps: int, device_type: str = "cpu",
                 jitter: float = 0.0) -> dict:
