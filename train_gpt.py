@@ -422,7 +422,7 @@ class CausalSelfAttention(nn.Module):
     """Attention with QK-norm and half-truncated rotary; with key_offset (#49), each key's unrotated dims are the
     previous token's, so that one layer can match what a token's predecessor was."""
 
-    def __init__(self, dim: int, num_heads: int, head_dim: int, key_offset: bool = False):
+    def __init__(self, dim: int, num_heads: int, head_dim: int, key_offset: bool = False, zero_out: bool = True):
         super().__init__()
         self.head_dim, self.key_offset = head_dim, key_offset
         self.qk = CastedLinear(dim, num_heads * head_dim, stacked=2)
@@ -432,7 +432,8 @@ class CausalSelfAttention(nn.Module):
         self.value_scale = nn.Parameter(torch.tensor(0.5))  # #89's 0.5 on the v weight (q and k are normed)
         self.rotary = Rotary(head_dim)
         self.c_proj = CastedLinear(num_heads * head_dim, dim)
-        self.c_proj.weight.detach().zero_()  # zero-init: each block starts as the identity
+        if zero_out:  # each block starts as the identity (#23's); else uniform as the other matrices (#89's, #64)
+            self.c_proj.weight.detach().zero_()
 
     def forward(self, x: Tensor, ve: Tensor | None, mask: BlockMask | Tensor, xsa: Tensor | None = None,
                 output_gate: Tensor | None = None) -> Tensor:
@@ -580,9 +581,10 @@ class Block(nn.Module):
     def __init__(self, dim: int, num_heads: int, head_dim: int, has_attention: bool,
                  takes_skip: bool, takes_value_embed: bool = False, key_offset: bool = False, gated: bool = False,
                  xsa: bool = False, output_gate: bool = False, bigram_joins: str | None = None,
-                 dense_sources: int = 0):
+                 dense_sources: int = 0, zero_attention_out: bool = True):
         super().__init__()
-        self.attn = CausalSelfAttention(dim, num_heads, head_dim, key_offset) if has_attention else None
+        self.attn = CausalSelfAttention(dim, num_heads, head_dim, key_offset, zero_attention_out) if has_attention \
+            else None
         self.value_gate = Gate(2 * VALUE_GATE_CHANNELS, num_heads) if takes_value_embed and not dense_sources else None
         self.mlp = MLP(dim)
         # each sublayer's scales of the residual and of its output, as #89 starts them: learned, or a dense layer's
@@ -748,7 +750,7 @@ class GPT(nn.Module):
                  window_pattern: str, layers_without_attention=(), value_embed_layers=(),
                  skip: tuple[int, int] | None = None, attend_over: int | None = None, gate_network_layers=(),
                  xsa_layers=(), output_gate_layers=(), bigram_rows=0, smear=True, key_offset=True, mtp=False,
-                 prefix_loss=False, fp8_head=True, tied_embed=False, mudd=False,
+                 prefix_loss=False, fp8_head=True, tied_embed=False, mudd=False, zero_attention_out=True,
                  soft_cap: tuple[float, float, float] = RECORD_SOFT_CAP):
         super().__init__()
         self.window_pattern = window_pattern
@@ -788,7 +790,8 @@ class GPT(nn.Module):
                                            i >= starts[0], i in xsa_layers, i in output_gate_layers,
                                            None if not bigram_rows else "input" if i == 0 else
                                            "output" if i not in layers_without_attention else None,
-                                           len(self.dense_sources) if i == self.dense_layer else 0)
+                                           len(self.dense_sources) if i == self.dense_layer else 0,
+                                           zero_attention_out)
                                      for i in range(num_layers)])
         wanted = {start: {str(i): self.blocks[i].gate_coefficients for i in range(start, end)
                           if self.blocks[i].gate_coefficients} for start, end in zip(starts, starts[1:])}
@@ -1131,6 +1134,8 @@ class Hyperparameters:
                             "take in per-token shares of the first layer's input and the attended layer's output, "
                             "and its scalars become per-token; the head's input takes in those two, the last "
                             "layer's input, the first value embedding and the skip's source (the backout folded in)")
+    zero_attn_out: bool = flag(False, "attention's output projection starts at zero, so each block starts as the "
+                                      "identity (#23's); false: uniform as the other matrices (#89's, #64)")
     key_offset: bool = flag(True, "in the long-window layers, each key's unrotated dims are the previous token's "
                                   "(#49)")
     soft_cap: str = flag(",".join(f"{term:g}" for term in RECORD_SOFT_CAP), "the logits' soft cap C,S,D: C x "
@@ -1237,14 +1242,15 @@ PRESETS = {
     # with YaRN's stretch, here 64 and 128 tokens, 128 and 256, then whole sequences (the best of four schedules tried,
     # 0.008 above the linear growth it replaced on seed 0), and not #89's staged batch (the first third at 128-token
     # sequences: 12% less time, 0.076 higher), its key offset (one seed 0.011 lower, one unchanged) or its head tied to
-    # the embedding until two thirds of the run (0.029 higher), and #89's MUDD (0.005 lower, both seeds); 220 steps:
+    # the embedding until two thirds of the run (0.029 higher) or its random attention output (#64: one seed 0.013
+    # lower, the other 0.021 higher), and #89's MUDD (0.005 lower, both seeds); 220 steps:
     # record #2's training time on the same machine (CPU record #3). records/ABLATIONS.md.
     "cpu": dict(train_files="data/shakespeare/shakespeare_train_*.bin",
                 val_files="data/shakespeare/shakespeare_val_*.bin",
                 val_tokens=128 * 1024, train_seq_len="256", val_seq_len=256, seqs_per_step=8, num_layers=6,
                 num_heads=2, head_dim=64, model_dim=128, window_pattern="LSSSSL", attention_free_layers="",
                 value_embed_layers="0,1,2,3,4,5", gate_network_layers="", xsa_layers="", output_gate_layers="",
-                bigram_rows=16384, mtp=False, prefix_loss=False, smear=False, key_offset=False,
+                bigram_rows=16384, mtp=False, prefix_loss=False, smear=False, key_offset=False, zero_attn_out=True,
                 window_blocks="0.5:1,1:2,2:2,2:2", final_window_blocks=2, extension_steps=0,
                 fp8_head=False, num_iterations=220, muon_momentum_warmup_steps=50, skip_layers="1,3",
                 attend_over_layer="3", muon_momentum_cooldown_steps=9, lr_head=0.077, lr_embed=0.21, lr_scalar=0.014,
@@ -1252,7 +1258,9 @@ PRESETS = {
                 lr_final=0.1, val_loss_every=46, target_val_loss=5.15, fp64_grad_sum=True, tied_stages=0,
                 doc_max_tokens="0", stage_lr="1", optimizer_recipe="23", adam_every=1,  # a stream: 38 whole plays
                 save_every=220),  # (to sample from)
-    # seconds, for tests and smoke runs (record #23's soft cap and head lr, which learn visibly in 20 steps)
+    # seconds, for tests and smoke runs (record #23's soft cap and head lr, which learn visibly in 20 steps, and its
+    # zero attention output: with #89's random one, a run resumed under another layout than it was saved in ends
+    # 10x farther from that layout's own run than the two layouts' runs end apart, not yet understood)
     "tiny": dict(train_files="data/shakespeare/shakespeare_train_*.bin",
                  val_files="data/shakespeare/shakespeare_val_*.bin",
                  val_tokens=4 * 256, train_seq_len="256", val_seq_len=256, num_layers=6, num_heads=2, head_dim=16,
@@ -1263,7 +1271,7 @@ PRESETS = {
                  final_window_blocks=2, extension_steps=0, lr_head=0.22,
                  soft_cap=f"30,0,{7.5 * 32 ** 0.5}", fp8_head=False, num_iterations=20, muon_momentum_warmup_steps=5,
                  muon_momentum_cooldown_steps=1, val_loss_every=10, target_val_loss=8.0, fp64_grad_sum=True,
-                 doc_max_tokens="0", stage_lr="1", tied_stages=0),
+                 doc_max_tokens="0", stage_lr="1", tied_stages=0, zero_attn_out=True),
 }
 
 def _parse_bool(text: str) -> bool:
@@ -1599,7 +1607,7 @@ def build_model(args: Hyperparameters, device: torch.device, cuda_dtypes: bool |
                     output_gate_layers=layer_indices(args, "output_gate_layers"), bigram_rows=args.bigram_rows,
                     smear=args.smear, mtp=args.mtp, prefix_loss=args.prefix_loss,
                     key_offset=args.key_offset, fp8_head=args.fp8_head, tied_embed=args.tied_stages > 0,
-                    mudd=args.mudd, soft_cap=soft_cap_terms(args))
+                    mudd=args.mudd, zero_attention_out=args.zero_attn_out, soft_cap=soft_cap_terms(args))
     return to_device(model, device, cuda_dtypes)
 
 def to_device(model: nn.Module, device: torch.device, cuda_dtypes: bool | None = None) -> nn.Module:

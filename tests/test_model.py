@@ -222,6 +222,20 @@ def test_each_learned_scale_starts_where_record_89_starts_it():
     assert all(block.attn.value_scale.item() == 0.5 for block in model.blocks if block.attn is not None)
 
 
+def test_the_record_starts_attentions_output_uniform_as_89_and_the_cpu_preset_at_zero():
+    # #89's (#64): uniform with std 0.5 / sqrt(fan in), as the other matrices; the mlp's output at zero either way
+    assert not train_gpt.parse_args(["--preset", "record"], cuda=False).zero_attn_out
+    args = train_gpt.parse_args(["--preset", "tiny", "--zero_attn_out", "false"], cuda=False)
+    model = train_gpt.build_model(args, torch.device("cpu"))
+    bound = 3 ** 0.5 * 0.5 * 32 ** -0.5
+    for block in (block for block in model.blocks if block.attn is not None):
+        weight = block.attn.c_proj.weight
+        assert weight.abs().max() <= bound and abs(weight.std().item() - bound / 3 ** 0.5) < 0.1 * bound
+        assert not block.mlp.c_proj.weight.any()
+    cpu = train_gpt.build_model(train_gpt.parse_args(["--preset", "cpu"], cuda=False), torch.device("cpu"))
+    assert all(not block.attn.c_proj.weight.any() for block in cpu.blocks if block.attn is not None)
+
+
 def test_gates_go_to_adam_at_their_own_share_of_the_gates_lr():
     args = train_gpt.parse_args(["--preset", "tiny", "--lr_gate", "0.5", "--optimizer_recipe", "89"], cuda=False)
     model = train_gpt.build_model(args, torch.device("cpu"))
