@@ -116,8 +116,10 @@ def assert_resumed_within_rounding(resumed: dict, reference: dict, floor_pair: t
     """A run resumed under another layout or world size, against the new one's run from the start, when the two sum
     floats in another order: the floor is how far the old and the new ran apart from the start, with the order of
     float sums their only difference (training amplifies it, by how much depends on the CPU's kernels: Adam with eps
-    1e-10 turns rounding in a rare token's gradient into a visible step of its embedding row: 1.04e-2 of the norm of
-    the value embedding that MUDD's head also reads, after the tiny run's 8 steps). The resumed run shares
+    1e-10 turns rounding in a rare token's gradient into a visible step of its embedding row, the more so where the
+    tiny preset's zero-initialised attention output leaves a gradient exactly zero in one order and rounding in
+    another: 1.04e-2 of a value embedding's norm after its 8 steps, against 6.0e-5 with #89's uniform start). The
+    resumed run shares
     its first steps with the old run and its last with the new, so it may be at most `multiple` times the floor from
     the new one; a resume that lost state is off by orders of magnitude more."""
     floor, floor_tensor = train_gpt.worst_difference(*floor_pair)
