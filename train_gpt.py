@@ -537,9 +537,10 @@ class GateNetwork(nn.Module):
     (W2 gelu(W1 x) + b) s, 64 hidden units, s a learned scale starting at 0.1 (#85's gate networks), or MUDD's fixed
     0.1 (dynamic dense connections, Xiao et al. 2025; #40, #81). W2 starts at zero, so each coefficient starts at its
     block's value. Adam trains it as a gate, at lr_scale times the gates' lr (#89's: 1/10; MUDD's 1/4)."""
+    SCALE = 0.1
 
     def __init__(self, dim: int, wanted: dict[str, dict[str, tuple[int, float]]], hidden: int = 64,
-                 lr_scale: float = 0.1, fixed_scale: float | None = None):
+                 lr_scale: float = 0.1, learned_scale: bool = True):
         """wanted: layer -> coefficient name -> (width, starting value, or a tuple of one for each)."""
         super().__init__()
         self.widths = {layer: {name: width for name, (width, _) in coefs.items()} for layer, coefs in wanted.items()}
@@ -549,8 +550,8 @@ class GateNetwork(nn.Module):
         self.hidden = Gate(dim, hidden, lr_scale)
         nn.init.kaiming_uniform_(self.hidden.weight, a=math.sqrt(5))  # (nn.Linear's, as #89's)
         self.out = Gate(hidden, len(starts), lr_scale)
-        self.scale = nn.Parameter(torch.tensor(0.1)) if fixed_scale is None else fixed_scale
-        self.bias = nn.Parameter(torch.tensor(starts) / 0.1)  # in units of the scale, as #89's
+        self.scale = nn.Parameter(torch.tensor(self.SCALE)) if learned_scale else self.SCALE
+        self.bias = nn.Parameter(torch.tensor(starts) / self.SCALE)  # in units of the scale, as #89's
 
     def forward(self, x: Tensor) -> dict[str, dict[str, Tensor]]:
         scale = self.scale.type_as(x) if isinstance(self.scale, Tensor) else self.scale
@@ -760,14 +761,15 @@ class GPT(nn.Module):
         # embedding and the skip's source (`stream_state` names), backout folded in (starting at -0.5)
         self.dense_layer = num_layers - 1 if mudd else None
         self.dense_sources = (-1, attend_over) if mudd else ()
-        first_value_embed = min(value_embed_layers, default=None)
-        self.head_sources = ("layer-1", f"layer{attend_over}", f"layer{num_layers - 2}", f"ve{first_value_embed}",
-                             f"layer{skip[0] if skip else None}") if mudd else ()
+        head_layers = (-1, attend_over, num_layers - 2, skip[0]) if mudd else ()  # (#89's order, the embedding 4th)
+        self.head_value_embed = str(min(value_embed_layers)) if mudd else None
+        self.head_sources = (*(f"layer{j}" for j in head_layers[:3]), f"ve{self.head_value_embed}",
+                             f"layer{head_layers[3]}") if mudd else ()
         # layer -> the last layer reading its output (the number of layers: the head), which the stream carries on
         readers = [(skip[0], skip[1])] if skip is not None else []
         readers += [(attend_over, num_layers)] if attend_over is not None else []
         readers += [(j, num_layers - 1) for j in self.dense_sources]
-        readers += [(int(name[5:]), num_layers) for name in self.head_sources if name.startswith("layer")]
+        readers += [(j, num_layers) for j in head_layers]
         self.read_until = {}
         for layer, reader in readers:
             self.read_until[layer] = max(reader, self.read_until.get(layer, reader))
@@ -802,7 +804,7 @@ class GPT(nn.Module):
                  "head": {name: (1, -0.5 if name == f"layer{attend_over}" else 0.0) for name in self.head_sources}} \
             if mudd else {}
         self.dense_networks = nn.ModuleDict({layer: GateNetwork(model_dim, {layer: coefficients}, lr_scale=0.25,
-                                                                fixed_scale=0.1)
+                                                                learned_scale=False)
                                              for layer, coefficients in dense.items()})
         self.backout = nn.Parameter(torch.tensor(-0.5)) if attend_over is not None and not mudd else None
         # the FP8 scales are #89's, for its soft cap's logits
@@ -900,7 +902,7 @@ class GPT(nn.Module):
         stream = {key: value for key, value in stream.items()
                   if key not in {f"layer{j}" for j, last in self.read_until.items() if last == i}}
         stream["ve"] = {layer: ve for layer, ve in stream["ve"].items()
-                        if layer != str(i) or f"ve{layer}" in self.head_sources}  # (kept: one the head reads)
+                        if layer != str(i) or layer == self.head_value_embed}  # (kept: the one the head reads)
         stream["gates"] = {layer: gates for layer, gates in stream["gates"].items() if layer != str(i)}
         return dict(stream, **{f"layer{i}": stream["x"]}) if i in self.read_until else stream
 
@@ -3256,7 +3258,7 @@ class TiedEmbedding:
         if not self.updating:
             return
         if self.embed is None:
-            self.head.grad += self._receive(torch.float32)
+            self.head.grad += self._receive()
             return
         grad, self.embed.grad = self.embed.grad, None
         if self.head is None:
@@ -3276,8 +3278,8 @@ class TiedEmbedding:
                     self._send(t)
                 return
         else:
-            head = [self._receive(torch.float32) for _ in range(1 + 2 * untie)]
-            head += [self._receive(torch.float32, shape=())] if untie else []
+            head = [self._receive() for _ in range(1 + 2 * untie)]
+            head += [self._receive(shape=())] if untie else []
         self.embed.detach().copy_(head[0])
         if untie:  # (moments in the embedding's dtype, as a checkpoint restores them)
             self.adam.state[self.embed] = dict(exp_avg=head[1].to(self.embed.dtype, copy=True),
@@ -3288,9 +3290,10 @@ class TiedEmbedding:
         count_comm("send", t)
         dist.send(t.contiguous(), self.peer, group=self.pp.group)
 
-    def _receive(self, dtype: torch.dtype, shape: tuple | None = None) -> Tensor:
+    def _receive(self, shape: tuple | None = None) -> Tensor:
+        """A float32 tensor from the peer, shaped like this rank's one of the two (or `shape`)."""
         here = self.head if self.head is not None else self.embed
-        t = torch.empty(here.shape if shape is None else shape, dtype=dtype, device=here.device)
+        t = torch.empty(here.shape if shape is None else shape, dtype=torch.float32, device=here.device)
         dist.recv(t, self.peer, group=self.pp.group)
         return t
 
