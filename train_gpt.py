@@ -339,11 +339,14 @@ class Rotary(nn.Module):
         self.angular_freq.copy_(angular_freq)
         self.attention_scale.fill_(scale)
 
-    def forward(self, q_BTHD: Tensor, k_BTHD: Tensor) -> tuple[Tensor, Tensor]:
-        """q and k rotated, by the angles of their positions (computed once for both)."""
-        theta = torch.outer(torch.arange(q_BTHD.size(-3), dtype=torch.float32, device=q_BTHD.device),
-                            self.angular_freq)
-        cos, sin = theta.cos()[None, :, None, :], theta.sin()[None, :, None, :]
+    def forward(self, q_BTHD: Tensor, k_BTHD: Tensor, head_offsets: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """q and k rotated, by the angles of their positions (computed once for both): token t's, or with
+        head_offsets (H,), each head's 2t + its offset (paired heads' interleaved sequence)."""
+        positions = torch.arange(q_BTHD.size(-3), dtype=torch.float32, device=q_BTHD.device)[:, None]
+        if head_offsets is not None:
+            positions = 2 * positions + head_offsets
+        theta = positions[..., None] * self.angular_freq  # (T, 1 or H, D / 2)
+        cos, sin = theta.cos()[None], theta.sin()[None]
 
         def rotate(x: Tensor) -> Tensor:
             x1, x2 = x.float().chunk(2, dim=-1)
@@ -383,11 +386,13 @@ class AttentionMask:
         return blocks(self.full_num, self.full_idx) | (blocks(self.partial_num, self.partial_idx) &
                                                        self.mask_mod(None, None, pos[:, None], pos[None, :]))
 
-def document_causal_masks(input_seq: Tensor, windows: Tensor) -> tuple[AttentionMask, AttentionMask]:
+def document_causal_masks(input_seq: Tensor, windows: Tensor, places: int = 1) -> tuple[AttentionMask,
+                                                                                         AttentionMask]:
     """The short and the long window's masks for one sequence (windows: (2,) int32, their tokens); documents start
-    at EOT_TOKEN."""
-    docs = (input_seq == EOT_TOKEN).cumsum(0)
-    nb, bs = len(input_seq) // ATTENTION_BLOCK_SIZE, ATTENTION_BLOCK_SIZE
+    at EOT_TOKEN. places 2: over the sequence paired heads attend over, each token in two places (2t, 2t + 1), the
+    window counted in places."""
+    docs = (input_seq == EOT_TOKEN).cumsum(0).repeat_interleave(places)
+    nb, bs = len(docs) // ATTENTION_BLOCK_SIZE, ATTENTION_BLOCK_SIZE
     block = torch.arange(nb, dtype=torch.int32, device=input_seq.device)
     docs_low = docs.view(nb, bs)[:, 0].contiguous()
     docs_high = docs.view(nb, bs)[:, -1].contiguous()
@@ -420,11 +425,18 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask | Tensor, scale: 
 
 class CausalSelfAttention(nn.Module):
     """Attention with QK-norm and half-truncated rotary; with key_offset (#49), each key's unrotated dims are the
-    previous token's, so that one layer can match what a token's predecessor was."""
+    previous token's, so that one layer can match what a token's predecessor was. Paired heads (#58) attend over
+    one sequence of two places per token: head h (of H) at 2t + h // (H/2) as head h mod H/2 of H/2, so that heads h
+    and h + H/2 each see both's keys (and twice the places in a window: half the tokens). #89 rotates head h at
+    2t + h mod 2 (its pairs of adjacent heads), which is kept."""
 
-    def __init__(self, dim: int, num_heads: int, head_dim: int, key_offset: bool = False, zero_out: bool = True):
+    def __init__(self, dim: int, num_heads: int, head_dim: int, key_offset: bool = False, zero_out: bool = True,
+                 paired: bool = False):
         super().__init__()
         self.head_dim, self.key_offset = head_dim, key_offset
+        # heads that attend together must stay on one tensor-parallel rank: it cuts each of these runs of heads alike
+        self.head_groups = 2 if paired else 1
+        self.head_offsets = nn.Buffer(torch.arange(num_heads) % 2.0, persistent=False) if paired else None
         self.qk = CastedLinear(dim, num_heads * head_dim, stacked=2)
         # Muon orthogonalises q and k per pair of heads (#80), each head's on its own where there is no pair
         self.qk.muon_block_rows = head_dim * (2 if num_heads % 2 == 0 else 1)
@@ -441,18 +453,26 @@ class CausalSelfAttention(nn.Module):
         output gate."""
         q, k, v = self.project(x)
         B, T = q.size(0), q.size(1)  # B == 1: masks are per sequence
-        q, k = self.rotary(norm(q), norm(k))  # QK-norm, then rotate
+        q, k = self.rotary(norm(q), norm(k), self.head_offsets)  # QK-norm, then rotate
         if self.key_offset:
             k = torch.where(self.rotary.stationary, torch.cat([k[:, :1], k[:, :-1]], dim=1), k)
         v = self.values(v, ve)
-        y = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask,
-                      self.rotary.attention_scale).transpose(1, 2)  # (B, T, H, D)
+        y = self.attend(q, k, v, mask)
         if xsa is not None:  # exclusive self attention (#82): each head's output loses a share of its own value
             along_v = (y * v).sum(-1, keepdim=True) / v.square().sum(-1, keepdim=True).clamp_min(1e-8)
             y = y - torch.tanh(xsa.type_as(y))[..., None] * along_v * v
         if output_gate is not None:
             y = y * output_gate.type_as(y)[..., None]
         return self.c_proj(y.contiguous().view(B, T, -1))
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: BlockMask | Tensor) -> Tensor:
+        """Each head's attention output (B, T, H, D) from its rotated queries and keys and its values; paired, over
+        (B, 2T, H/2, D): each token's two places in a row."""
+        B, T = q.size(0), q.size(1)
+        if self.head_groups > 1:
+            q, k, v = (t.reshape(B, self.head_groups * T, -1, self.head_dim) for t in (q, k, v))
+        y = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, self.rotary.attention_scale)
+        return y.transpose(1, 2).reshape(B, T, -1, self.head_dim)
 
     def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The queries, keys and values of x, (B, T, H, D) each (T: the whole sequence's, where x is a sequence-
@@ -582,10 +602,10 @@ class Block(nn.Module):
     def __init__(self, dim: int, num_heads: int, head_dim: int, has_attention: bool,
                  takes_skip: bool, takes_value_embed: bool = False, key_offset: bool = False, gated: bool = False,
                  xsa: bool = False, output_gate: bool = False, bigram_joins: str | None = None,
-                 dense_sources: int = 0, zero_attention_out: bool = True):
+                 dense_sources: int = 0, zero_attention_out: bool = True, paired: bool = False):
         super().__init__()
-        self.attn = CausalSelfAttention(dim, num_heads, head_dim, key_offset, zero_attention_out) if has_attention \
-            else None
+        self.attn = CausalSelfAttention(dim, num_heads, head_dim, key_offset, zero_attention_out, paired) \
+            if has_attention else None
         self.value_gate = Gate(2 * VALUE_GATE_CHANNELS, num_heads) if takes_value_embed and not dense_sources else None
         self.mlp = MLP(dim)
         # each sublayer's scales of the residual and of its output, as #89 starts them: learned, or a dense layer's
@@ -752,9 +772,8 @@ class GPT(nn.Module):
                  skip: tuple[int, int] | None = None, attend_over: int | None = None, gate_network_layers=(),
                  xsa_layers=(), output_gate_layers=(), bigram_rows=0, smear=True, key_offset=True, mtp=False,
                  prefix_loss=False, fp8_head=True, tied_embed=False, mudd=False, zero_attention_out=True,
-                 soft_cap: tuple[float, float, float] = RECORD_SOFT_CAP):
+                 paired_head_layers=(), soft_cap: tuple[float, float, float] = RECORD_SOFT_CAP):
         super().__init__()
-        self.window_pattern = window_pattern
         self.skip, self.attend_over = skip, attend_over
         # MUDD (#40, #81, #85), as #89 trims it: the last layer is dense, taking in the first layer's input (-1) and
         # the attended layer's output; the head's input takes in those, the last layer's input, the first value
@@ -793,8 +812,12 @@ class GPT(nn.Module):
                                            None if not bigram_rows else "input" if i == 0 else
                                            "output" if i not in layers_without_attention else None,
                                            len(self.dense_sources) if i == self.dense_layer else 0,
-                                           zero_attention_out)
+                                           zero_attention_out, i in paired_head_layers)
                                      for i in range(num_layers)])
+        # each layer's attention mask: its window's (S or L), over as many places a token as its heads attend in
+        # groups (paired heads: 2)
+        self.mask_keys = [(letter, getattr(block.attn, "head_groups", 1))
+                          for letter, block in zip(window_pattern, self.blocks)]
         wanted = {start: {str(i): self.blocks[i].gate_coefficients for i in range(start, end)
                           if self.blocks[i].gate_coefficients} for start, end in zip(starts, starts[1:])}
         self.gate_networks = nn.ModuleDict({str(start): GateNetwork(model_dim, layers)
@@ -844,10 +867,14 @@ class GPT(nn.Module):
         return self.head_loss(self.stream_leaves(stream), target_seq)
 
     def attention_masks(self, input_seq: Tensor, windows: Tensor) -> dict[str, BlockMask | Tensor]:
-        """The short and the long window's masks (windows: their tokens): FlexAttention's block masks on CUDA;
-        elsewhere the dense twin (FlexAttention has no CPU backward)."""
-        return {letter: mask.flex() if input_seq.is_cuda else mask.dense()
-                for letter, mask in zip("SL", document_causal_masks(input_seq, windows))}
+        """The short and the long window's masks (windows: their tokens), and where heads are paired, theirs over
+        the interleaved sequence: FlexAttention's block masks on CUDA; elsewhere the dense twin (FlexAttention has no
+        CPU backward)."""
+        masks = {}
+        for places in sorted({places for _, places in self.mask_keys}):
+            masks.update({(letter, places): mask.flex() if input_seq.is_cuda else mask.dense() for letter, mask
+                          in zip("SL", document_causal_masks(input_seq, windows, places))})
+        return masks
 
     def stretch_rotary(self, long_windows: tuple[int, ...]) -> None:
         """Every rotary as YaRN leaves it after the long windows so far (tokens, one per stage reached)."""
@@ -892,7 +919,7 @@ class GPT(nn.Module):
         # (#89's dense layer re-adds the first layer's input, the bigram embedding in it, where the others add x0)
         return dict(x=stream["x"], skip=stream[f"layer{skip[0]}"] if skip is not None and i == skip[1] else None,
                     ve=stream["ve"].get(str(i)), x0=stream["layer-1" if dense else "x0"],
-                    mask=masks[self.window_pattern[i]], gates=stream["gates"].get(str(i), {}),
+                    mask=masks[self.mask_keys[i]], gates=stream["gates"].get(str(i), {}),
                     bigram=stream.get("bigram"), attend_over=stream[f"layer{over}"] if over is not None and i > over
                     else None, dense=[stream[f"layer{j}"] for j in self.dense_sources] if dense else None)
 
@@ -1123,6 +1150,9 @@ class Hyperparameters:
     xsa_layers: str = flag("1,3,4,7", "layers whose heads' outputs lose a learned share along their own values "
                                       "(exclusive self attention, #82)")
     output_gate_layers: str = flag("3,10", "layers whose heads' outputs are gated per token (#28, #85)")
+    paired_head_layers: str = flag("0,2,5,9", "layers whose heads attend in pairs, h with h + num_heads/2, each "
+                                              "seeing both's keys over one sequence with each token's two places "
+                                              "in a row, the window counted in places (#58)")
     mtp: bool = flag(True, f"training also predicts from each position the {MTP_TOKENS - 1} tokens after the next, "
                            "on the same logits, at weights that #89's schedule takes to 0 by two thirds of the run "
                            "(#53)")
@@ -1253,6 +1283,7 @@ PRESETS = {
                 num_heads=2, head_dim=64, model_dim=128, window_pattern="LSSSSL", attention_free_layers="",
                 value_embed_layers="0,1,2,3,4,5", gate_network_layers="", xsa_layers="", output_gate_layers="",
                 bigram_rows=16384, mtp=False, prefix_loss=False, smear=False, key_offset=False, zero_attn_out=True,
+                paired_head_layers="",
                 window_blocks="0.5:1,1:2,2:2,2:2", final_window_blocks=2, extension_steps=0,
                 fp8_head=False, num_iterations=220, muon_momentum_warmup_steps=50, skip_layers="1,3",
                 attend_over_layer="3", muon_momentum_cooldown_steps=9, lr_head=0.077, lr_embed=0.21, lr_scalar=0.014,
@@ -1265,8 +1296,9 @@ PRESETS = {
     # what tensor parallelism's other order of sums moves some forks' tensors, 2.4e-4 of a norm, in 3 steps)
     "tiny": dict(train_files="data/shakespeare/shakespeare_train_*.bin",
                  val_files="data/shakespeare/shakespeare_val_*.bin",
-                 val_tokens=4 * 256, train_seq_len="256", val_seq_len=256, num_layers=6, num_heads=2, head_dim=16,
+                 val_tokens=4 * 256, train_seq_len="256", val_seq_len=256, num_layers=6, num_heads=4, head_dim=8,
                  model_dim=32, window_pattern="LSSSSL", attention_free_layers="4", value_embed_layers="1,2,5",
+                 paired_head_layers="2,5",
                  gate_network_layers="0,2", xsa_layers="1,3", output_gate_layers="3,5", bigram_rows=4096,
                  prefix_loss=False,  # (it needs GPT-2's ranks, which the tests fetch only where they use them)
                  skip_layers="1,4", attend_over_layer="3", window_blocks="1:1,1:2,2:2,2:2",
@@ -1318,7 +1350,8 @@ LAYER_FLAGS = {"attention_free_layers": (None, "comma-separated layer indices su
                "attend_over_layer": (1, "one layer index such as '7', or '' for none"),
                "gate_network_layers": (None, "comma-separated layer indices such as '0,4', or '' for none"),
                "xsa_layers": (None, "comma-separated layer indices such as '1,3,4,7', or '' for none"),
-               "output_gate_layers": (None, "comma-separated layer indices such as '3,10', or '' for none")}
+               "output_gate_layers": (None, "comma-separated layer indices such as '3,10', or '' for none"),
+               "paired_head_layers": (None, "comma-separated layer indices such as '0,2,5,9', or '' for none")}
 
 def layer_indices(args: Hyperparameters, name: str) -> tuple[int, ...]:
     """The layers flag `name` lists, refused unless each is a layer and there are as many as the flag takes."""
@@ -1401,6 +1434,9 @@ def check_hyperparameters(args: Hyperparameters) -> None:
     need(len(args.window_pattern) == args.num_layers and set(args.window_pattern) <= {"L", "S"},
          f"--window_pattern {args.window_pattern!r} must have one letter L or S per layer ({args.num_layers})")
     need(args.head_dim % 4 == 0, f"--head_dim {args.head_dim} must be a multiple of 4 (half-truncated rotary)")
+    need(args.num_heads % 2 == 0 or not layer_indices(args, "paired_head_layers"), f"--num_heads {args.num_heads} "
+         f"is odd, but {flag_value(args, 'paired_head_layers')} pairs heads h and h + num_heads/2: use an even head "
+         "count, or --paired_head_layers ''")
     skip = layer_indices(args, "skip_layers")
     need(not skip or skip[0] < skip[1], f"--skip_layers {args.skip_layers!r}: the skip goes from an earlier layer "
          "to a later one")
@@ -1409,7 +1445,8 @@ def check_hyperparameters(args: Hyperparameters) -> None:
          "earlier layer, or '' for none")
     for name, what in (("value_embed_layers", "a value embedding is added to attention's values"),
                        ("xsa_layers", "XSA changes attention's output"), ("output_gate_layers", "an output gate "
-                                                                             "scales attention's output")):
+                                                                             "scales attention's output"),
+                       ("paired_head_layers", "paired heads attend together")):
         fed = set(layer_indices(args, name)) & set(layer_indices(args, "attention_free_layers"))
         need(not fed, f"{flag_value(args, name)} names layers {sorted(fed)}, which have no attention "
              f"({flag_value(args, 'attention_free_layers')}): {what}; name layers with attention")
@@ -1609,7 +1646,8 @@ def build_model(args: Hyperparameters, device: torch.device, cuda_dtypes: bool |
                     output_gate_layers=layer_indices(args, "output_gate_layers"), bigram_rows=args.bigram_rows,
                     smear=args.smear, mtp=args.mtp, prefix_loss=args.prefix_loss,
                     key_offset=args.key_offset, fp8_head=args.fp8_head, tied_embed=args.tied_stages > 0,
-                    mudd=args.mudd, zero_attention_out=args.zero_attn_out, soft_cap=soft_cap_terms(args))
+                    mudd=args.mudd, zero_attention_out=args.zero_attn_out,
+                    paired_head_layers=layer_indices(args, "paired_head_layers"), soft_cap=soft_cap_terms(args))
     return to_device(model, device, cuda_dtypes)
 
 def to_device(model: nn.Module, device: torch.device, cuda_dtypes: bool | None = None) -> nn.Module:
@@ -3773,11 +3811,11 @@ def enter_region(x: Tensor, tp: Axis, sp: bool) -> Tensor:
         return _Conjugate.apply(x, tp, gather_sequence_shards, reduce_scatter_sequence_shards)
     return _Conjugate.apply(x, tp, identity, all_reduce_sum)
 
-def enter_beside(x: Tensor, tp: Axis, sequence_shard: bool) -> Tensor:
+def enter_beside(x: Tensor, tp: Axis, sequence_shard: bool, runs: int) -> Tensor:
     """Into a region split by head, beside its input, a tensor per head (a gated value embedding, as wide as the
     heads together; a coefficient per head): this rank's heads' part (of a sequence shard, of the gathered
     sequence); backward gathers the parts."""
-    heads = TensorParallelSlice(x.ndim - 1, x.size(-1), tp)
+    heads = TensorParallelSlice(x.ndim - 1, x.size(-1), tp, runs)
     if sequence_shard:
         return _Conjugate.apply(x, tp, lambda t, tp: heads.cut(gather_sequence_shards(t, tp)),
                                 lambda grad, tp: own_sequence_shard(heads.gather(grad), tp))
@@ -3827,23 +3865,28 @@ def gather_while_multiplying(linear: nn.Module, tp: Axis) -> None:
 
 @dataclass(frozen=True)
 class TensorParallelSlice:
-    """A parameter split along `dim` over the axis's ranks, zero-padded to a multiple of them; `size` is the whole."""
+    """A parameter split along `dim` over the axis's ranks, zero-padded to a multiple of them; `size` is the whole.
+    With `runs`, dim holds that many equal runs, each split alike (paired heads: h and h + H/2 on one rank)."""
     dim: int
     size: int
     axis: Axis
+    runs: int = 1
 
     def cut(self, whole: Tensor) -> Tensor:
-        n = -(-self.size // self.axis.size)
+        per_run = self.size // self.runs
+        n = -(-per_run // self.axis.size)
+        whole = whole.unflatten(self.dim, (self.runs, per_run))
         pad = list(whole.shape)
-        pad[self.dim] = n * self.axis.size - self.size
-        whole = torch.cat([whole, whole.new_zeros(pad)], self.dim) if pad[self.dim] else whole
-        return whole.narrow(self.dim, self.axis.rank * n, n).contiguous()
+        pad[self.dim + 1] = n * self.axis.size - per_run
+        whole = torch.cat([whole, whole.new_zeros(pad)], self.dim + 1) if pad[self.dim + 1] else whole
+        return whole.narrow(self.dim + 1, self.axis.rank * n, n).flatten(self.dim, self.dim + 1).contiguous()
 
     def gather(self, local: Tensor) -> Tensor:
         parts = [torch.empty_like(local) for _ in range(self.axis.size)]
         count_comm("all_gather", *parts)
         dist.all_gather(parts, local.contiguous(), group=self.axis.group)
-        return torch.cat(parts, self.dim).narrow(self.dim, 0, self.size)
+        runs = torch.cat([part.unflatten(self.dim, (self.runs, -1)) for part in parts], self.dim + 1)
+        return runs.narrow(self.dim + 1, 0, self.size // self.runs).flatten(self.dim, self.dim + 1)
 
     def full_shape(self, local: Tensor) -> tuple:
         return tuple(self.size if d == self.dim else n for d, n in enumerate(local.shape))
@@ -3859,9 +3902,9 @@ def own_slice(p: Tensor, t: Tensor) -> Tensor:
 def full_shape(p: Tensor) -> tuple:
     return p.slice_of.full_shape(p) if hasattr(p, "slice_of") else tuple(p.shape)
 
-def split_parameter(model: nn.Module, p: nn.Parameter, dim: int, tp: Axis) -> None:
-    """Replace p, in every module that holds it, by this rank's slice of it along dim."""
-    how = TensorParallelSlice(dim, p.size(dim), tp)
+def split_parameter(model: nn.Module, p: nn.Parameter, dim: int, runs: int, tp: Axis) -> None:
+    """Replace p, in every module that holds it, by this rank's slice of it along dim (of `runs` runs)."""
+    how = TensorParallelSlice(dim, p.size(dim), tp, runs)
     # a storage of its own: a slice that viewed the whole one would keep all of it alive
     part = nn.Parameter(how.cut(p.detach()).clone(), requires_grad=p.requires_grad)
     part.slice_of = how
@@ -3939,8 +3982,12 @@ def tensor_parallelize(model: GPT, tp: Axis, args: Hyperparameters, trace: Model
         cut = sequence_parallel_cut(trace, regions)
         if checked:
             refuse_sequence_mixing(model, trace, regions, cut, tp.size)
-    for p, dim in splits.items():
-        split_parameter(model, p, dim, tp)
+    for p, (dim, runs) in splits.items():
+        split_parameter(model, p, dim, runs, tp)
+    for call in regions.values():
+        for name, dim in per_head_buffers(call.module, args.num_heads).items():
+            buffer = getattr(call.module, name)
+            setattr(call.module, name, TensorParallelSlice(dim, buffer.size(dim), tp, head_runs(call.module)).cut(buffer))
     seq_len = [0]  # of the forward under way (a later pipeline stage receives shards: the tokens tell the length)
     model.register_forward_pre_hook(lambda module, args: seq_len.__setitem__(0, len(args[0])))
     for name, call in regions.items():
@@ -3954,7 +4001,7 @@ def tensor_parallelize(model: GPT, tp: Axis, args: Hyperparameters, trace: Model
             call.module.register_forward_pre_hook(lambda m, a: (enter_region(a[0], tp, args.sp), *a[1:]))
         if split_by(call.module) == "heads":
             call.module.register_forward_pre_hook(lambda m, a: tuple(
-                enter_beside(t, tp, args.sp and t.size(-2) * tp.size == seq_len[0])
+                enter_beside(t, tp, args.sp and t.size(-2) * tp.size == seq_len[0], head_runs(m))
                 if i in beside_the_input(a, args.num_heads, args.head_dim) else t for i, t in enumerate(a)))
         call.module.register_forward_hook(lambda m, a, out: leave_region(out, tp, args.sp))
     for name, module in model.named_modules():
@@ -3985,28 +4032,42 @@ def split_by(module: nn.Module) -> str | None:
     """How tensor parallelism splits a module of this kind: "heads", "width", or None (not a region)."""
     return next((how for kind, how in TENSOR_PARALLEL_REGIONS.items() if isinstance(module, kind)), None)
 
+def head_runs(module: nn.Module) -> int:
+    """How many runs a region's heads fall into, each split alike over the ranks: a module whose heads attend in
+    groups spread over the head count (`head_groups`: paired heads, h with h + H/2) keeps each group on one rank."""
+    return getattr(module, "head_groups", 1) if split_by(module) == "heads" else 1
+
+def per_head_buffers(module: nn.Module, num_heads: int) -> dict[str, int]:
+    """The buffers a region split by heads holds itself with a dim of the head count (paired heads' rotation
+    offsets), each by that dim: split with the heads. Its submodules' (the rotary's frequencies) are per dim."""
+    if split_by(module) != "heads":
+        return {}
+    return {name: b.shape.index(num_heads) for name, b in module.named_buffers(recurse=False) if num_heads in b.shape}
+
 def region_of(modules: tuple, regions: dict) -> str | None:
     """The innermost tensor-parallel region among these module calls."""
     return next((name for name in reversed(modules) if name in regions), None)
 
 def tensor_parallel_splits(model: GPT, trace: ModelTrace, regions: dict, heads: set[str],
                            num_heads: int) -> tuple[dict, dict]:
-    """The dim each parameter is split along, and each linear layer's role in its region; unplaced is refused."""
+    """The dim each parameter is split along and the runs it holds (TensorParallelSlice), and each linear layer's
+    role in its region; unplaced is refused."""
     roles, splits = linear_roles(trace, regions), {}
 
-    def claim(name: str, p: Tensor, dim: int, rule: str) -> None:
+    def claim(name: str, p: Tensor, dim: int, rule: str, runs: int = 1) -> None:
         dim %= p.ndim
-        need(splits.setdefault(p, dim) == dim, f"tensor parallelism: {name} is split along dim {splits[p]} in one of "
-             f"its modules and along dim {dim} as a {rule} in another: a tied parameter is one slice on each rank, so "
-             "tie only parameters split alike")
+        need(splits.setdefault(p, (dim, runs)) == (dim, runs), f"tensor parallelism: {name} is split along dim "
+             f"{splits[p][0]} in {splits[p][1]} run(s) in one of its modules and along dim {dim} in {runs} as a {rule} "
+             "in another: a tied parameter is one slice on each rank, so tie only parameters split alike")
     for module_name, module in model.named_modules():
         region = next((n for n in regions if module_name == n or module_name.startswith(n + ".")), None)
         by_head = region is not None and split_by(regions[region].module) == "heads"
+        runs = head_runs(regions[region].module) if region else 1
         role = roles.get(module_name)
         for attr, p in module.named_parameters(recurse=False):
             name = f"{module_name}.{attr}".lstrip(".")
             if role in ("column", "row"):
-                claim(name, p, -2 if role == "column" else -1, f"{role}-parallel layer")
+                claim(name, p, -2 if role == "column" else -1, f"{role}-parallel layer", runs)
             elif module_name in heads and module.weight.size(-2) in p.shape:  # its weight, a bias: per vocabulary entry
                 claim(name, p, p.shape.index(module.weight.size(-2)), "vocabulary-parallel head")
             elif isinstance(module, nn.Embedding):
@@ -4019,7 +4080,7 @@ def tensor_parallel_splits(model: GPT, trace: ModelTrace, regions: dict, heads: 
                     op.name == "__getitem__" and isinstance(op.index, int) for op in trace.parameter_reads(name)):
                 # in a module split by head, a parameter with a dimension of the head count is per head (unless
                 # its elements are read one by one: a few scalars)
-                claim(name, p, p.shape.index(num_heads), "per-head parameter")
+                claim(name, p, p.shape.index(num_heads), "per-head parameter", runs)
             elif region and p.ndim >= 2 and role != "whole":
                 raise UserError(f"tensor parallelism: {name} is a weight matrix in the tensor-parallel region {region} "
                                 "that no rule places (it neither reads the region's input nor writes its output, and "
@@ -4133,7 +4194,7 @@ def refuse_mixing_across_ranks(model: GPT, trace: ModelTrace, regions: dict, spl
     region, why = failure
     raise UserError(f"tensor parallelism: {region} does not split into {tp} ranks' shares of its "
                     f"{split_by(regions[region].module)} ({why}): it mixes what they hold, and what mixes must stay on "
-                    "one rank; " + (f"use --tp {' or '.join(map(str, works))}, which keep it apart" if works else
+                    "one rank; " + (f"use --tp {' or '.join(map(str, works))}, which keep{'s' * (len(works) == 1)} it apart" if works else
                                     "no --tp above 1 keeps it apart: train without --tp"))
 
 def region_that_mixes_ranks(trace: ModelTrace, regions: dict, splits: dict, tp: int, num_heads: int,
@@ -4148,9 +4209,12 @@ def region_that_mixes_ranks(trace: ModelTrace, regions: dict, splits: dict, tp: 
             expected, total = torch.func.functional_call(call.module, params, call.args, call.kwargs), 0
             for r in range(tp):
                 axis = Axis(r, tp, None, tuple(range(tp)))
-                held = {k: TensorParallelSlice(splits[p] % p.ndim, p.size(splits[p] % p.ndim), axis).cut(params[k])
+                held = {k: TensorParallelSlice(splits[p][0], p.size(splits[p][0]), axis, splits[p][1]).cut(params[k])
                         if p in splits else params[k] for k, p in call.module.named_parameters()}
-                args = [TensorParallelSlice(t.ndim - 1, t.size(-1), axis).cut(t) if i in by_heads else t
+                runs = head_runs(call.module)
+                held.update({k: TensorParallelSlice(dim, b.size(dim), axis, runs).cut(b) for k, dim in
+                             per_head_buffers(call.module, num_heads).items() for b in [getattr(call.module, k)]})
+                args = [TensorParallelSlice(t.ndim - 1, t.size(-1), axis, runs).cut(t) if i in by_heads else t
                         for i, t in enumerate(call.args)]
                 try:
                     total = total + torch.func.functional_call(call.module, held, tuple(args), call.kwargs)
@@ -4355,7 +4419,7 @@ class _Saved:
 
 class SavedActivations(torch.autograd.graph.saved_tensors_hooks):
     """Peak bytes of what autograd saves for backward, each storage once, without parameters or the dense twin's
-    (T, T) scores (FlexAttention keeps none)."""
+    (T, T) scores, (2T, 2T) for paired heads (FlexAttention keeps none)."""
 
     def __init__(self, model: nn.Module, seq_len: int):
         super().__init__(self._pack, lambda held: held.tensor)
@@ -4367,7 +4431,8 @@ class SavedActivations(torch.autograd.graph.saved_tensors_hooks):
     def _pack(self, t: Tensor):
         held, storage = _Saved(t), t.untyped_storage()
         key = storage._cdata
-        if key in self.param_storages or (t.dim() >= 2 and t.size(-1) == t.size(-2) == self.seq_len):
+        if key in self.param_storages or (t.dim() >= 2 and t.size(-1) == t.size(-2) and
+                                          t.size(-1) in (self.seq_len, 2 * self.seq_len)):
             return held
         if self.live[key] == 0:
             self.bytes += storage.nbytes()

@@ -96,12 +96,10 @@ class AttentionWithHeadTemperature(train_gpt.CausalSelfAttention):
     def forward(self, x, ve, mask, xsa=None, output_gate=None):  # (a fork from before XSA and output gates)
         q, k, v = self.project(x)
         B, T = q.size(0), q.size(1)
-        q, k = self.rotary(norm(q), norm(k))
+        q, k = self.rotary(norm(q), norm(k), self.head_offsets)
         q = q * self.head_temperature[:, None]
-        v = self.values(v, ve)
-        y = train_gpt.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask,
-                                self.rotary.attention_scale)
-        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, -1))
+        y = self.attend(q, k, self.values(v, ve), mask)
+        return self.c_proj(y.contiguous().view(B, T, -1))
 
 
 class GPTWithRecordEdits(train_gpt.GPT):
@@ -156,11 +154,9 @@ class AttentionWithUnplacedMatrix(train_gpt.CausalSelfAttention):
     def forward(self, x, ve, mask, xsa=None, output_gate=None):
         q, k, v = self.project(x)
         B, T = q.size(0), q.size(1)
-        q, k = self.rotary(norm(q), norm(k))
-        v = self.values(v, ve)
-        y = train_gpt.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask,
-                                self.rotary.attention_scale)
-        return self.c_proj(self.mix(y.transpose(1, 2).contiguous().view(B, T, -1)))
+        q, k = self.rotary(norm(q), norm(k), self.head_offsets)
+        y = self.attend(q, k, self.values(v, ve), mask)
+        return self.c_proj(self.mix(y.contiguous().view(B, T, -1)))
 
 
 # The kinds of edit the field's later records make, for the layouts' rules to carry: code in GPT.forward itself (a
@@ -260,6 +256,9 @@ def attend_in_pairs(attention: train_gpt.CausalSelfAttention, q, k, v, ve, mask)
 
 
 class AttentionInPairs(train_gpt.CausalSelfAttention):
+    def __init__(self, dim, num_heads, head_dim, key_offset, zero_out, paired):  # (its own pairs, in every layer)
+        super().__init__(dim, num_heads, head_dim, key_offset, zero_out)
+
     def forward(self, x, ve, mask, xsa=None, output_gate=None):
         return attend_in_pairs(self, *self.project(x), ve, mask)
 
@@ -267,8 +266,8 @@ class AttentionInPairs(train_gpt.CausalSelfAttention):
 class AttentionInPairsFromBank(train_gpt.CausalSelfAttention):
     """Heads attending in pairs, their q, k, v matrices handed in from the GPT's bank instead of held."""
 
-    def __init__(self, *args):
-        super().__init__(*args)
+    def __init__(self, dim, num_heads, head_dim, key_offset, zero_out, paired):  # (its own pairs, in every layer)
+        super().__init__(dim, num_heads, head_dim, key_offset, zero_out)
         del self.qk, self.v
 
     def forward(self, x, ve, mask, xsa=None, output_gate=None, qkv=None):

@@ -21,13 +21,14 @@ DOC_STARTS = [0, 70, 128, 129, 300, 700, 701, 1000]
 WINDOWS = [0, 1, 64, 126, 127, 128, 129, 200, 254, 384, 1000, 2048]
 
 
-def reference_mask(seq, window):
-    """Query t sees key s when s is in t's document and 0 <= t - s <= window, token by token."""
+def reference_mask(seq, window, places=1):
+    """Query t sees key s when s is in t's document and 0 <= t - s <= window, token by token; with places 2, over
+    each token's two places (2t, 2t + 1) of paired heads' sequence, the window counted in places."""
     docs, d = [], 0
     for t in seq.tolist():
         d += t == EOT_TOKEN
-        docs.append(d)
-    docs, pos = torch.tensor(docs), torch.arange(len(seq))
+        docs += [d] * places
+    docs, pos = torch.tensor(docs), torch.arange(len(docs))
     gap = pos[:, None] - pos[None, :]
     return (gap >= 0) & (gap <= window) & (docs[:, None] == docs[None, :])
 
@@ -38,14 +39,15 @@ def listed_blocks(num, idx):
     return torch.zeros(nb, nb, dtype=torch.bool).scatter_(1, idx[0, 0].long(), kept)
 
 
+@pytest.mark.parametrize("places", [1, 2])
 @pytest.mark.parametrize("window", WINDOWS)
-def test_block_lists_hold_exactly_the_blocks_the_reference_needs(window):
+def test_block_lists_hold_exactly_the_blocks_the_reference_needs(window, places):
     # full: every pair of the two blocks allowed (no mask_mod there); partial: some but not all; nothing else listed
     seq = sequence_with_documents(DOC_STARTS, 8 * BS)
-    nb = len(seq) // BS
-    for mask, tokens in zip(document_causal_masks(seq, torch.tensor([window // 2, window], dtype=torch.int32)),
-                            (window // 2, window)):
-        reference = reference_mask(seq, tokens)
+    nb = places * len(seq) // BS
+    for mask, tokens in zip(document_causal_masks(seq, torch.tensor([window // 2, window], dtype=torch.int32),
+                                                  places), (window // 2, window)):
+        reference = reference_mask(seq, tokens, places)
         pairs = reference.view(nb, BS, nb, BS).permute(0, 2, 1, 3).reshape(nb, nb, BS * BS)
         full, partial = listed_blocks(mask.full_num, mask.full_idx), listed_blocks(mask.partial_num, mask.partial_idx)
         assert torch.equal(full, pairs.all(-1)), (window, tokens)
@@ -71,16 +73,71 @@ def test_one_document_sees_exactly_window_plus_one_tokens():
     assert long_mask.dense()[10].sum() == 11  # near the start: what there is
 
 
+@pytest.mark.parametrize("paired", [False, True])
 @pytest.mark.parametrize("window", [0, 100, 128, 384, 2048])
-def test_flex_attention_equals_dense_twin(window):
+def test_flex_attention_equals_dense_twin(window, paired):
     torch.manual_seed(window)
     seq = sequence_with_documents(DOC_STARTS, 8 * BS)
-    attn = CausalSelfAttention(dim=64, num_heads=2, head_dim=32)
+    attn = CausalSelfAttention(dim=64, num_heads=4, head_dim=16, paired=paired)
     torch.nn.init.normal_(attn.c_proj.weight, std=0.1)  # zero-init would hide the attention output
     x = torch.randn(1, len(seq), 64)
     ve = torch.randn(1, len(seq), 64)
-    for mask in document_causal_masks(seq, torch.tensor([window // 2, window], dtype=torch.int32)):
+    for mask in document_causal_masks(seq, torch.tensor([window // 2, window], dtype=torch.int32), 1 + paired):
         with torch.no_grad():
             flex = attn(x, ve, mask.flex())
             dense = attn(x, ve, mask.dense())
         torch.testing.assert_close(flex, dense, rtol=1e-4, atol=1e-5)
+
+
+def paired_attention_by_hand(attn, x, seq, window):
+    """Paired heads written out in float64, head by head: head h's query at token t, rotated as at place 2t + h mod 2
+    (#89's), sees the keys of heads h mod H/2 and h mod H/2 + H/2 at every token t' of its document whose place
+    2t' + h' // (H/2) is at most its own 2t + h // (H/2) and at most `window` places before it."""
+    H, D = attn.head_offsets.numel(), attn.head_dim
+    q, k, v = (t[0].double() for t in attn.project(x.double()))  # (T, H, D)
+    q, k = (torch.nn.functional.rms_norm(t, (D,)) for t in (q, k))
+    v = attn.value_scale.double() * v
+    freq = attn.rotary.angular_freq.double()
+    T = len(seq)
+    docs = (seq == EOT_TOKEN).cumsum(0)
+
+    def rotated(t, h):  # the dims (j, j + D/2) turned by (2t + h mod 2) x freq_j
+        angle = (2 * torch.arange(T, dtype=torch.float64) + h % 2)[:, None] * freq
+        first, second = t[:, h, :D // 2], t[:, h, D // 2:]
+        return torch.cat([first * angle.cos() + second * angle.sin(), second * angle.cos() - first * angle.sin()], -1)
+
+    out = torch.zeros(T, H, D, dtype=torch.float64)
+    for h in range(H):
+        place = 2 * torch.arange(T) + h // (H // 2)
+        partners = [h % (H // 2), h % (H // 2) + H // 2]
+        scores, values = [], []
+        for other in partners:
+            key_place = 2 * torch.arange(T) + other // (H // 2)
+            gap = place[:, None] - key_place[None, :]
+            seen = (gap >= 0) & (gap <= window) & (docs[:, None] == docs[None, :])
+            s = rotated(q, h) @ rotated(k, other).T * attn.rotary.attention_scale.double()
+            scores.append(s.masked_fill(~seen, float("-inf")))
+            values.append(v[:, other])
+        p = torch.softmax(torch.cat(scores, dim=1), dim=1)
+        out[:, h] = p @ torch.cat(values, dim=0)
+    return attn.c_proj.weight.double() @ out.reshape(T, H * D).T
+
+
+@pytest.mark.parametrize("window", [1, 2, 5, 100])
+def test_paired_heads_attend_as_written_out_by_hand(window):
+    # fp64 both (but the module's rotary): the module (its dense twin's mask) against the formula; the unpaired module must differ from it
+    # (window 0 would not tell them apart: each place sees only itself, its own head's key)
+    torch.manual_seed(window)
+    seq = sequence_with_documents([0, 40, 41, 150], 2 * BS)
+    attn = CausalSelfAttention(dim=48, num_heads=6, head_dim=8, paired=True).double()
+    torch.nn.init.normal_(attn.c_proj.weight, std=0.1)
+    x = torch.randn(1, len(seq), 48, dtype=torch.float64)
+    windows = torch.tensor([window, window], dtype=torch.int32)
+    with torch.no_grad():
+        got = attn(x, None, document_causal_masks(seq, windows, 2)[0].dense())[0]
+        expected = paired_attention_by_hand(attn, x, seq, window).T
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)  # (the rotary turns in float32)
+        attn.head_offsets, attn.head_groups = None, 1  # the same weights, unpaired: another function
+        unpaired = attn(x, None, document_causal_masks(seq, windows)[0].dense())[0]
+    assert (unpaired - expected).norm() > 0.1 * expected.norm()
+

@@ -263,7 +263,7 @@ def test_bad_checkpoints_are_refused_by_name(tmp_path, files):
     path = tmp_path / "logs" / "small" / "step000004.pt"
     with pytest.raises(train_gpt.UserError, match=r"tensor embed.weight is of shape \(50257, 32\) there and of "
                                                   r"shape \(50257, 64\) here"):
-        run(tmp_path, files, 1, "small", model_dim=64, head_dim=32, resume=path)  # same run id: its log is at stake
+        run(tmp_path, files, 1, "small", model_dim=64, head_dim=16, resume=path)  # same run id: its log is at stake
     for name, value, words in [("lm_head.weight", torch.zeros(3), r"a gradient for lm_head.weight of shape \(3,\), "
                                 r"which is of shape \(50304, 32\) here"),
                                ("blocks.0.mlp.c_fc.weight", torch.zeros(128, 32), r"a gradient for "

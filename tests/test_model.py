@@ -115,7 +115,7 @@ def logits_by_the_formulas(model, tokens, window, backout=True, attend_over=True
                     lanes_by_the_formula(gates["value_gate"], ve, block.attn.head_dim)
             if dense_value is not None and dense:
                 ve = dense_value if ve is None else ve + dense_value
-            out = block.attn(read, ve, masks[model.window_pattern[i]], gates.get("xsa") if xsa else None,
+            out = block.attn(read, ve, masks[model.mask_keys[i]], gates.get("xsa") if xsa else None,
                              gates.get("output_gate") if output_gates else None)
             residual, output = gates["attn_scales"].split(1, -1) if "attn_scales" in gates else block.attn_scales
             x = residual * x + output * out + gates["x0"] * (outputs[-1] if i == model.dense_layer else x0)
@@ -366,8 +366,8 @@ def test_yarn_stretches_the_rotary_and_raises_the_attention_scale_at_each_change
         assert rotary.attention_scale.item() == pytest.approx(scale, rel=1e-6) and scale > 0.1 * 1.13
     assert (after - before).abs().max() > 1e-3 * (before - before.mean()).abs().max()
     seq_len = train_gpt.context_length(args)
-    attn, x = model.blocks[2].attn, torch.randn(1, seq_len, args.model_dim)  # (no key offset or XSA)
-    mask = model.attention_masks(tokens[:-1], window)["S"]
+    attn, x = model.blocks[1].attn, torch.randn(1, seq_len, args.model_dim)  # (no key offset or pairs; no XSA given)
+    mask = model.attention_masks(tokens[:-1], window)["S", 1]
     with torch.no_grad():
         q, k, v = attn.project(x)
         q, k = attn.rotary(norm(q), norm(k))

@@ -51,7 +51,7 @@ def split_cross_entropy(rank, world_size, logits, targets, weights):
 
 @pytest.mark.parametrize("world_size, flags, words", [
     (3, ["--tp", "2"], "--tp 2 x --pp 1 = 2 does not divide the world size 3"),
-    (4, ["--tp", "4"], r"--tp 4 does not divide --num_heads \(2\)"),
+    (3, ["--tp", "3"], r"--tp 3 does not divide --num_heads \(4\)"),
     (2, ["--sp", "true"], "--sp shards the sequence over the tensor-parallel ranks: it needs --tp 2 or more"),
     (2, ["--tp", "2", "--async_tp", "true"], "--async_tp overlaps .* it needs --sp true"),
     (6, ["--tp", "2"], r"data-parallel size 3 \(world size 6 / \(--tp 2 x --pp 1\)\) does not divide --seqs_per_step 4"),
