@@ -413,6 +413,17 @@ def document_causal_masks(input_seq: Tensor, windows: Tensor, places: int = 1) -
         return AttentionMask(docs, window, *as_lists(partial), *as_lists(full))
     return windowed(windows[0]), windowed(windows[1])
 
+DC_WINDOW = 112  # tokens: DC-MHA's composition reads the keys s of a query t with 0 <= t - s < 112 (#85)
+
+def banded_mask(input_seq: Tensor, window: int) -> Tensor:
+    """(T/C, C, 2C), C = ATTENTION_BLOCK_SIZE >= window: whether query i of chunk b sees key j of chunks b - 1 and b
+    (j < C: the one before), in its document with 0 <= t - s < window tokens."""
+    docs = (input_seq == EOT_TOKEN).cumsum(0)
+    n, C = len(input_seq) // ATTENTION_BLOCK_SIZE, ATTENTION_BLOCK_SIZE
+    t = torch.arange(n * C, device=input_seq.device).view(n, C, 1)
+    s = (t[:, :1] // C - 1) * C + torch.arange(2 * C, device=input_seq.device)
+    return (t - s >= 0) & (t - s < window) & (s >= 0) & (docs[t] == docs[s.clamp(min=0)])
+
 # always compiled: eager flex_attention ignores the block lists, scoring every pair of the sequence
 compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
 
@@ -431,7 +442,7 @@ class CausalSelfAttention(nn.Module):
     2t + h mod 2 (its pairs of adjacent heads), which is kept."""
 
     def __init__(self, dim: int, num_heads: int, head_dim: int, key_offset: bool = False, zero_out: bool = True,
-                 paired: bool = False):
+                 paired: bool = False, composed: bool = False):
         super().__init__()
         self.head_dim, self.key_offset = head_dim, key_offset
         # heads that attend together must stay on one tensor-parallel rank: it cuts each of these runs of heads alike
@@ -446,18 +457,21 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = CastedLinear(num_heads * head_dim, dim)
         if zero_out:  # each block starts as the identity (#23's); else uniform as the other matrices (#89's, #64)
             self.c_proj.weight.detach().zero_()
+        self.sum_over_heads = SumOverHeads() if composed else None
 
     def forward(self, x: Tensor, ve: Tensor | None, mask: BlockMask | Tensor, xsa: Tensor | None = None,
-                output_gate: Tensor | None = None) -> Tensor:
-        """x (B, T, dim); per token and head (B, T, H), from a gate network: XSA's strength before its tanh, and the
-        output gate."""
+                output_gate: Tensor | None = None, dc_mix: Tensor | None = None, dc_weight: Tensor | None = None,
+                banded: Tensor | None = None) -> Tensor:
+        """x (B, T, dim); per token and head (B, T, H), from a gate network: XSA's strength before its tanh, the
+        output gate, and in a composed layer DC-MHA's mix of heads and its output's weight (#85), with the banded
+        mask it reads over."""
         q, k, v = self.project(x)
         B, T = q.size(0), q.size(1)  # B == 1: masks are per sequence
         q, k = self.rotary(norm(q), norm(k), self.head_offsets)  # QK-norm, then rotate
         if self.key_offset:
             k = torch.where(self.rotary.stationary, torch.cat([k[:, :1], k[:, :-1]], dim=1), k)
         v = self.values(v, ve)
-        y = self.attend(q, k, v, mask)
+        y = self.compose(self.attend(q, k, v, mask), q, k, v, dc_mix, dc_weight, banded)
         if xsa is not None:  # exclusive self attention (#82): each head's output loses a share of its own value
             along_v = (y * v).sum(-1, keepdim=True) / v.square().sum(-1, keepdim=True).clamp_min(1e-8)
             y = y - torch.tanh(xsa.type_as(y))[..., None] * along_v * v
@@ -482,9 +496,40 @@ class CausalSelfAttention(nn.Module):
         q, k = qk.view(B, T, 2, -1, self.head_dim).unbind(2)
         return q, k, self.v(x).view(B, T, -1, self.head_dim)
 
+    def compose(self, y: Tensor, q: Tensor, k: Tensor, v: Tensor, dc_mix: Tensor | None, dc_weight: Tensor | None,
+                banded: Tensor | None) -> Tensor:
+        """y, and in a composed layer (DC-MHA, #85) each head's values read by every head's attention, mixed, at the
+        head's weight."""
+        if dc_mix is None:
+            return y
+        return y + dc_weight.type_as(y)[..., None] * self.composition(q, k, v, dc_mix, banded)
+
+    def composition(self, q: Tensor, k: Tensor, v: Tensor, mix: Tensor, banded: Tensor) -> Tensor:
+        """DC-MHA's composition after the softmax (#85), (B, T, H, D): sum_s a(t, s) v_h(s), a(t, s) = sum_g mix[t, g]
+        softmax_s(q_g(t) . k_g(s)) over the keys banded allows (banded_mask), chunk by chunk: C queries and the keys of
+        their chunk and the one before. Its own operation: FlexAttention cannot mix heads."""
+        B, T, H, D = q.shape
+        n, C = banded.shape[:2]
+
+        def with_chunk_before(t: Tensor) -> Tensor:  # (B, n, 2C, H, D)
+            t = t.view(B, n, C, H, D)
+            return torch.cat([torch.cat([torch.zeros_like(t[:, :1]), t[:, :-1]], dim=1), t], dim=2)
+        scores = torch.einsum("bnqhd,bnkhd->bnhqk", (q * self.rotary.attention_scale).float().view(B, n, C, H, D),
+                              with_chunk_before(k).float())
+        attn = scores.masked_fill(~banded[:, None], float("-inf")).softmax(-1)
+        mixed = self.sum_over_heads(torch.einsum("bnqh,bnhqk->bnqk", mix.float().view(B, n, C, H), attn))
+        return torch.einsum("bnqk,bnkhd->bnqhd", mixed.type_as(v), with_chunk_before(v)).reshape(B, T, H, D)
+
     def values(self, v: Tensor, ve: Tensor | None) -> Tensor:
         """v (B, T, H, D) scaled, plus the layer's gated value embedding (T, H x D) where it has one."""
         return self.value_scale * v if ve is None else self.value_scale * v + ve.view_as(v)
+
+class SumOverHeads(nn.Module):
+    """A sum over every head of per-head terms, which in one process its input already is: tensor parallelism, whose
+    ranks each hold some heads, all-reduces it (forward and backward)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x
 
 class MLP(nn.Module):
     def __init__(self, dim: int):
@@ -602,9 +647,10 @@ class Block(nn.Module):
     def __init__(self, dim: int, num_heads: int, head_dim: int, has_attention: bool,
                  takes_skip: bool, takes_value_embed: bool = False, key_offset: bool = False, gated: bool = False,
                  xsa: bool = False, output_gate: bool = False, bigram_joins: str | None = None,
-                 dense_sources: int = 0, zero_attention_out: bool = True, paired: bool = False):
+                 dense_sources: int = 0, zero_attention_out: bool = True, paired: bool = False,
+                 composed: bool = False):
         super().__init__()
-        self.attn = CausalSelfAttention(dim, num_heads, head_dim, key_offset, zero_attention_out, paired) \
+        self.attn = CausalSelfAttention(dim, num_heads, head_dim, key_offset, zero_attention_out, paired, composed) \
             if has_attention else None
         self.value_gate = Gate(2 * VALUE_GATE_CHANNELS, num_heads) if takes_value_embed and not dense_sources else None
         self.mlp = MLP(dim)
@@ -624,7 +670,8 @@ class Block(nn.Module):
         # what a gate network gives this layer, and a dense layer's own network: name -> (width, starting value)
         wanted = dict(**({} if dense_sources else {name: (1, start) for name, start in shares.items()}),
                       skip=(1, SKIP_COEFFICIENT_START) if takes_skip else None,
-                      xsa=(num_heads, 0.0) if xsa else None, output_gate=(num_heads, 0.25) if output_gate else None)
+                      xsa=(num_heads, 0.0) if xsa else None, output_gate=(num_heads, 0.25) if output_gate else None,
+                      dc_mix=(num_heads, 1.0) if composed else None, dc_weight=(num_heads, 0.0) if composed else None)
         self.gate_coefficients = {name: want for name, want in wanted.items() if want is not None} if gated else {}
         values = has_attention and dense_sources  # (#89's order of its 14)
         dense = dict(dense_value=(dense_sources + 1, 0.0) if values else None, dense=(dense_sources + 1, 0.0),
@@ -636,8 +683,8 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, skip: Tensor | None, ve: Tensor | None, x0: Tensor, mask: BlockMask | Tensor,
                 gates: dict[str, Tensor], bigram: Tensor | None = None, attend_over: Tensor | None = None,
-                dense: list[Tensor] | None = None, **for_attention) -> Tensor:
-        """dense: a dense layer's earlier states (in its network's order)."""
+                dense: list[Tensor] | None = None, banded: Tensor | None = None, **for_attention) -> Tensor:
+        """dense: a dense layer's earlier states (in its network's order); banded: a composed layer's mask."""
         if skip is not None:
             x = x + torch.sigmoid(self.skip_gate) * gates.get("skip", 1.0) * skip
         dense_value = None
@@ -647,14 +694,23 @@ class Block(nn.Module):
             x = x + self.mix(gates["dense"], states)
         if self.attn is not None:
             read = norm(x if attend_over is None else attend_over)
-            out = self.attn(read, self.value_input(read, ve, gates, dense_value), mask, gates.get("xsa"),
-                            gates.get("output_gate"), **for_attention)
+            out = self.attend(read, self.value_input(read, ve, gates, dense_value), mask, gates, banded,
+                              **for_attention)
             residual, output = self.scales("attn_scales", gates)
             x = residual * x + output * out + self.share("x0", gates) * x0
             if bigram is not None and self.bigram_joins == "output":
                 x = x + self.share("bigram", gates) * bigram
         residual, output = self.scales("mlp_scales", gates)
         return residual * x + output * self.mlp(norm(x))
+
+    def attend(self, read: Tensor, value_input: Tensor | None, mask: BlockMask | Tensor, gates: dict[str, Tensor],
+               banded: Tensor | None, **for_attention) -> Tensor:
+        """Attention's output, with the gate coefficients it takes: DC-MHA's mix normed over every head here (#89's
+        eps), since attention may hold only some of them."""
+        mix = gates.get("dc_mix")
+        mix = None if mix is None else F.rms_norm(mix.float(), (mix.size(-1),), eps=1e-6)
+        return self.attn(read, value_input, mask, gates.get("xsa"), gates.get("output_gate"), mix,
+                         gates.get("dc_weight"), banded, **for_attention)
 
     def share(self, name: str, gates: dict[str, Tensor]) -> Tensor:
         """x0's or the bigram embedding's share: a network's coefficient, or this block's learned scalar."""
@@ -772,7 +828,7 @@ class GPT(nn.Module):
                  skip: tuple[int, int] | None = None, attend_over: int | None = None, gate_network_layers=(),
                  xsa_layers=(), output_gate_layers=(), bigram_rows=0, smear=True, key_offset=True, mtp=False,
                  prefix_loss=False, fp8_head=True, tied_embed=False, mudd=False, zero_attention_out=True,
-                 paired_head_layers=(), soft_cap: tuple[float, float, float] = RECORD_SOFT_CAP):
+                 paired_head_layers=(), composed_layers=(), soft_cap: tuple[float, float, float] = RECORD_SOFT_CAP):
         super().__init__()
         self.skip, self.attend_over = skip, attend_over
         # MUDD (#40, #81, #85), as #89 trims it: the last layer is dense, taking in the first layer's input (-1) and
@@ -812,12 +868,15 @@ class GPT(nn.Module):
                                            None if not bigram_rows else "input" if i == 0 else
                                            "output" if i not in layers_without_attention else None,
                                            len(self.dense_sources) if i == self.dense_layer else 0,
-                                           zero_attention_out, i in paired_head_layers)
+                                           zero_attention_out, i in paired_head_layers, i in composed_layers)
                                      for i in range(num_layers)])
         # each layer's attention mask: its window's (S or L), over as many places a token as its heads attend in
         # groups (paired heads: 2)
         self.mask_keys = [(letter, getattr(block.attn, "head_groups", 1))
                           for letter, block in zip(window_pattern, self.blocks)]
+        # and the layers whose attention composes its heads (DC-MHA), the banded mask
+        self.composed_layers = {i for i, block in enumerate(self.blocks)
+                                if getattr(block.attn, "sum_over_heads", None) is not None}
         wanted = {start: {str(i): self.blocks[i].gate_coefficients for i in range(start, end)
                           if self.blocks[i].gate_coefficients} for start, end in zip(starts, starts[1:])}
         self.gate_networks = nn.ModuleDict({str(start): GateNetwork(model_dim, layers)
@@ -874,6 +933,8 @@ class GPT(nn.Module):
         for places in sorted({places for _, places in self.mask_keys}):
             masks.update({(letter, places): mask.flex() if input_seq.is_cuda else mask.dense() for letter, mask
                           in zip("SL", document_causal_masks(input_seq, windows, places))})
+        if self.composed_layers:
+            masks["banded"] = banded_mask(input_seq, DC_WINDOW)
         return masks
 
     def stretch_rotary(self, long_windows: tuple[int, ...]) -> None:
@@ -921,7 +982,8 @@ class GPT(nn.Module):
                     ve=stream["ve"].get(str(i)), x0=stream["layer-1" if dense else "x0"],
                     mask=masks[self.mask_keys[i]], gates=stream["gates"].get(str(i), {}),
                     bigram=stream.get("bigram"), attend_over=stream[f"layer{over}"] if over is not None and i > over
-                    else None, dense=[stream[f"layer{j}"] for j in self.dense_sources] if dense else None)
+                    else None, dense=[stream[f"layer{j}"] for j in self.dense_sources] if dense else None,
+                    banded=masks.get("banded") if i in self.composed_layers else None)
 
     def keep_output(self, i: int, stream: dict) -> dict:
         """The stream after block i: its output carried on where a later layer or the head reads it, and the outputs
@@ -1150,6 +1212,9 @@ class Hyperparameters:
     xsa_layers: str = flag("1,3,4,7", "layers whose heads' outputs lose a learned share along their own values "
                                       "(exclusive self attention, #82)")
     output_gate_layers: str = flag("3,10", "layers whose heads' outputs are gated per token (#28, #85)")
+    dc_layers: str = flag("10", "layers whose heads each also read the values by a per-token mix of every "
+                                "head's attention over the last 112 tokens, with per-token weights (DC-MHA's "
+                                "composition after the softmax, #85), from a gate network")
     paired_head_layers: str = flag("0,2,5,9", "layers whose heads attend in pairs, h with h + num_heads/2, each "
                                               "seeing both's keys over one sequence with each token's two places "
                                               "in a row, the window counted in places (#58)")
@@ -1283,7 +1348,7 @@ PRESETS = {
                 num_heads=2, head_dim=64, model_dim=128, window_pattern="LSSSSL", attention_free_layers="",
                 value_embed_layers="0,1,2,3,4,5", gate_network_layers="", xsa_layers="", output_gate_layers="",
                 bigram_rows=16384, mtp=False, prefix_loss=False, smear=False, key_offset=False, zero_attn_out=True,
-                paired_head_layers="",
+                paired_head_layers="", dc_layers="",
                 window_blocks="0.5:1,1:2,2:2,2:2", final_window_blocks=2, extension_steps=0,
                 fp8_head=False, num_iterations=220, muon_momentum_warmup_steps=50, skip_layers="1,3",
                 attend_over_layer="3", muon_momentum_cooldown_steps=9, lr_head=0.077, lr_embed=0.21, lr_scalar=0.014,
@@ -1298,7 +1363,7 @@ PRESETS = {
                  val_files="data/shakespeare/shakespeare_val_*.bin",
                  val_tokens=4 * 256, train_seq_len="256", val_seq_len=256, num_layers=6, num_heads=4, head_dim=8,
                  model_dim=32, window_pattern="LSSSSL", attention_free_layers="4", value_embed_layers="1,2,5",
-                 paired_head_layers="2,5",
+                 paired_head_layers="2,5", dc_layers="3",
                  gate_network_layers="0,2", xsa_layers="1,3", output_gate_layers="3,5", bigram_rows=4096,
                  prefix_loss=False,  # (it needs GPT-2's ranks, which the tests fetch only where they use them)
                  skip_layers="1,4", attend_over_layer="3", window_blocks="1:1,1:2,2:2,2:2",
@@ -1351,6 +1416,7 @@ LAYER_FLAGS = {"attention_free_layers": (None, "comma-separated layer indices su
                "gate_network_layers": (None, "comma-separated layer indices such as '0,4', or '' for none"),
                "xsa_layers": (None, "comma-separated layer indices such as '1,3,4,7', or '' for none"),
                "output_gate_layers": (None, "comma-separated layer indices such as '3,10', or '' for none"),
+               "dc_layers": (None, "comma-separated layer indices such as '10', or '' for none"),
                "paired_head_layers": (None, "comma-separated layer indices such as '0,2,5,9', or '' for none")}
 
 def layer_indices(args: Hyperparameters, name: str) -> tuple[int, ...]:
@@ -1446,16 +1512,21 @@ def check_hyperparameters(args: Hyperparameters) -> None:
     for name, what in (("value_embed_layers", "a value embedding is added to attention's values"),
                        ("xsa_layers", "XSA changes attention's output"), ("output_gate_layers", "an output gate "
                                                                              "scales attention's output"),
-                       ("paired_head_layers", "paired heads attend together")):
+                       ("paired_head_layers", "paired heads attend together"),
+                       ("dc_layers", "DC-MHA composes attention's heads")):
         fed = set(layer_indices(args, name)) & set(layer_indices(args, "attention_free_layers"))
         need(not fed, f"{flag_value(args, name)} names layers {sorted(fed)}, which have no attention "
              f"({flag_value(args, 'attention_free_layers')}): {what}; name layers with attention")
     first_served = min(layer_indices(args, "gate_network_layers"), default=args.num_layers)
-    for name in ("xsa_layers", "output_gate_layers"):
+    for name in ("xsa_layers", "output_gate_layers", "dc_layers"):
         unserved = [i for i in layer_indices(args, name) if i < first_served]
         need(not unserved, f"{flag_value(args, name)} names layers {unserved}, which no gate network serves "
              f"({flag_value(args, 'gate_network_layers')}): their coefficients come from one; add a network at or "
              "before them")
+    both = sorted(set(layer_indices(args, "dc_layers")) & set(layer_indices(args, "paired_head_layers")))
+    need(not both, f"{flag_value(args, 'dc_layers')} and {flag_value(args, 'paired_head_layers')} both name layers "
+         f"{both}: DC-MHA composes heads over the tokens, paired heads attend over two places a token (#89 keeps "
+         "them apart); name each layer in one")
     missing = [name for name in ("skip_layers", "attend_over_layer", "value_embed_layers")
                if not layer_indices(args, name)]
     need(not args.mudd or not missing, f"--mudd true reads the skip's source, the attended layer and the first "
@@ -1647,7 +1718,8 @@ def build_model(args: Hyperparameters, device: torch.device, cuda_dtypes: bool |
                     smear=args.smear, mtp=args.mtp, prefix_loss=args.prefix_loss,
                     key_offset=args.key_offset, fp8_head=args.fp8_head, tied_embed=args.tied_stages > 0,
                     mudd=args.mudd, zero_attention_out=args.zero_attn_out,
-                    paired_head_layers=layer_indices(args, "paired_head_layers"), soft_cap=soft_cap_terms(args))
+                    paired_head_layers=layer_indices(args, "paired_head_layers"),
+                    composed_layers=layer_indices(args, "dc_layers"), soft_cap=soft_cap_terms(args))
     return to_device(model, device, cuda_dtypes)
 
 def to_device(model: nn.Module, device: torch.device, cuda_dtypes: bool | None = None) -> nn.Module:
@@ -4004,6 +4076,9 @@ def tensor_parallelize(model: GPT, tp: Axis, args: Hyperparameters, trace: Model
                 enter_beside(t, tp, args.sp and t.size(-2) * tp.size == seq_len[0], head_runs(m))
                 if i in beside_the_input(a, args.num_heads, args.head_dim) else t for i, t in enumerate(a)))
         call.module.register_forward_hook(lambda m, a, out: leave_region(out, tp, args.sp))
+    for module in model.modules():
+        if isinstance(module, SumOverHeads):  # this rank's heads' share of the sum: all-reduced, either way
+            module.register_forward_hook(lambda m, a, out: _Conjugate.apply(out, tp, all_reduce_sum, all_reduce_sum))
     for name, module in model.named_modules():
         if isinstance(module, nn.Embedding):
             vocab_parallel_embedding(module, tp)
@@ -4199,30 +4274,48 @@ def refuse_mixing_across_ranks(model: GPT, trace: ModelTrace, regions: dict, spl
 
 def region_that_mixes_ranks(trace: ModelTrace, regions: dict, splits: dict, tp: int, num_heads: int,
                             head_dim: int) -> tuple[str, str] | None:
-    """The first region whose ranks' shares, each run alone, do not sum to its whole output; and why."""
+    """The first region whose ranks' shares, each run alone, do not sum to its whole output; and why. A sum over
+    heads inside it (SumOverHeads) is the ranks' shares summed, as their all-reduce makes it: found by running them
+    once more than there are such sums, each run handing on the sums of the run before."""
     stand_ins = torch.Generator().manual_seed(0)  # for parameters at zero (an output layer's), which would hide it
     for name, call in regions.items():
         by_heads = beside_the_input(call.args, num_heads, head_dim) if split_by(call.module) == "heads" else []
         params = {k: p.detach() if p.any() else torch.randn(p.shape, generator=stand_ins).to(p) * 0.02
                   for k, p in call.module.named_parameters()}
+        head_sums, summed = [m for m in call.module.modules() if isinstance(m, SumOverHeads)], []
         with torch.no_grad():
-            expected, total = torch.func.functional_call(call.module, params, call.args, call.kwargs), 0
-            for r in range(tp):
-                axis = Axis(r, tp, None, tuple(range(tp)))
-                held = {k: TensorParallelSlice(splits[p][0], p.size(splits[p][0]), axis, splits[p][1]).cut(params[k])
-                        if p in splits else params[k] for k, p in call.module.named_parameters()}
-                runs = head_runs(call.module)
-                held.update({k: TensorParallelSlice(dim, b.size(dim), axis, runs).cut(b) for k, dim in
-                             per_head_buffers(call.module, num_heads).items() for b in [getattr(call.module, k)]})
-                args = [TensorParallelSlice(t.ndim - 1, t.size(-1), axis, runs).cut(t) if i in by_heads else t
-                        for i, t in enumerate(call.args)]
-                try:
-                    total = total + torch.func.functional_call(call.module, held, tuple(args), call.kwargs)
-                except Exception as e:  # (shapes that do not divide: a part that needs another rank's heads)
-                    return name, f"on one rank's share: {type(e).__name__}: {' '.join(str(e).split())[:200]}"
+            expected = torch.func.functional_call(call.module, params, call.args, call.kwargs)
+            for _ in range(len(head_sums) + 1):
+                total, shares = 0, []
+                for r in range(tp):
+                    axis = Axis(r, tp, None, tuple(range(tp)))
+                    held = {k: TensorParallelSlice(splits[p][0], p.size(splits[p][0]), axis, splits[p][1]).cut(
+                        params[k]) if p in splits else params[k] for k, p in call.module.named_parameters()}
+                    runs = head_runs(call.module)
+                    held.update({k: TensorParallelSlice(dim, b.size(dim), axis, runs).cut(b) for k, dim in
+                                 per_head_buffers(call.module, num_heads).items() for b in [getattr(call.module, k)]})
+                    args = [TensorParallelSlice(t.ndim - 1, t.size(-1), axis, runs).cut(t) if i in by_heads else t
+                            for i, t in enumerate(call.args)]
+                    shares.append([])
+                    hooks = [m.register_forward_hook(functools.partial(_summed_before, seen=shares[-1], summed=summed))
+                             for m in head_sums]
+                    try:
+                        total = total + torch.func.functional_call(call.module, held, tuple(args), call.kwargs)
+                    except Exception as e:  # (shapes that do not divide: a part that needs another rank's heads)
+                        return name, f"on one rank's share: {type(e).__name__}: {' '.join(str(e).split())[:200]}"
+                    finally:
+                        for hook in hooks:
+                            hook.remove()
+                summed = [sum(parts) for parts in zip(*shares)]
         if not (total - expected).norm() <= 1e-4 * expected.norm():
             return name, "the shares' outputs do not sum to its whole output"
     return None
+
+def _summed_before(module: nn.Module, args: tuple, out: Tensor, seen: list, summed: list) -> Tensor:
+    """A SumOverHeads output in region_that_mixes_ranks: this rank's share, noted; handed on as every rank's sum
+    where the run before found it."""
+    seen.append(out)
+    return summed[len(seen) - 1] if len(seen) <= len(summed) else out
 
 # ----------------------------------------------------------------------------------------------------
 # Pipeline parallelism: GPipe's all-forwards-then-all-backwards (Huang et al. 2019) and one-forward-one-backward

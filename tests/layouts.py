@@ -25,24 +25,8 @@ class BlockWithAttentionGate(train_gpt.Block):
         super().__init__(*args)
         self.attn_gate = nn.Parameter(torch.tensor(0.7)) if self.attn is not None else None
 
-    def forward(self, x, skip, ve, x0, mask, gates, bigram=None, attend_over=None, dense=None,
-                **for_attention):  # (a GPT's for attention)
-        if skip is not None:
-            x = x + torch.sigmoid(self.skip_gate) * gates.get("skip", 1.0) * skip
-        dense_value = None
-        if dense is not None:
-            dense_value = self.mix(gates.get("dense_value"), [*dense, x])
-            x = x + self.mix(gates["dense"], [*dense, x])
-        if self.attn is not None:
-            read = norm(x if attend_over is None else attend_over)
-            out = self.attn_gate * self.attn(read, self.value_input(read, ve, gates, dense_value), mask,
-                                             gates.get("xsa"), gates.get("output_gate"), **for_attention)
-            residual, output = self.scales("attn_scales", gates)
-            x = residual * x + output * out + self.share("x0", gates) * x0
-            if bigram is not None and self.bigram_joins == "output":
-                x = x + self.share("bigram", gates) * bigram
-        residual, output = self.scales("mlp_scales", gates)
-        return residual * x + output * self.mlp(norm(x))
+    def attend(self, *args, **for_attention):
+        return self.attn_gate * super().attend(*args, **for_attention)
 
 
 class GatedMLP(train_gpt.MLP):
@@ -93,12 +77,13 @@ class AttentionWithHeadTemperature(train_gpt.CausalSelfAttention):
         super().__init__(dim, num_heads, head_dim, *args)
         self.head_temperature = nn.Parameter(torch.linspace(0.8, 1.2, num_heads))
 
-    def forward(self, x, ve, mask, xsa=None, output_gate=None):  # (a fork from before XSA and output gates)
+    def forward(self, x, ve, mask, xsa=None, output_gate=None, *composition):  # (a fork ignoring XSA and gates)
         q, k, v = self.project(x)
         B, T = q.size(0), q.size(1)
         q, k = self.rotary(norm(q), norm(k), self.head_offsets)
         q = q * self.head_temperature[:, None]
-        y = self.attend(q, k, self.values(v, ve), mask)
+        v = self.values(v, ve)
+        y = self.compose(self.attend(q, k, v, mask), q, k, v, *composition)
         return self.c_proj(y.contiguous().view(B, T, -1))
 
 
@@ -151,11 +136,12 @@ class AttentionWithUnplacedMatrix(train_gpt.CausalSelfAttention):
         super().__init__(dim, *args)
         self.mix = CastedLinear(dim, dim)
 
-    def forward(self, x, ve, mask, xsa=None, output_gate=None):
+    def forward(self, x, ve, mask, xsa=None, output_gate=None, *composition):
         q, k, v = self.project(x)
         B, T = q.size(0), q.size(1)
         q, k = self.rotary(norm(q), norm(k), self.head_offsets)
-        y = self.attend(q, k, self.values(v, ve), mask)
+        v = self.values(v, ve)
+        y = self.compose(self.attend(q, k, v, mask), q, k, v, *composition)
         return self.c_proj(self.mix(y.contiguous().view(B, T, -1)))
 
 
@@ -171,8 +157,8 @@ def stretch_rotary(rotary: train_gpt.Rotary, factor: float) -> None:
 
 
 class AttentionWithInputScale(AttentionWithHeadTemperature):
-    def forward(self, x, ve, mask, xsa=None, output_gate=None, scale=1.0):
-        return super().forward(x * scale, ve, mask)
+    def forward(self, x, ve, mask, *gates, scale=1.0):
+        return super().forward(x * scale, ve, mask, *gates)
 
 
 class BlockWithSecondStream(BlockWithAttentionGate):
@@ -256,21 +242,21 @@ def attend_in_pairs(attention: train_gpt.CausalSelfAttention, q, k, v, ve, mask)
 
 
 class AttentionInPairs(train_gpt.CausalSelfAttention):
-    def __init__(self, dim, num_heads, head_dim, key_offset, zero_out, paired):  # (its own pairs, in every layer)
+    def __init__(self, dim, num_heads, head_dim, key_offset, zero_out, *kinds):  # (its own pairs, in every layer)
         super().__init__(dim, num_heads, head_dim, key_offset, zero_out)
 
-    def forward(self, x, ve, mask, xsa=None, output_gate=None):
+    def forward(self, x, ve, mask, *gates):  # (a fork ignoring XSA, output gates and DC-MHA)
         return attend_in_pairs(self, *self.project(x), ve, mask)
 
 
 class AttentionInPairsFromBank(train_gpt.CausalSelfAttention):
     """Heads attending in pairs, their q, k, v matrices handed in from the GPT's bank instead of held."""
 
-    def __init__(self, dim, num_heads, head_dim, key_offset, zero_out, paired):  # (its own pairs, in every layer)
+    def __init__(self, dim, num_heads, head_dim, key_offset, zero_out, *kinds):  # (its own pairs, in every layer)
         super().__init__(dim, num_heads, head_dim, key_offset, zero_out)
         del self.qk, self.v
 
-    def forward(self, x, ve, mask, xsa=None, output_gate=None, qkv=None):
+    def forward(self, x, ve, mask, *gates, qkv=None):
         q, k, v = F.linear(x, qkv.flatten(end_dim=-2)).view(*x.shape[:2], 3, -1, self.head_dim).unbind(2)
         return attend_in_pairs(self, q, k, v, ve, mask)
 

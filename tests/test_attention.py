@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from train_gpt import ATTENTION_BLOCK_SIZE as BS
-from train_gpt import EOT_TOKEN, CausalSelfAttention, document_causal_masks
+import train_gpt
+from train_gpt import EOT_TOKEN, CausalSelfAttention, banded_mask, document_causal_masks
 
 
 def sequence_with_documents(starts, length, seed=0):
@@ -141,3 +142,33 @@ def test_paired_heads_attend_as_written_out_by_hand(window):
         unpaired = attn(x, None, document_causal_masks(seq, windows)[0].dense())[0]
     assert (unpaired - expected).norm() > 0.1 * expected.norm()
 
+
+
+def composition_by_hand(q, k, v, mix, seq, window):
+    """DC-MHA's post-softmax composition written out in float64 over the whole sequence: sum_s a(t, s) v_h(s), with
+    a(t, s) = sum_g mix[t, g] softmax_s(scale q_g(t) . k_g(s)) over the keys s of t's document, 0 <= t - s < window."""
+    docs = (seq == EOT_TOKEN).cumsum(0)
+    pos = torch.arange(len(seq))
+    gap = pos[:, None] - pos[None, :]
+    seen = (gap >= 0) & (gap < window) & (docs[:, None] == docs[None, :])
+    scores = torch.einsum("thd,shd->hts", q[0], k[0]).masked_fill(~seen, float("-inf"))
+    a = torch.einsum("th,hts->ts", mix[0], scores.softmax(-1))
+    return torch.einsum("ts,shd->thd", a, v[0])[None]
+
+
+def test_composition_over_chunks_equals_the_whole_sequence_written_out():
+    # chunks of 128 queries seeing their chunk and the one before, against the (T, T) formula in fp64; documents start
+    # mid-chunk and on a chunk's edge, and a window reaching back across a chunk's edge
+    torch.manual_seed(0)
+    seq = sequence_with_documents([0, 50, 128, 129, 300], 3 * BS)
+    attn = CausalSelfAttention(dim=24, num_heads=3, head_dim=8, composed=True).double()
+    q, k, v = (torch.randn(1, len(seq), 3, 8, dtype=torch.float64) for _ in range(3))
+    mix = torch.randn(1, len(seq), 3, dtype=torch.float64)
+    mask = banded_mask(seq, train_gpt.DC_WINDOW)
+    with torch.no_grad():
+        got = attn.composition(q, k, v, mix, mask)
+    scale = attn.rotary.attention_scale.double()
+    expected = composition_by_hand(q * scale, k, v, mix, seq, train_gpt.DC_WINDOW)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-6)  # (it scores in float32)
+    # what it composes is more than each token's own value: the window's earlier keys move it
+    assert (expected - composition_by_hand(q * scale, k, v, mix, seq, 1)).norm() > 0.1 * expected.norm()

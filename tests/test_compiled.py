@@ -72,13 +72,16 @@ def test_the_model_compiles_once_across_the_window_schedule_with_no_graph_break(
 
 def test_the_compiled_model_gives_the_eager_loss_and_gradients(compiled_over_the_schedule):
     # the same fp32 math, fused apart: within 1e-5 of the loss and 1e-4 of each gradient's norm, summed over the
-    # four windows (measured up to 2e-6 and 2e-5)
+    # four windows (measured up to 2e-6 and 2e-5); a scalar's gradient, a sum over every position, can nearly cancel
+    # (a paired layer's value scale here: 0.5% of the others', 1e-4 off in eager fp32 against fp64), so scalars are
+    # held within 1e-4 of the largest scalar gradient
     run = compiled_over_the_schedule
     for compiled_loss, eager_loss in run["losses"]:
         assert compiled_loss == pytest.approx(eager_loss.item(), rel=1e-5)
+    scalars = max(p.grad.abs().item() for p in run["eager"].parameters() if p.numel() == 1)
     for (name, p), q in zip(run["eager"].named_parameters(), run["compiled"].parameters()):
         assert p.grad.norm() > 0, name
-        assert (q.grad - p.grad).norm() <= 1e-4 * p.grad.norm(), name
+        assert (q.grad - p.grad).norm() <= 1e-4 * (scalars if p.numel() == 1 else p.grad.norm()), name
 
 
 def test_the_fp8_head_runs_inside_the_compiled_model(compiled_over_the_schedule):

@@ -76,7 +76,7 @@ def bigram_by_the_formula(model, tokens):
 
 
 def logits_by_the_formulas(model, tokens, window, backout=True, attend_over=True, smear=True, value_gates=True,
-                           xsa=True, output_gates=True, bigram=True, dense=True, dense_head=True):
+                           xsa=True, output_gates=True, bigram=True, dense=True, dense_head=True, composition=True):
     """#89's residual stream spelled out, each block's attention and MLP taken as they are: the previous token's
     embedding smeared in, gate networks' coefficients for the layers from theirs to the next one's, the gated skip
     into its layer's input, attention over the kept layer's output after it with a value embedding gated per head,
@@ -84,7 +84,8 @@ def logits_by_the_formulas(model, tokens, window, backout=True, attend_over=True
     the head; with MUDD, the last layer's input and values take in the first layer's input, the attended layer's
     output and the layer's own input, its value gate per half of the heads, its scales and shares per token (x0's
     of the first layer's input), and the head's input the first layer's input, the attended layer's output, the
-    last layer's input, the first value embedding and the skip's source (backout in it)."""
+    last layer's input, the first value embedding and the skip's source (backout in it); a composed layer's
+    attention takes DC-MHA's mix of heads, normed over them (eps 1e-6, #89's), and its weights."""
     masks = model.attention_masks(tokens[:-1], window)
     embeddings = model.embed(tokens[:-1])
     embed = norm((smeared_by_the_formula(model, embeddings) if smear else embeddings)[None])
@@ -115,8 +116,10 @@ def logits_by_the_formulas(model, tokens, window, backout=True, attend_over=True
                     lanes_by_the_formula(gates["value_gate"], ve, block.attn.head_dim)
             if dense_value is not None and dense:
                 ve = dense_value if ve is None else ve + dense_value
+            dc = [torch.nn.functional.rms_norm(gates["dc_mix"], (gates["dc_mix"].size(-1),), eps=1e-6),
+                  gates["dc_weight"], masks["banded"]] if "dc_mix" in gates and composition else []
             out = block.attn(read, ve, masks[model.mask_keys[i]], gates.get("xsa") if xsa else None,
-                             gates.get("output_gate") if output_gates else None)
+                             gates.get("output_gate") if output_gates else None, *dc)
             residual, output = gates["attn_scales"].split(1, -1) if "attn_scales" in gates else block.attn_scales
             x = residual * x + output * out + gates["x0"] * (outputs[-1] if i == model.dense_layer else x0)
             if i > 0:
@@ -153,7 +156,7 @@ def test_the_layer_stack_computes_the_formulas_of_record_89(mudd):
         # value embeddings ungated, without XSA or without the output gates
         changes = [dict(dense=False), dict(dense_head=False)] if mudd else [dict(backout=False)]
         for change in changes + [dict(attend_over=False), dict(smear=False), dict(value_gates=False), dict(xsa=False),
-                                 dict(output_gates=False), dict(bigram=False)]:
+                                 dict(output_gates=False), dict(bigram=False), dict(composition=False)]:
             changed = logits_by_the_formulas(model, tokens, window, **change)
             assert (changed - expected).abs().max() > 1e-3 * spread, change
     assert (logits - expected).abs().max() <= 1e-5 * spread  # the same float32 ops: rounding only
@@ -163,7 +166,8 @@ def test_each_learned_scale_starts_where_record_89_starts_it():
     args = train_gpt.parse_args(["--preset", "tiny"], cuda=False)
     model = train_gpt.build_model(args, torch.device("cpu"))
     # each gate network's coefficients: x0's share 0, the skip's gate 0.5, XSA's strength 0 (tanh 0: none), the
-    # output gates 0.25, as #89 starts them, whatever the token (W2 starts at zero)
+    # output gates 0.25, DC-MHA's mix 1 and its weight 0 (none), as #89 starts them, whatever the token (W2 starts at
+    # zero)
     tokens = torch.randint(0, args.vocab_size, (train_gpt.context_length(args),),
                            generator=torch.Generator().manual_seed(4))
     stream = model.embed_tokens(tokens)
@@ -172,7 +176,7 @@ def test_each_learned_scale_starts_where_record_89_starts_it():
     assert first["1"].keys() == {"x0", "bigram", "xsa"}
     later = model.gate_networks["2"](torch.randn_like(stream["x"]))
     assert later.keys() == {"2", "3", "4", "5"} and later["4"].keys() == {"skip"}
-    starts = dict(x0=0.0, bigram=0.05, skip=0.5, xsa=0.0, output_gate=0.25)
+    starts = dict(x0=0.0, bigram=0.05, skip=0.5, xsa=0.0, output_gate=0.25, dc_mix=1.0, dc_weight=0.0)
     for coefficients in (*first.values(), *later.values()):
         for name, value in coefficients.items():
             assert torch.allclose(value, torch.full_like(value, starts[name]), rtol=1e-6, atol=0), name
@@ -189,7 +193,8 @@ def test_each_learned_scale_starts_where_record_89_starts_it():
     # 0.5 / (1 + e^1.5), and x0's and the bigram embedding's shares learned scalars starting at 0 and 0.05
     static = train_gpt.build_model(train_gpt.parse_args(["--preset", "tiny", "--gate_network_layers", "",
                                                          "--xsa_layers", "", "--output_gate_layers", "",
-                                                         "--mudd", "false"], cuda=False), torch.device("cpu"))
+                                                         "--dc_layers", "", "--mudd", "false"], cuda=False),
+                                   torch.device("cpu"))
     assert static.backout.item() == -0.5 and not static.dense_networks  # (without MUDD: a learned scalar)
     assert not static.gate_networks and static.blocks[0].shares["x0"].item() == 0.0
     assert static.blocks[0].shares["bigram"].item() == pytest.approx(0.05) and "bigram" not in static.blocks[4].shares
@@ -425,7 +430,7 @@ def test_the_record_gate_networks_serve_record_89s_layers():
     """#89's two networks: at the embedding, for layers 0-3 (x0's and the bigram embedding's shares in each, XSA in 1
     and 3, output gates in 3), and at layer 4's input, for 4-10 (those shares in each layer with attention, the
     skip's gate into 6, XSA in 4 and 7, output gates in 10): by hand 4 x 2 + 2 x 6 + 6 = 26 coefficients, #89's, and
-    5 x 2 + 1 + 2 x 6 + 6 = 29 (#89's 41 add DC-MHA's 12 weights, not here yet); layer 10's two shares come from
+    5 x 2 + 1 + 2 x 6 + 6 + 2 x 6 = 41 with DC-MHA's two weights a head in 10; layer 10's two shares come from
     MUDD's network at its input, with its 14 (#89's), and the head's takes 5."""
     args = train_gpt.parse_args(["--preset", "record"], cuda=False)
     model = train_gpt.build_model(args, torch.device("meta"))
@@ -434,8 +439,8 @@ def test_the_record_gate_networks_serve_record_89s_layers():
     shares = dict(x0=1, bigram=1)
     assert widths == {"0": {0: shares, 1: dict(**shares, xsa=6), 2: shares, 3: dict(**shares, xsa=6, output_gate=6)},
                       "4": {4: dict(**shares, xsa=6), 5: shares, 6: dict(skip=1), 7: dict(**shares, xsa=6),
-                            8: shares, 9: shares, 10: dict(output_gate=6)}}
-    assert [network.bias.numel() for network in model.gate_networks.values()] == [26, 29]
+                            8: shares, 9: shares, 10: dict(output_gate=6, dc_mix=6, dc_weight=6)}}
+    assert [network.bias.numel() for network in model.gate_networks.values()] == [26, 41]
     assert [network.bias.numel() for network in model.dense_networks.values()] == [14, 5]  # #89's mudd_b2 rows
     assert list(model.dense_networks) == ["10", "head"] and model.dense_sources == (-1, 7)
     assert model.head_sources == ("layer-1", "layer7", "layer9", "ve1", "layer3")
