@@ -816,8 +816,9 @@ class GPT(nn.Module):
     skip carries one layer's output to a later layer's input (#32, #45, #55), the layers after a chosen one attend
     over its output (#73, #77), and the head's input takes a learned share of that output back out ("backout",
     starting at -0.5). Gate networks, each reading the stream where it enters a layer, give per-token coefficients
-    to that layer and those up to the next network's (#85): x0's share, the skip's gate, XSA's strength (#82) and
-    per-head output gates (#28, #85) where those are on. A bigram hash embedding (#62, #83) joins the first layer's
+    to that layer and those up to the next network's (#85): x0's share, the skip's gate, XSA's strength (#82),
+    per-head output gates (#28, #85) and DC-MHA's mix of heads and its weights (#85) where those are on. Some
+    layers' heads attend in pairs (#58). A bigram hash embedding (#62, #83) joins the first layer's
     input and each later attention layer's output. With MUDD (#40, #81, #85), networks of the same kind make the
     last layer's scalars per token and mix earlier states into its input and values, and into the head's input (the
     backout among them). The stream (a dict of tensors) goes from the embedding through each block to the head;
@@ -925,10 +926,10 @@ class GPT(nn.Module):
             return stream
         return self.head_loss(self.stream_leaves(stream), target_seq)
 
-    def attention_masks(self, input_seq: Tensor, windows: Tensor) -> dict[str, BlockMask | Tensor]:
-        """The short and the long window's masks (windows: their tokens), and where heads are paired, theirs over
-        the interleaved sequence: FlexAttention's block masks on CUDA; elsewhere the dense twin (FlexAttention has no
-        CPU backward)."""
+    def attention_masks(self, input_seq: Tensor, windows: Tensor) -> dict[tuple[str, int] | str, BlockMask | Tensor]:
+        """The short and the long window's masks (windows: their tokens), by window and places a token (paired
+        heads': 2), FlexAttention's block masks on CUDA, elsewhere the dense twin (FlexAttention has no CPU
+        backward); and where a layer composes its heads, the banded mask of DC-MHA's window."""
         masks = {}
         for places in sorted({places for _, places in self.mask_keys}):
             masks.update({(letter, places): mask.flex() if input_seq.is_cuda else mask.dense() for letter, mask
@@ -1340,7 +1341,8 @@ PRESETS = {
     # 0.008 above the linear growth it replaced on seed 0), and not #89's staged batch (the first third at 128-token
     # sequences: 12% less time, 0.076 higher), its key offset (one seed 0.011 lower, one unchanged) or its head tied to
     # the embedding until two thirds of the run (0.029 higher) or its random attention output (#64: one seed 0.013
-    # lower, the other 0.021 higher), and #89's MUDD (0.005 lower, both seeds); 220 steps:
+    # lower, the other 0.021 higher), and #89's MUDD (0.005 lower, both seeds); not yet tried: paired heads (#58);
+    # DC-MHA's weights come from gate networks, which the preset has none of; 220 steps:
     # record #2's training time on the same machine (CPU record #3). records/ABLATIONS.md.
     "cpu": dict(train_files="data/shakespeare/shakespeare_train_*.bin",
                 val_files="data/shakespeare/shakespeare_val_*.bin",
@@ -1356,7 +1358,8 @@ PRESETS = {
                 lr_final=0.1, val_loss_every=46, target_val_loss=5.15, fp64_grad_sum=True, tied_stages=0,
                 doc_max_tokens="0", stage_lr="1", optimizer_recipe="23", adam_every=1,  # a stream: 38 whole plays
                 save_every=220),  # (to sample from)
-    # seconds, for tests and smoke runs (record #23's soft cap and head lr, which learn visibly in 20 steps, and its
+    # seconds, for tests and smoke runs (4 heads, so that paired heads' two pairs split over two tensor-parallel ranks;
+    # record #23's soft cap and head lr, which learn visibly in 20 steps, and its
     # zero attention output: with #89's uniform one, the jittered noise floor the layout tests measure falls below
     # what tensor parallelism's other order of sums moves some forks' tensors, 2.4e-4 of a norm, in 3 steps)
     "tiny": dict(train_files="data/shakespeare/shakespeare_train_*.bin",
@@ -4059,7 +4062,8 @@ def tensor_parallelize(model: GPT, tp: Axis, args: Hyperparameters, trace: Model
     for call in regions.values():
         for name, dim in per_head_buffers(call.module, args.num_heads).items():
             buffer = getattr(call.module, name)
-            setattr(call.module, name, TensorParallelSlice(dim, buffer.size(dim), tp, head_runs(call.module)).cut(buffer))
+            how = TensorParallelSlice(dim, buffer.size(dim), tp, head_runs(call.module))
+            setattr(call.module, name, how.cut(buffer))
     seq_len = [0]  # of the forward under way (a later pipeline stage receives shards: the tokens tell the length)
     model.register_forward_pre_hook(lambda module, args: seq_len.__setitem__(0, len(args[0])))
     for name, call in regions.items():
@@ -4269,7 +4273,8 @@ def refuse_mixing_across_ranks(model: GPT, trace: ModelTrace, regions: dict, spl
     region, why = failure
     raise UserError(f"tensor parallelism: {region} does not split into {tp} ranks' shares of its "
                     f"{split_by(regions[region].module)} ({why}): it mixes what they hold, and what mixes must stay on "
-                    "one rank; " + (f"use --tp {' or '.join(map(str, works))}, which keep{'s' * (len(works) == 1)} it apart" if works else
+                    "one rank; " + (f"use --tp {' or '.join(map(str, works))}, which keep"
+                                    f"{'s' * (len(works) == 1)} it apart" if works else
                                     "no --tp above 1 keeps it apart: train without --tp"))
 
 def region_that_mixes_ranks(trace: ModelTrace, regions: dict, splits: dict, tp: int, num_heads: int,

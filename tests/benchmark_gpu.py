@@ -39,7 +39,8 @@ def model_flops_per_token(args: train_gpt.Hyperparameters, windows: tuple[int, i
     matmul_weights = (len(attention_layers) * 4 * hdim * d + args.num_layers * 8 * d * d
                       + train_gpt.next_multiple_of_n(args.vocab_size, n=128) * d)
     paired = train_gpt.layer_indices(args, "paired_head_layers")
-    keys = sum(min(windows["SL".index(args.window_pattern[i])], seq_len * (1 + (i in paired))) for i in attention_layers)
+    keys = sum(min(windows["SL".index(args.window_pattern[i])], seq_len * (1 + (i in paired)))
+               for i in attention_layers)
     return 6 * matmul_weights + 12 * keys * hdim
 
 

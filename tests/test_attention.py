@@ -126,7 +126,8 @@ def paired_attention_by_hand(attn, x, seq, window):
 
 @pytest.mark.parametrize("window", [1, 2, 5, 100])
 def test_paired_heads_attend_as_written_out_by_hand(window):
-    # fp64 both (but the module's rotary): the module (its dense twin's mask) against the formula; the unpaired module must differ from it
+    # fp64 both (but the module's rotary): the module (its dense twin's mask) against the formula; the unpaired
+    # module must differ from it
     # (window 0 would not tell them apart: each place sees only itself, its own head's key)
     torch.manual_seed(window)
     seq = sequence_with_documents([0, 40, 41, 150], 2 * BS)
