@@ -391,7 +391,8 @@ def document_causal_masks(input_seq: Tensor, windows: Tensor, places: int = 1) -
     """The short and the long window's masks for one sequence (windows: (2,) int32, their tokens); documents start
     at EOT_TOKEN. places 2: over the sequence paired heads attend over, each token in two places (2t, 2t + 1), the
     window counted in places."""
-    docs = (input_seq == EOT_TOKEN).cumsum(0).repeat_interleave(places)
+    docs = (input_seq == EOT_TOKEN).cumsum(0)
+    docs = docs.repeat_interleave(places) if places > 1 else docs
     nb, bs = len(docs) // ATTENTION_BLOCK_SIZE, ATTENTION_BLOCK_SIZE
     block = torch.arange(nb, dtype=torch.int32, device=input_seq.device)
     docs_low = docs.view(nb, bs)[:, 0].contiguous()
@@ -4060,10 +4061,8 @@ def tensor_parallelize(model: GPT, tp: Axis, args: Hyperparameters, trace: Model
     for p, (dim, runs) in splits.items():
         split_parameter(model, p, dim, runs, tp)
     for call in regions.values():
-        for name, dim in per_head_buffers(call.module, args.num_heads).items():
-            buffer = getattr(call.module, name)
-            how = TensorParallelSlice(dim, buffer.size(dim), tp, head_runs(call.module))
-            setattr(call.module, name, how.cut(buffer))
+        for name, part in per_head_buffer_parts(call.module, args.num_heads, tp).items():
+            setattr(call.module, name, part)
     seq_len = [0]  # of the forward under way (a later pipeline stage receives shards: the tokens tell the length)
     model.register_forward_pre_hook(lambda module, args: seq_len.__setitem__(0, len(args[0])))
     for name, call in regions.items():
@@ -4116,12 +4115,13 @@ def head_runs(module: nn.Module) -> int:
     groups spread over the head count (`head_groups`: paired heads, h with h + H/2) keeps each group on one rank."""
     return getattr(module, "head_groups", 1) if split_by(module) == "heads" else 1
 
-def per_head_buffers(module: nn.Module, num_heads: int) -> dict[str, int]:
-    """The buffers a region split by heads holds itself with a dim of the head count (paired heads' rotation
-    offsets), each by that dim: split with the heads. Its submodules' (the rotary's frequencies) are per dim."""
+def per_head_buffer_parts(module: nn.Module, num_heads: int, tp: Axis) -> dict[str, Tensor]:
+    """This rank's part of each buffer a region split by heads holds itself with a dim of the head count (paired
+    heads' rotation offsets), split with the heads. Its submodules' (the rotary's frequencies) are per dim."""
     if split_by(module) != "heads":
         return {}
-    return {name: b.shape.index(num_heads) for name, b in module.named_buffers(recurse=False) if num_heads in b.shape}
+    return {name: TensorParallelSlice(b.shape.index(num_heads), num_heads, tp, head_runs(module)).cut(b)
+            for name, b in module.named_buffers(recurse=False) if num_heads in b.shape}
 
 def region_of(modules: tuple, regions: dict) -> str | None:
     """The innermost tensor-parallel region among these module calls."""
@@ -4288,6 +4288,7 @@ def region_that_mixes_ranks(trace: ModelTrace, regions: dict, splits: dict, tp: 
         params = {k: p.detach() if p.any() else torch.randn(p.shape, generator=stand_ins).to(p) * 0.02
                   for k, p in call.module.named_parameters()}
         head_sums, summed = [m for m in call.module.modules() if isinstance(m, SumOverHeads)], []
+        runs = head_runs(call.module)
         with torch.no_grad():
             expected = torch.func.functional_call(call.module, params, call.args, call.kwargs)
             for _ in range(len(head_sums) + 1):
@@ -4296,9 +4297,7 @@ def region_that_mixes_ranks(trace: ModelTrace, regions: dict, splits: dict, tp: 
                     axis = Axis(r, tp, None, tuple(range(tp)))
                     held = {k: TensorParallelSlice(splits[p][0], p.size(splits[p][0]), axis, splits[p][1]).cut(
                         params[k]) if p in splits else params[k] for k, p in call.module.named_parameters()}
-                    runs = head_runs(call.module)
-                    held.update({k: TensorParallelSlice(dim, b.size(dim), axis, runs).cut(b) for k, dim in
-                                 per_head_buffers(call.module, num_heads).items() for b in [getattr(call.module, k)]})
+                    held.update(per_head_buffer_parts(call.module, num_heads, axis))
                     args = [TensorParallelSlice(t.ndim - 1, t.size(-1), axis, runs).cut(t) if i in by_heads else t
                             for i, t in enumerate(call.args)]
                     shares.append([])
