@@ -2329,7 +2329,8 @@ class RankWatchdog:
         # gloo and NCCL report a lost peer as RuntimeError (or its subclass DistError)
         if isinstance(error, RuntimeError) and self.ctx.world_size > 1:
             cause = str(error).split("] ", 1)[-1].split(". ")[0]  # (after the source location gloo puts first)
-            message = self._report(f"saw a collective fail in step {self.step + 1} ({' '.join(cause.split())[:120]})")
+            message = self._report(f"saw a collective fail in step {self.step + 1} ({' '.join(cause.split())[:120]})",
+                                   self._roll_call())
             if message:
                 raise RunEnded(message, EXIT_LOST) from None
 
@@ -2339,16 +2340,21 @@ class RankWatchdog:
 
     def _watch(self) -> None:
         while not self.done.wait(min(1.0, self.timeout_s / 10)):
-            if self.armed and time.monotonic() - self.beat_at > self.timeout_s:
-                message = self._report(f"waited {self.timeout_s:g} s in a collective in step {self.step + 1} "
-                                       "(--collective_timeout)")
+            step, beat_at = self.step, self.beat_at
+            if self.armed and time.monotonic() - beat_at > self.timeout_s:
+                lost = self._roll_call()
+                if self.beat_at != beat_at:  # the step ended during the roll call: a slow step on a busy machine
+                    continue
+                message = self._report(f"waited {self.timeout_s:g} s in a collective in step {step + 1} "
+                                       "(--collective_timeout)", lost)
                 if message:
                     print_if_possible(message, sys.stderr)
                     os._exit(EXIT_LOST)  # (the main thread waits inside a collective: it is writing nothing)
                 self.beat_at = time.monotonic()  # every rank answered: a slow step, not a lost rank
 
-    def _report(self, what: str) -> str | None:
-        lost = self._roll_call()
+    def _report(self, what: str, lost: list[int] | None) -> str | None:
+        """The run's last line and message when ranks were lost (`lost`: those missing the roll call; None: no store
+        to call them in); None when every rank answered."""
         if lost == []:
             return None
         who = "another rank stopped answering" if self.ctx.store is None else \
