@@ -1242,8 +1242,8 @@ class Hyperparameters:
     window_blocks: str = flag("1:3,3:7,5:11,6:13", "the short and long sliding windows in 128-token blocks in each "
                               "third of the scheduled steps, then in the extension (#89's); YaRN stretches the rotary "
                               "at each change of the long one (#31)")
-    final_window_blocks: int = flag(20, "blocks: the long window of the final validation, the rotary as the last "
-                                        "stage left it (#89's)")
+    final_window_blocks: float = flag(20.0, "blocks: the long window of the final validation (a fraction: that share "
+                                            "of a block's tokens), the rotary as the last stage left it (#89's)")
     fp8_head: bool = flag(True, "FP8 matmul for the head in training")
     num_iterations: int = flag(1285, "optimizer steps", "optimizer and schedule")
     extension_steps: int = flag(15, "the last of the steps, after the schedule's three stages and cooldown: at "
@@ -1489,6 +1489,8 @@ def check_hyperparameters(args: Hyperparameters) -> None:
     need(args.extension_steps < args.num_iterations, f"{flag_value(args, 'extension_steps')} must be below "
          f"{flag_value(args, 'num_iterations')}: the extension follows the scheduled steps")
     stage_windows(args)
+    need(1 <= final_window(args) < 2**31, f"--final_window_blocks {args.final_window_blocks:g} must be a token or more "
+         f"({ATTENTION_BLOCK_SIZE}-token blocks) and below 2**31 tokens")
     need(args.muon_beta2 < 1, f"--muon_beta2 must be in [0, 1), got {args.muon_beta2}")
     need(EOT_TOKEN < args.vocab_size <= 2**16, f"--vocab_size {args.vocab_size} must be above {EOT_TOKEN}, the "
          "end-of-text token that starts every document, and fit the uint16 token shards")
@@ -1650,7 +1652,11 @@ def window_tokens(step: int, args: Hyperparameters) -> tuple[int, int]:
     """The short and long sliding windows at `step`, in tokens: its stage's; at the final validation (step
     num_iterations) the long one is final_window_blocks."""
     short, long = stage_windows(args)[training_stage(step, args)[0]]
-    return short, long if step < args.num_iterations else args.final_window_blocks * ATTENTION_BLOCK_SIZE
+    return short, long if step < args.num_iterations else final_window(args)
+
+def final_window(args: Hyperparameters) -> int:
+    """--final_window_blocks in tokens."""
+    return round(args.final_window_blocks * ATTENTION_BLOCK_SIZE)
 
 def long_windows_so_far(step: int, args: Hyperparameters) -> tuple[int, ...]:
     """The long window of each stage up to `step`'s: what YaRN has stretched the rotary for (GPT.stretch_rotary)."""

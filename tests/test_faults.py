@@ -224,7 +224,7 @@ def test_checkpoints_are_counted_not_listed_for_the_room_check(tmp_path, monkeyp
 
 @pytest.mark.parametrize("extra, words", [
     (["--final_window_blocks", "1000000000000000000"],
-     "--final_window_blocks must be a whole number > 0 and below 2**31"),
+     "--final_window_blocks 1e+18 must be a token or more (128-token blocks) and below 2**31 tokens"),
     (["--model_dim", "1048576", "--num_heads", "8192", "--head_dim", "128"],
      "need at least"),
 ])
