@@ -112,8 +112,8 @@ def test_heads_attending_in_pairs_train_under_data_zero_and_pipeline_layouts(lay
 
 
 def test_heads_attending_in_pairs_are_refused_by_tensor_parallelism_naming_the_tp_that_works(layout_files):
-    # the tiny model's two heads form one pair: no --tp above 1 keeps it on one rank (with 4 heads, --tp 2 would
-    # split each pair too: heads j and j + 2 pair, and ranks hold consecutive heads)
+    # the fork pairs heads j and j + 2 of the tiny model's 4 and gives no runs to cut alike (head_groups), so ranks
+    # holding consecutive heads split every pair: no --tp above 1 keeps them apart
     with pytest.raises(train_gpt.UserError, match=r"tensor parallelism: blocks\.0\.attn does not split into 2 "
                                                   r"ranks' shares of its heads .* no --tp above 1 keeps it apart"):
         build_edited(layout_files, "heads_in_pairs", tp=2)
