@@ -865,7 +865,8 @@ class GPT(nn.Module):
         starts = sorted(gate_network_layers) + [num_layers]  # a network serves its layer up to the next one's
         self.blocks = nn.ModuleList([Block(model_dim, num_heads, head_dim,
                                            i not in layers_without_attention, skip is not None and i == skip[1],
-                                           str(i) in self.value_embeds, key_offset and window_pattern[i] == "L",
+                                           str(i) in self.value_embeds,
+                                           key_offset and window_pattern[i] == "L" and i not in paired_head_layers,
                                            i >= starts[0], i in xsa_layers, i in output_gate_layers,
                                            None if not bigram_rows else "input" if i == 0 else
                                            "output" if i not in layers_without_attention else None,
@@ -1235,8 +1236,8 @@ class Hyperparameters:
                             "layer's input, the first value embedding and the skip's source (the backout folded in)")
     zero_attn_out: bool = flag(False, "attention's output projection starts at zero, so each block starts as the "
                                       "identity (#23's); false: uniform as the other matrices (#89's, #64)")
-    key_offset: bool = flag(True, "in the long-window layers, each key's unrotated dims are the previous token's "
-                                  "(#49)")
+    key_offset: bool = flag(True, "in the long-window layers whose heads are not paired, each key's unrotated dims "
+                                  "are the previous token's (#49, as #89 keeps them apart)")
     soft_cap: str = flag(",".join(f"{term:g}" for term in RECORD_SOFT_CAP), "the logits' soft cap C,S,D: C x "
                          "sigmoid((logits + S) / D) (#89's, #54; record #23's was 30,0,7.5 x the root of the width)")
     window_blocks: str = flag("1:3,3:7,5:11,6:13", "the short and long sliding windows in 128-token blocks in each "
@@ -1629,11 +1630,12 @@ def batch_shape(step: int, args: Hyperparameters) -> tuple[int, int]:
 
 def lr_multiplier(step: int, args: Hyperparameters) -> float:
     """The stage's multiplier (#46), then linear from it to lr_final over the final cooldown_frac of the scheduled
-    steps; lr_final in the extension."""
-    stage, x = training_stage(step, args)[0], min(step / (args.num_iterations - args.extension_steps), 1.0)
-    stage_lr = per_stage(args, "stage_lr")[min(stage, 2)]
-    w = min((1 - x) / args.cooldown_frac, 1.0) if args.cooldown_frac else float(x < 1)
-    return w * stage_lr + (1 - w) * args.lr_final
+    steps, from the whole step where that starts (#89's); lr_final in the extension."""
+    scheduled = args.num_iterations - args.extension_steps
+    stage_lr = per_stage(args, "stage_lr")[min(training_stage(step, args)[0], 2)]
+    start = int(scheduled * (1 - args.cooldown_frac))
+    t = min(max(step - start, 0) / (scheduled - start), 1.0) if start < scheduled else float(step >= scheduled)
+    return (1 - t) * stage_lr + t * args.lr_final
 
 def stage_windows(args: Hyperparameters) -> list[tuple[int, int]]:
     """--window_blocks: each stage's short and long window, in tokens."""

@@ -330,6 +330,10 @@ def test_the_key_offset_gives_each_key_the_previous_tokens_unrotated_dims():
     args = train_gpt.parse_args(["--preset", "record"], cuda=False)
     model = train_gpt.build_model(args, torch.device("meta"))  # the record: in its long-window layers, 3 and 10
     assert [i for i, block in enumerate(model.blocks) if block.attn is not None and block.attn.key_offset] == [3, 10]
+    # and, as #89, not where heads attend in pairs, also in a long-window layer
+    args = train_gpt.parse_args(["--preset", "record", "--paired_head_layers", "0,3"], cuda=False)
+    model = train_gpt.build_model(args, torch.device("meta"))
+    assert [i for i, block in enumerate(model.blocks) if block.attn is not None and block.attn.key_offset] == [10]
 
 
 def test_yarn_stretches_the_rotary_and_raises_the_attention_scale_at_each_change_of_the_long_window():

@@ -62,6 +62,11 @@ def test_schedules_at_hand_computed_points():
            (1 - 0.334 / 0.6), 700: 0.5 * 1.73 + 0.5 * 0.15, 1000: 0.15, 1014: 0.15}  # (the extension: 0.15)
     for step, lr in lrs.items():
         assert train_gpt.lr_multiplier(step, args) == pytest.approx(lr), step
+    # as #89's, the cooldown starts at a whole step: 59 scheduled steps fall from step int(59 x 0.4) = 23, halfway at
+    # step 41 (in the third stage, 1.73), not from step 23.6
+    short = train_gpt.Hyperparameters(num_iterations=60, extension_steps=1)
+    assert train_gpt.lr_multiplier(23, short) == pytest.approx(1.52)
+    assert train_gpt.lr_multiplier(41, short) == pytest.approx(0.5 * 1.73 + 0.5 * 0.15)
     # #46's staged batch: 16K-token sequences of documents cut at 896, then 32K and 48K of documents cut at 2048
     shapes = {0: (16384, 896), 332: (16384, 896), 333: (32768, 2048), 666: (32768, 2048), 667: (49152, 2048),
               1014: (49152, 2048)}
