@@ -9,9 +9,12 @@ loss per step, of the validation loss, and of every parameter (||a - b|| / ||b||
 1 and 5. A port is held to 5 times that floor, or to the fixed bounds (loss and validation loss 1%, parameters 2%),
 whichever is larger.
 
-Then this file against #89. The port is landing in steps; until the model is #89's whole, its parameters do not all
-map onto this file's, and that part says so rather than comparing unlike models. Skips with a message when
-../shared/head_cpu is missing. Runs both trainers as subprocesses, two at a time (one thread each).
+Then this file against #89: both start from #89's initial weights (tests/head_weights.py maps its parameter banks
+onto this file's parameters) and train on the same batches (both read the Shakespeare shards as one stream, 8
+sequences a step), this file in this process through train_gpt's own step functions. It prints the next-token loss of
+both at every step, the validation loss, and every parameter after steps 1 and 5 by this file's names, each against
+its tolerance, and exits 1 when one is exceeded. Skips with a message when ../shared/head_cpu is missing. Runs #89 as
+subprocesses, two at a time (one thread each).
 """
 import argparse
 import json
@@ -20,29 +23,38 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-HEAD_CPU = REPO_ROOT.parent / "shared" / "head_cpu"
-GPT2_RANKS = REPO_ROOT / "data" / ".cache" / "gpt2.tiktoken"  # #89's prefix-token table is built from them
+import head_weights
+import train_gpt
+from head_weights import GPT2_RANKS, HEAD_CPU, REPO_ROOT
+
 FIXED_BOUNDS = dict(loss=0.01, val_loss=0.01, parameters=0.02)  # the port's bounds where the floor is smaller
 FLOOR_MULTIPLE = 5
 STATE_STEPS = (1, 5)  # parameters compared after these steps
 # one numerics flag of head_cpu changed: the same math with its FP8 products summed in another order
 NUMERICS = {"emulated FP8": ["--fp8", "emulate"], "scaled_mm FP8": ["--fp8", "scaled_mm"]}
+# #89 as the port is compared with it: as it runs (FP8 head and MLP, emulated), and with no FP8 anywhere against the
+# port's head in bf16, which leaves the math alone (the port has no FP8 MLP); -> the port's --fp8_head
+COMPARED = {"emulated FP8": True, "no FP8": False}
+HEAD_FLAGS = dict(NUMERICS, **{"no FP8": ["--fp8", "off"]})
 
 
 def head_runs(name: str, flags: list[str], steps: int, out: Path) -> list[tuple[list[str], Path]]:
-    """The head_cpu commands for one configuration: the whole run with its losses, and a short one per saved state."""
+    """The head_cpu commands for one configuration: the whole run with its losses, and a short one per saved state
+    (step 0: the initial weights)."""
     base = [sys.executable, str(HEAD_CPU / "run_head_cpu.py"), "--steps", str(steps), "--seed", "0", *flags,
             "--gpt2_ranks", str(GPT2_RANKS), "--log_dir", str(out / "head_logs")]
-    tag = name.replace(" ", "_")
+    tag = tag_of(name)
     runs = [([*base, "--dump_losses", str(out / f"{tag}.json")], out / f"{tag}.log")]
-    for step in STATE_STEPS:
-        runs.append(([*base, "--stop_after", str(step), "--save_step", str(step),
+    for step in (0, *STATE_STEPS):
+        runs.append(([*base, "--stop_after", str(max(step, 1)), "--save_step", str(step),
                       "--save_state", str(out / f"{tag}_step{step}.pt")], out / f"{tag}_step{step}.log"))
     return runs
+
+
+def tag_of(name: str) -> str:
+    return name.replace(" ", "_")
 
 
 def run_two_at_a_time(runs: list[tuple[list[str], Path]]) -> None:
@@ -56,19 +68,18 @@ def run_two_at_a_time(runs: list[tuple[list[str], Path]]) -> None:
                 sys.exit(f"head_cpu failed (exit {proc.returncode}); its output: {log}")
 
 
-def master_weights(path: Path) -> dict[str, torch.Tensor]:
-    """A saved head_cpu state's parameters as fp32: NorMuon's bf16 banks joined with their 16-bit mantissas."""
+def head_state(path: Path) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """A saved head_cpu state's model tensors, the parameters as fp32 (NorMuon's bf16 banks joined with their 16-bit
+    mantissas), and the names of the parameters (the rest are buffers: FP8 scales, the bigram signs, rotary tables)."""
     state = torch.load(path, map_location="cpu", weights_only=False)
-    weights = {}
-    for name, value in state["model"].items():
-        if name not in state["optimizer"]:  # a buffer (FP8 scales, rotary tables), not a parameter
-            continue
-        mantissa = state["optimizer"].get(name, {}).get("mantissa")
-        if mantissa is not None:
-            high = value.view(torch.uint16).numpy().astype(np.uint32) << 16
-            value = torch.from_numpy((high | mantissa.reshape(value.shape).numpy().astype(np.uint32)).view(np.float32))
-        weights[name] = value.float()
-    return weights
+    tensors = head_weights.fp32_masters(state)
+    parameters = set(state["optimizer"])
+    return {name: t.float() if name in parameters else t for name, t in tensors.items()}, parameters
+
+
+def master_weights(path: Path) -> dict[str, torch.Tensor]:
+    tensors, parameters = head_state(path)
+    return {name: tensors[name] for name in parameters}
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -87,24 +98,45 @@ def compare_parameters(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
     return {name: relative(a[name], b[name]) for name in b if name in a and b[name].numel() > 0}
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=60, help="head_cpu's steps (its schedules are scaled to them)")
-    parser.add_argument("--out", default="", help="folder for the runs' files (default: a temporary one)")
-    args = parser.parse_args(argv)
-    if not (HEAD_CPU / "run_head_cpu.py").is_file():
-        print(f"skipped: {HEAD_CPU} is missing (record #89's trainer on a CPU; it sits beside the repository in "
-              "../shared)")
-        return 0
-    if not GPT2_RANKS.is_file():
-        sys.exit(f"{GPT2_RANKS} is missing: #89 builds its prefix-token table from the GPT-2 ranks; fetch them with "
-                 "`python data/gpt2_tokenizer.py --fetch`")
-    out = Path(args.out or tempfile.mkdtemp(prefix="vs_head_"))
-    out.mkdir(parents=True, exist_ok=True)
-    print(f"head_cpu: {HEAD_CPU}; {args.steps} steps at its default tiny configuration; files in {out}")
-    run_two_at_a_time([run for name, flags in NUMERICS.items() for run in head_runs(name, flags, args.steps, out)])
+def port_run(config: dict, initial: Path, steps: int, fp8_head: bool) -> dict:
+    """This file trained on head_cpu's configuration from #89's initial weights, through train_gpt's own step
+    functions in this process: per step the training loss (#89's weighting of its losses) and the next-token loss
+    (taken off the head's logits as the loss sees them), the validation loss after the last step, and the model's
+    parameters after each of STATE_STEPS."""
+    torch.set_num_threads(1)  # (as head_cpu's runs)
+    args = head_weights.port_hyperparameters(config)
+    args.num_iterations, args.fp8_head = steps, fp8_head
+    trainer = train_gpt.build_trainer(args, train_gpt.build_parallel_context(0, 1, torch.device("cpu")))
+    head_weights.load_head_weights(trainer.model, head_state(initial)[0])
+    next_token = []
+
+    def next_token_loss(module, inputs, output):
+        logits, targets = inputs[0].detach(), inputs[1]
+        targets = targets if targets.dim() == 1 else targets[:, 0]
+        next_token.append((torch.nn.functional.cross_entropy(logits.float(), targets, reduction="sum").item(),
+                           len(targets)))
+
+    hook = trainer.model.lm_head.cross_entropy.register_forward_hook(next_token_loss)
+    batches, records, states = train_gpt.train_batches(trainer), [], {}
+    for step in range(steps):
+        loss = train_gpt.forward_backward(trainer, batches, step)
+        train_gpt.optimizer_step(trainer, step)
+        summed, tokens = map(sum, zip(*next_token))
+        next_token.clear()
+        records.append(dict(step=step + 1, train_loss=loss.item(), ntp_loss=summed / tokens))
+        if step + 1 in STATE_STEPS:
+            states[step + 1] = {name: p.detach().float().clone() for name, p in trainer.model.named_parameters()}
+        print(f"port step:{step + 1}/{steps} train_loss:{records[-1]['train_loss']:.6f} "
+              f"ntp_loss:{records[-1]['ntp_loss']:.6f}", flush=True)
+    hook.remove()
+    return dict(steps=records, val=[dict(step=steps, val_loss=train_gpt.evaluate(trainer, steps))], states=states)
+
+
+def measure_floor(out: Path) -> dict[str, float]:
+    """#89 against itself with one numerics flag changed: the largest difference of the next-token loss over the
+    steps, of the validation loss, and of a parameter after each of STATE_STEPS."""
     (reference, _), (perturbed, _) = NUMERICS.items()
-    tags = [name.replace(" ", "_") for name in NUMERICS]
+    tags = [tag_of(name) for name in NUMERICS]
     losses = [json.loads((out / f"{tag}.json").read_text()) for tag in tags]
     per_step, val = compare_losses(losses[1], losses[0])
     assert any(per_step) or val, "the two numerics gave identical runs: no floor to measure"
@@ -122,13 +154,67 @@ def main(argv=None) -> int:
               ", ".join(f"{name} {diff:.2e}" for name, diff in worst[:5]))
         floors[f"parameters after step {step}"] = worst[0][1]
     print("\nfloors and the port's tolerances (the larger of 5 x floor and the fixed bound):")
+    tolerances = {}
     for what, floor in floors.items():
         fixed = FIXED_BOUNDS["parameters" if what.startswith("parameters") else what]
-        print(f"  {what:28s} floor {floor:.2e}  tolerance {max(FLOOR_MULTIPLE * floor, fixed):.2e}")
-    print("\nthis file against #89: not compared yet. The port lands in steps; #89's DC-MHA and paired-head "
-          "attention are not in the model yet, so #89's parameters do not all map onto this file's and no loss is "
-          "comparable.")
-    return 0
+        tolerances[what] = max(FLOOR_MULTIPLE * floor, fixed)
+        print(f"  {what:28s} floor {floor:.2e}  tolerance {tolerances[what]:.2e}")
+    return tolerances
+
+
+def compare_port(port: dict, head: dict, out: Path, tag: str, tolerances: dict[str, float]) -> list[str]:
+    """The port's run against #89's: printed step by step and tensor by tensor; what exceeds its tolerance."""
+    failures = []
+    per_step, val = compare_losses(port, head)
+    print(f"\nthis file against #89 ({tag}), from the same initial weights and batches")
+    print("step  ntp_loss #89  ntp_loss port  |diff|/#89   train_loss #89  train_loss port")
+    for ours, theirs, diff in zip(port["steps"], head["steps"], per_step):
+        over = diff > tolerances["loss"]
+        print(f"{ours['step']:4d}  {theirs['ntp_loss']:12.6f}  {ours['ntp_loss']:13.6f}  {diff:.2e}"
+              f"{' !' if over else '  '}  {theirs['train_loss']:14.6f}  {ours['train_loss']:15.6f}")
+        failures += [f"next-token loss at step {ours['step']}: {diff:.2e}"] if over else []
+    print(f"validation loss: #89 {head['val'][-1]['val_loss']:.6f}, port {port['val'][-1]['val_loss']:.6f}, "
+          f"|diff|/#89 {val:.2e} (tolerance {tolerances['val_loss']:.2e})")
+    failures += [f"validation loss: {val:.2e}"] if val > tolerances["val_loss"] else []
+    for step, ours in port["states"].items():
+        theirs = head_weights.port_names(head_state(out / f"{tag}_step{step}.pt")[0], ours)
+        diffs = {name: relative(ours[name], theirs[name]) for name in ours}
+        tolerance = tolerances[f"parameters after step {step}"]
+        over = {name: diff for name, diff in diffs.items() if diff > tolerance}
+        print(f"parameters after step {step} (tolerance {tolerance:.2e}), ||port - #89|| / ||#89||:")
+        for name, diff in sorted(diffs.items(), key=lambda item: -item[1]):
+            print(f"  {name:48s} {diff:.2e}{' !' if name in over else ''}")
+        failures += [f"{name} after step {step}: {diff:.2e}" for name, diff in over.items()]
+    return failures
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=60, help="head_cpu's steps (its schedules are scaled to them)")
+    parser.add_argument("--out", default="", help="folder for the runs' files (default: a temporary one)")
+    parser.add_argument("--reuse", action="store_true", help="keep #89's runs whose files are in --out already")
+    args = parser.parse_args(argv)
+    if not (HEAD_CPU / "run_head_cpu.py").is_file():
+        print(f"skipped: {HEAD_CPU} is missing (record #89's trainer on a CPU; it sits beside the repository in "
+              "../shared)")
+        return 0
+    if not GPT2_RANKS.is_file():
+        sys.exit(f"{GPT2_RANKS} is missing: #89 builds its prefix-token table from the GPT-2 ranks; fetch them with "
+                 "`python data/gpt2_tokenizer.py --fetch`")
+    out = Path(args.out or tempfile.mkdtemp(prefix="vs_head_"))
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"head_cpu: {HEAD_CPU}; {args.steps} steps at its default tiny configuration; files in {out}")
+    runs = [run for name, flags in HEAD_FLAGS.items() for run in head_runs(name, flags, args.steps, out)]
+    run_two_at_a_time([(cmd, log) for cmd, log in runs if not (args.reuse and Path(cmd[-1]).is_file())])
+    tolerances = measure_floor(out)
+    failures = []
+    for name, fp8_head in COMPARED.items():
+        head = json.loads((out / f"{tag_of(name)}.json").read_text())
+        port = port_run(head["config"], out / f"{tag_of(name)}_step0.pt", args.steps, fp8_head)
+        failures += [f"{name}: {failure}" for failure in compare_port(port, head, out, tag_of(name), tolerances)]
+    print("\n" + (f"{len(failures)} over their tolerance: " + "; ".join(failures[:10]) if failures
+                  else "every loss and parameter within its tolerance"))
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":
