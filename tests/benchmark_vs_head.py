@@ -104,8 +104,8 @@ def port_run(config: dict, initial: Path, steps: int, fp8_head: bool) -> dict:
     (taken off the head's logits as the loss sees them), the validation loss after the last step, and the model's
     parameters after each of STATE_STEPS."""
     torch.set_num_threads(1)  # (as head_cpu's runs)
-    args = head_weights.port_hyperparameters(config)
-    args.num_iterations, args.fp8_head = steps, fp8_head
+    args = head_weights.port_hyperparameters(config)  # (its steps, extension included: the config's)
+    args.fp8_head = fp8_head
     trainer = train_gpt.build_trainer(args, train_gpt.build_parallel_context(0, 1, torch.device("cpu")))
     head_weights.load_head_weights(trainer.model, head_state(initial)[0])
     next_token = []
