@@ -43,8 +43,7 @@ HEAD_FLAGS = dict(NUMERICS, **{"no FP8": ["--fp8", "off"]})
 def head_runs(name: str, flags: list[str], steps: int, out: Path) -> list[tuple[list[str], Path]]:
     """The head_cpu commands for one configuration: the whole run with its losses, and a short one per saved state
     (step 0: the initial weights)."""
-    base = [sys.executable, str(HEAD_CPU / "run_head_cpu.py"), "--steps", str(steps), "--seed", "0", *flags,
-            "--gpt2_ranks", str(GPT2_RANKS), "--log_dir", str(out / "head_logs")]
+    base = head_weights.head_cpu_command(steps, flags, out / "head_logs")
     tag = tag_of(name)
     runs = [([*base, "--dump_losses", str(out / f"{tag}.json")], out / f"{tag}.log")]
     for step in (0, *STATE_STEPS):
@@ -178,7 +177,7 @@ def compare_port(port: dict, head: dict, out: Path, tag: str, tolerances: dict[s
     failures += [f"validation loss: {val:.2e}"] if val > tolerances["val_loss"] else []
     for step, ours in port["states"].items():
         theirs = head_weights.port_names(head_state(out / f"{tag}_step{step}.pt")[0], ours)
-        diffs = {name: relative(ours[name], theirs[name]) for name in ours}
+        diffs = compare_parameters(ours, theirs)
         tolerance = tolerances[f"parameters after step {step}"]
         over = {name: diff for name, diff in diffs.items() if diff > tolerance}
         print(f"parameters after step {step} (tolerance {tolerance:.2e}), ||port - #89|| / ||#89||:")
@@ -194,6 +193,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="", help="folder for the runs' files (default: a temporary one)")
     parser.add_argument("--reuse", action="store_true", help="keep #89's runs whose files are in --out already")
     args = parser.parse_args(argv)
+    if args.steps < max(STATE_STEPS):
+        parser.error(f"--steps {args.steps}: the parameters are compared after steps {STATE_STEPS}; give at least "
+                     f"{max(STATE_STEPS)}")
     if not (HEAD_CPU / "run_head_cpu.py").is_file():
         print(f"skipped: {HEAD_CPU} is missing (record #89's trainer on a CPU; it sits beside the repository in "
               "../shared)")

@@ -338,12 +338,17 @@ def port_forward_losses(model: train_gpt.GPT, head_config: dict, step: int) -> l
 # the comparison
 
 
+def head_cpu_command(steps: int, flags: list[str], log_dir: Path) -> list[str]:
+    """head_cpu's trainer at its tiny configuration from seed 0 (one thread), #89's schedules scaled to `steps`."""
+    return [sys.executable, str(HEAD_CPU / "run_head_cpu.py"), "--steps", str(steps), "--seed", "0", *flags,
+            "--gpt2_ranks", str(GPT2_RANKS), "--log_dir", str(log_dir)]
+
+
 def run_head(out: Path, name: str, flags: list[str], steps: int) -> None:
-    """head_cpu with `flags` (one thread), its output to out/name.log, unless out/name.json exists."""
+    """head_cpu with `flags`, its output to out/name.log, unless out/name.json exists."""
     if (out / f"{name}.json").exists():
         return
-    cmd = [sys.executable, str(HEAD_CPU / "run_head_cpu.py"), "--steps", str(steps), "--seed", "0", *flags,
-           "--dump_losses", str(out / f"{name}.json"), "--gpt2_ranks", str(GPT2_RANKS), "--log_dir", str(out)]
+    cmd = head_cpu_command(steps, [*flags, "--dump_losses", str(out / f"{name}.json")], out)
     print("running", " ".join(cmd[1:]), flush=True)
     with (out / f"{name}.log").open("w") as log:
         if subprocess.run(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT).returncode:
@@ -521,6 +526,10 @@ def main(argv=None) -> None:
     parser.add_argument("--no_step1", action="store_true", help="skip the step-1 comparison (initial weights)")
     parser.add_argument("--no_fp32", action="store_true", help="skip #89's fp32 forward against this file's")
     a = parser.parse_args(argv)
+    if not (HEAD_CPU / "run_head_cpu.py").is_file():
+        print(f"skipped: {HEAD_CPU} is missing (record #89's trainer on a CPU; it sits beside the repository in "
+              "../shared)")
+        return
     torch.set_num_threads(1)
     if not GPT2_RANKS.exists():
         subprocess.run([sys.executable, str(REPO_ROOT / "data" / "gpt2_tokenizer.py"), "--fetch"], check=True)
