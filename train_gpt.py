@@ -3312,7 +3312,8 @@ class Layout:
         adam_params = {p for group in adam.param_groups for p in group["params"]}
         self.gradients = GradientBuckets(model.parameters(), sum_dtype=torch.float64 if args.fp64_grad_sum else None,
                                          dp=ctx.dp, owner_of=zero.gradient_owners(), reduce_to_owner=zero.stage >= 2,
-                                         summed_first=self.shared, held=adam_params if args.adam_every > 1 else None)
+                                         summed_first=self.shared, held=adam_params if args.adam_every > 1 else None,
+                                         tables=embedding_tables(model))
         # the float64 sums take an embedding's few rows from a sparse gradient, for less work (the plan's meta
         # tensors have no values to find those rows in; torch.compile does not lower sparse embeddings)
         for module in model.modules() if args.fp64_grad_sum and ctx.device.type != "meta" and not args.compile else ():
@@ -3349,6 +3350,12 @@ class Layout:
         """[mean train loss per token, squared gradient norm, stop votes], summed over the ranks in one all-reduce."""
         return sum_over_ranks(torch.stack([self.loss_share(loss), grad_squares.float(),
                                            torch.full((), float(stop), device=self.ctx.device)]))
+
+def embedding_tables(model: nn.Module) -> dict[Tensor, nn.Embedding]:
+    """The parameters that only embeddings hold (not a head's weight too), each -> its embedding: their gradients
+    are the rows the step looked up."""
+    elsewhere = {p for m in model.modules() if not isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)}
+    return {m.weight: m for m in model.modules() if isinstance(m, nn.Embedding) and m.weight not in elsewhere}
 
 def tied_pair(model: nn.Module, vocab_size: int) -> tuple[str, str] | None:
     """The names of the embedding tied to the head and of the head's weight, as the one-process model holds them
@@ -3435,23 +3442,31 @@ class GradientBuckets:
     stages sharing a parameter sum its gradient first. sum_dtype=torch.float64 sums and reduces in float64 and
     rounds once, so every world size trains bit-identical models. held: parameters whose gradients, in a step that
     holds them (hold()), stay on each rank and add up with the following steps', reduced only when a step uses
-    them."""
+    them. tables: parameters whose gradient has a row per lookup of an embedding (-> the embedding), averaged as
+    the rows looked up (average_rows)."""
 
     def __init__(self, params, bucket_mb: float = 25, sum_dtype: torch.dtype | None = None,
                  owner_of: dict | None = None, reduce_to_owner: bool = False, dp: Axis = Axis(),
-                 summed_first: dict | None = None, held: set | None = None):
+                 summed_first: dict | None = None, held: set | None = None, tables: dict | None = None):
         self.dp, self.owner_of, self.sum_dtype = dp, owner_of, sum_dtype
         self.reduce_to_owner, self.summed_first = reduce_to_owner and owner_of is not None, summed_first or {}
         self.held, self.holding = held or set(), False
+        self.tables = tables if dp.size > 1 and tables else {}
         self.buckets: list[list[Tensor]] = []
         for param in reversed([p for p in params if p.requires_grad]):
             last = self.buckets[-1] if self.buckets else None
             if last is None or sum(map(nbytes, last)) + nbytes(param) > bucket_mb * 2**20 or \
                     last[0].dtype != param.dtype or self.owner(last[0]) != self.owner(param) or \
                     param in self.summed_first or last[0] in self.summed_first or \
-                    (param in self.held) != (last[0] in self.held):
+                    (param in self.held) != (last[0] in self.held) or param in self.tables or last[0] in self.tables:
                 self.buckets.append([])
             self.buckets[-1].append(param)
+        # the plan's tables have no values to find rows in: it counts their lookups (each at most a row)
+        self.lookups: collections.Counter = collections.Counter()
+        for table, embedding in self.tables.items():
+            if table.device.type == "meta":
+                embedding.register_forward_pre_hook(
+                    lambda module, args, table=table: self.lookups.update({table: args[0].numel()}))
         self.bucket_of = {param: i for i, bucket in enumerate(self.buckets) for param in bucket}
         self.sums = None if sum_dtype is None else [
             torch.zeros(sum(p.numel() for p in bucket), dtype=sum_dtype, device=bucket[0].device)
@@ -3516,7 +3531,7 @@ class GradientBuckets:
             count_comm("all_reduce", *tensors)
             for t in tensors:
                 dist.all_reduce(t, group=self.summed_first[bucket[0]][0].group)
-        if self.dp.size == 1:
+        if self.dp.size == 1 or bucket[0] in self.tables:  # (a table's rows travel in wait(), its counts first)
             return
         if owner is None:
             count_comm("all_reduce", *tensors)
@@ -3578,7 +3593,9 @@ class GradientBuckets:
         for bucket, reduced, handles in ((self.buckets[i], self.reduced[i], self.handles[i]) for i in reducing):
             for handle in handles:
                 handle.wait()
-            if self.owner(bucket[0]) == self.dp.rank and self.dp.size > 1:
+            if bucket[0] in self.tables:
+                self.average_rows(reduced[0].view(len(bucket[0]), -1), bucket[0])
+            elif self.owner(bucket[0]) == self.dp.rank and self.dp.size > 1:
                 reduced[0].div_(self.dp.size)
             flat = self.sums is None and reduced[0] is not bucket[0].grad  # a copy: each gradient a view of it
             offset = 0
@@ -3593,6 +3610,76 @@ class GradientBuckets:
                 offset += p.numel()
         self.ready, self.reduced = [0] * len(self.buckets), [None] * len(self.buckets)
         self.handles = [[] for _ in self.buckets]
+
+    def average_rows(self, grad: Tensor, table: Tensor) -> None:
+        """A table's (rows, width) gradient averaged over the data-parallel ranks, in place on the rank keeping it
+        (ZeRO's owner; without ZeRO every rank), sending only the rows some rank looked up (a row of zeros adds
+        nothing): each rank hands its rows to the ranks summing them (an all-to-all; rank j sums rows j, j + W, ...,
+        so that the frequent tokens' low ids spread over the ranks), which send the summed rows on to the keeper, or
+        to every rank. Dense (an all-reduce, or a reduce to the keeper) where that sends fewer bytes, as every rank
+        decides alike from every rank's counts of rows for each."""
+        dp, keeper = self.dp, self.owner_of[table] if self.owner_of is not None else None
+        W, share, meta = dp.size, -(-len(grad) // dp.size), grad.device.type == "meta"  # (share: the most one sums)
+        if meta:  # (the plan: every lookup a different row, spread evenly over the ranks; alike on every rank)
+            per_rank = -(-min(len(grad), self.lookups.pop(table, 0)) // W)
+            rows = torch.empty(W * per_rank, dtype=torch.long, device=grad.device)
+            counts = rows.new_empty(W)
+        else:
+            rows = grad.ne(0).any(1).nonzero().squeeze(1)
+            rows = rows[torch.argsort(rows % W, stable=True)]  # (by the rank summing them)
+            counts = torch.bincount(rows % W, minlength=W)
+        every = counts.new_empty(W, W)
+        count_comm("table_all_gather_single", every)
+        dist.all_gather_single(every.view(-1), counts, group=dp.group)
+        sent = torch.full((W, W), per_rank) if meta else every.cpu()  # rank i's rows that rank j sums
+        summed = sent.sum(0).clamp(max=share)  # at most, each rank's
+        row_bytes = nbytes(grad[0])  # (rows that cross between ranks, each with its index)
+        gathered = summed.sum() - summed[keeper] if keeper is not None else W * (W - 1) * summed.max()
+        sparse = (sent.sum() - sent.diagonal().sum() + gathered).item() * (row_bytes + 8)
+        if sparse >= len(grad) * (W - 1) * (1 if keeper is not None else 2) * row_bytes:
+            self._average_whole(grad, keeper)
+            return
+        mine = self._all_to_all(rows, grad[rows], sent[dp.rank].tolist(), sent[:, dp.rank].tolist())
+        summed_rows, summed_values = mine[0] // W, mine[1]  # (rows of this rank's share, numbered within it)
+        share_sum = grad.new_zeros(len(range(dp.rank, len(grad), W)), grad.size(1))
+        share_sum.index_add_(0, summed_rows, summed_values)
+        kept = share_sum.ne(0).any(1).nonzero().squeeze(1) if not meta else summed_rows[:int(summed[dp.rank])]
+        kept_counts = counts.new_empty(W)
+        count_comm("table_all_gather_single", kept_counts)
+        dist.all_gather_single(kept_counts, counts.new_full((1,), len(kept)), group=dp.group)
+        kept_counts = summed.tolist() if meta else kept_counts.tolist()
+        rows, values = kept * W + dp.rank, share_sum[kept]
+        if keeper is not None:
+            to_keeper = [len(kept) if j == keeper else 0 for j in range(W)]
+            rows, values = self._all_to_all(rows, values, to_keeper, kept_counts if dp.rank == keeper else [0] * W)
+            if dp.rank != keeper:
+                return
+        else:  # an all-gather, each rank's rows padded to the most any rank has (padding: zeros added to row 0)
+            most = max(kept_counts)
+            parts = [torch.cat([t, t.new_zeros(most - len(t), *t.shape[1:])]) for t in (rows, values)]
+            rows, values = (t.new_empty(W * most, *t.shape[1:]) for t in parts)
+            count_comm("table_all_gather", rows, values)
+            for whole, part in zip((rows, values), parts):
+                dist.all_gather_single(whole.view(-1), part.view(-1), group=dp.group)
+        grad.zero_().index_add_(0, rows, values).div_(W)
+
+    def _all_to_all(self, rows: Tensor, values: Tensor, send: list[int], receive: list[int]) -> tuple[Tensor, Tensor]:
+        """Rows of a table (indices and values) to the data-parallel ranks, send[j] to rank j, receive[j] from it."""
+        count_comm("table_all_to_all", rows, values)
+        got = rows.new_empty(sum(receive)), values.new_empty(sum(receive), *values.shape[1:])
+        for out, t in zip(got, (rows, values)):
+            dist.all_to_all_single(out, t.contiguous(), receive, send, group=self.dp.group)
+        return got
+
+    def _average_whole(self, grad: Tensor, keeper: int | None) -> None:
+        if keeper is None:
+            count_comm("table_all_reduce", grad)
+            dist.all_reduce(grad, op=dist.ReduceOp.AVG, group=self.dp.group)
+            return
+        count_comm("table_reduce", grad)
+        dist.reduce(grad, dst=self.dp.global_rank(keeper), op=dist.ReduceOp.SUM, group=self.dp.group)
+        if self.dp.rank == keeper:
+            grad.div_(self.dp.size)
 
     def forget(self) -> None:
         """Drop the float64 sums and what was held (the parameters' own gradients are the optimizers' to clear)."""
@@ -4692,7 +4779,8 @@ def format_plan(plan: dict) -> str:
         values = [r[kind] / mib for kind in memory]
         lines.append(f"{rank:4d} {r['stage']:5d}  {values[0]:10.1f} {values[1]:7.1f} {values[2]:10.1f} "
                      f"{values[3]:10.1f} {values[4]:10.1f} {values[5]:19.1f} {sum(values[1:]):8.1f}")
-    lines.append("collectives per training step, bytes handed over per rank:")
+    lines.append("collectives per training step, bytes handed over per rank (table_*: the embedding tables' gradients, "
+                 "at most: each lookup taken for a row of its own):")
     for rank, r in enumerate(plan["ranks"]):
         lines.append(f"{rank:4d}  " + (", ".join(f"{op} {n:,}" for op, n in sorted(r["comm"].items()))
                                        or "none (one process)"))

@@ -54,3 +54,50 @@ def test_one_process_without_float64_sums_trains_a_model_with_a_parameter_no_ste
         assert trainer.model.unused_gain.grad is None and trainer.model.lm_head.weight.grad.norm() > 0
         train_gpt.optimizer_step(trainer, step)
     assert torch.isfinite(loss) and trainer.model.unused_gain.item() == 1.0
+
+
+def table_gradient(rank, rows, lookups):
+    """Rank `rank`'s gradient of a (rows, 4) table that `lookups` tokens looked up: whole numbers, whose float64 sums
+    are exact in any order."""
+    draws = torch.Generator().manual_seed(rank)
+    grad = torch.zeros(rows, 4, dtype=torch.float64)
+    found = torch.randint(0, rows, (lookups,), generator=draws)
+    return grad.index_add_(0, found, torch.randint(-9, 10, (lookups, 4), generator=draws, dtype=torch.float64))
+
+
+def average_rows_on_rank(rank, world_size, cases):
+    """Each case's table gradient averaged by GradientBuckets.average_rows on this rank, and the bytes it sent."""
+    results = []
+    for rows, lookups, keeper in cases:
+        table = torch.nn.Parameter(torch.zeros(rows, 4, dtype=torch.float64))
+        buckets = train_gpt.GradientBuckets([table], dp=train_gpt.world_axis(rank, world_size),
+                                            owner_of=None if keeper is None else {table: keeper},
+                                            reduce_to_owner=keeper is not None, tables={table: None})
+        train_gpt.comm_bytes.clear()
+        grad = table_gradient(rank, rows, lookups)
+        buckets.average_rows(grad, table)
+        results.append((grad, dict(train_gpt.comm_bytes)))
+    return results
+
+
+def test_an_embedding_tables_gradient_travels_as_the_rows_the_ranks_looked_up():
+    # three ranks, so that the shares of rows each rank sums differ in size (34, 33, 33 of 100 rows); averaged on the
+    # keeper (every rank, or the owner of ZeRO), equal to the average of the three ranks' gradients summed here (whole
+    # numbers: exact in any order). A few rows each: the rows travel, in well under the dense bytes; every row
+    # looked up: an all-reduce (or reduce) of the table, which sends less; more ranks than rows: some blocks empty
+    cases = [(100, 5, None), (100, 5, 1), (100, 400, None), (100, 400, 2), (2, 1, None), (2, 1, 0)]
+    results = run_on_ranks(average_rows_on_rank, 3, cases)
+    for case, (rows, lookups, keeper) in enumerate(cases):
+        expected = sum(table_gradient(rank, rows, lookups) for rank in range(3)) / 3
+        assert expected.ne(0).any(1).sum() >= min(rows, lookups)  # (rows of each rank's own, in each block)
+        for rank in range(3) if keeper is None else [keeper]:
+            grad, sent = results[rank][case]
+            assert torch.equal(torch.as_tensor(grad), expected), (case, rank)
+            dense_bytes = rows * 4 * torch.float64.itemsize
+            if lookups == 5:
+                assert set(sent) == {"table_all_gather_single", "table_all_to_all"} | (
+                    {"table_all_gather"} if keeper is None else set())
+                assert sum(sent.values()) < dense_bytes / 2
+            elif lookups == 400:
+                assert sent == {"table_all_gather_single": 9 * 8,
+                                "table_all_reduce" if keeper is None else "table_reduce": dense_bytes}
