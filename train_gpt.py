@@ -4663,17 +4663,22 @@ def account_step(trainer: Trainer, batches, step: int = 0) -> dict:
     return held
 
 def accounted_steps(args: Hyperparameters) -> list[int]:
-    """The steps the plan runs, from the first at the longest sequences: one that holds Adam's gradients (each rank
-    keeps them whole), then one on which Adam steps (the most sent)."""
+    """The steps the plan runs, in order: from the first at the longest sequences, one that holds Adam's gradients
+    (each rank keeps them whole), then one on which Adam steps (the most sent); and where the head and the embedding
+    start tied, the step that unties them (where pipeline stages hold the two apart, the most the tie sends: the
+    embedding's gradient, the head's values and its Adam state)."""
     firsts = first_step_of_seq_len(args)
     first = firsts[max(firsts)]
     held = [s for s in range(first, min(first + args.adam_every, args.num_iterations)) if not adam_steps(s, args)][:1]
-    return held + [next(s for s in range(held[0] if held else first, args.num_iterations) if adam_steps(s, args))]
+    steps = held + [next(s for s in range(held[0] if held else first, args.num_iterations) if adam_steps(s, args))]
+    untie = last_tied_step(args)
+    return sorted({*steps, untie}) if 0 <= untie < args.num_iterations else steps
 
 def most_held(accounts: list[dict]) -> dict:
-    """account_step's figures of accounted_steps, as the plan shows them: each byte count at its largest, and the
-    collectives and loss of the last step, Adam's."""
-    return {kind: accounts[-1][kind] if kind in ("comm", "loss") else max(a[kind] for a in accounts)
+    """account_step's figures of accounted_steps, as the plan shows them: each byte count, and each collective's,
+    at its largest; the loss of the last step."""
+    comm = {op: max(a["comm"].get(op, 0) for a in accounts) for a in accounts for op in a["comm"]}
+    return {kind: comm if kind == "comm" else accounts[-1][kind] if kind == "loss" else max(a[kind] for a in accounts)
             for kind in accounts[-1]}
 
 @contextlib.contextmanager

@@ -76,6 +76,19 @@ def test_what_crosses_each_boundary_is_what_the_one_process_forward_holds_there(
     assert len(specs) == 4  # two boundaries, in training and in evaluation
 
 
+def test_the_plan_counts_what_the_tie_sends_between_stages(files):
+    # with the embedding on the first stage and the head on the last, the step that unties them sends the
+    # embedding's gradient one way and the head's values and Adam moments (and step count) the other, on top of what
+    # the pipeline sends at every step: the plan runs that step too
+    plans = {tied: train_gpt.plan_layout(train_gpt.parse_args(tiny_flags(files, pp=2, tied_stages=tied), cuda=False),
+                                         2, cuda=False) for tied in (0, 1)}
+    args = train_gpt.parse_args(tiny_flags(files), cuda=False)
+    table = train_gpt.next_multiple_of_n(args.vocab_size, 128) * args.model_dim * torch.float32.itemsize
+    tie_sent = [tied["comm"]["send"] - apart["comm"]["send"]
+                for tied, apart in zip(plans[1]["ranks"], plans[0]["ranks"])]
+    assert plans[0]["ranks"][0]["comm"]["send"] > 0 and tie_sent == [table, 3 * table + 4]
+
+
 def test_stages_split_the_blocks_evenly_and_in_order():
     for num_layers, stages in [(12, 1), (12, 5), (6, 4), (7, 7)]:
         split = [train_gpt.stage_layers(num_layers, stages, s) for s in range(stages)]
