@@ -4665,14 +4665,14 @@ def account_step(trainer: Trainer, batches, step: int = 0) -> dict:
 def accounted_steps(args: Hyperparameters) -> list[int]:
     """The steps the plan runs, in order: from the first at the longest sequences, one that holds Adam's gradients
     (each rank keeps them whole), then one on which Adam steps (the most sent); and where the head and the embedding
-    start tied, the step that unties them (where pipeline stages hold the two apart, the most the tie sends: the
+    start tied and pipeline stages hold them apart, the step that unties them (the most the tie sends: the
     embedding's gradient, the head's values and its Adam state)."""
     firsts = first_step_of_seq_len(args)
     first = firsts[max(firsts)]
     held = [s for s in range(first, min(first + args.adam_every, args.num_iterations)) if not adam_steps(s, args)][:1]
     steps = held + [next(s for s in range(held[0] if held else first, args.num_iterations) if adam_steps(s, args))]
     untie = last_tied_step(args)
-    return sorted({*steps, untie}) if 0 <= untie < args.num_iterations else steps
+    return sorted({*steps, untie}) if 0 <= untie < args.num_iterations and args.pp > 1 else steps
 
 def most_held(accounts: list[dict]) -> dict:
     """account_step's figures of accounted_steps, as the plan shows them: each byte count, and each collective's,

@@ -73,7 +73,10 @@ def test_schedules_at_hand_computed_points():
     for step, shape in shapes.items():
         assert train_gpt.batch_shape(step, args) == shape, step
     assert train_gpt.first_step_of_seq_len(args) == {16384: 0, 32768: 333, 49152: 667}
-    assert train_gpt.accounted_steps(args) == [668, 669]  # (at the longest: one holding Adam's gradients, then not)
+    # at the longest: one holding Adam's gradients, then not; and with pipeline stages, which send what the tie
+    # does, the untie first (the third stage's first of Adam's steps)
+    assert train_gpt.accounted_steps(args) == [668, 669] and train_gpt.last_tied_step(args) == 667
+    assert train_gpt.accounted_steps(dataclasses.replace(args, pp=2)) == [667, 668, 669]
     # #89's windows in 128-token blocks: (1, 3), (3, 7), (5, 11), then (6, 13); 20 long at the final validation
     blocks = {0: (1, 3), 332: (1, 3), 333: (3, 7), 666: (3, 7), 667: (5, 11), 999: (5, 11), 1000: (6, 13),
               1014: (6, 13), 1015: (6, 20)}
