@@ -313,12 +313,16 @@ def test_training_shards_that_include_a_validation_shard_are_refused(tmp_path, f
 # 8. a plan for thousands of ranks
 
 def test_a_plan_runs_each_role_once_and_equals_the_plan_of_every_rank(monkeypatch):
-    """40 data-parallel ranks under ZeRO 1, more than the tiny model without MUDD has parameters to own (64, of
-    which some go to the same rank), so many share a role (measured by hand as well: 64 ranks under --pp 2 --tp 2
-    --zero 3 plan alike both ways)."""
-    nproc = 40
+    """32 data-parallel ranks under ZeRO 1, more than a two-layer tiny model has parameters to own (27), so several
+    own none and share a role (measured by hand as well: 64 ranks of the six-layer one under --pp 2 --tp 2 --zero 3
+    plan alike both ways)."""
+    nproc = 32
+    two_layers = ["--num_layers", "2", "--window_pattern", "LS", "--value_embed_layers", "1", "--mudd", "false"] + [
+        f"--{name}=" for name in ("attention_free_layers", "paired_head_layers", "dc_layers", "gate_network_layers",
+                                  "xsa_layers", "output_gate_layers", "skip_layers", "attend_over_layer")]
     args = train_gpt.parse_args(["--preset", "tiny", "--seqs_per_step", str(nproc), "--val_tokens",
-                                 str(256 * nproc), "--compile", "false", "--zero", "1", "--mudd", "false"], cuda=False)
+                                 str(256 * nproc), "--compile", "false", "--zero", "1", *two_layers], cuda=False)
+    assert len(list(train_gpt.build_model(args, torch.device("meta")).parameters())) < nproc
     builds, real_build = [], train_gpt.build_trainer
     monkeypatch.setattr(train_gpt, "build_trainer", lambda *a, **k: builds.append(1) or real_build(*a, **k))
     plan = train_gpt.plan_layout(args, nproc, cuda=True)
