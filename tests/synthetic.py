@@ -1,4 +1,5 @@
-"""Small synthetic token shards (documents of random length, each starting with EOT) for trainer tests."""
+"""Small synthetic token shards (documents of random length, each starting with EOT) for trainer tests, and flags
+that make a preset's model small."""
 import numpy as np
 
 from train_gpt import EOT_TOKEN, write_data_shard
@@ -30,3 +31,10 @@ def tiny_flags(files, **overrides):
                   seqs_per_step=4, val_seq_len=128, val_tokens=512, doc_max_tokens=256)
     values.update(overrides)
     return [f"--{k}={v}" for k, v in values.items()]
+
+
+# a preset's model cut to two layers (every layer-index flag emptied, one value table, no MUDD): for tests that plan
+# it many times, whose point is not its layers
+TWO_LAYERS = ["--num_layers", "2", "--window_pattern", "SL", "--value_embed_layers", "1", "--mudd", "false"] + [
+    f"--{name}=" for name in ("attention_free_layers", "paired_head_layers", "dc_layers", "gate_network_layers",
+                              "xsa_layers", "output_gate_layers", "skip_layers", "attend_over_layer")]

@@ -17,7 +17,7 @@ import torch
 
 import train_gpt
 from conftest import REPO_ROOT
-from synthetic import tiny_flags
+from synthetic import TWO_LAYERS, tiny_flags
 from test_checkpoints import assert_states_equal, step_lines
 from test_inputs import refused
 
@@ -317,11 +317,8 @@ def test_a_plan_runs_each_role_once_and_equals_the_plan_of_every_rank(monkeypatc
     own none and share a role (measured by hand as well: 64 ranks of the six-layer one under --pp 2 --tp 2 --zero 3
     plan alike both ways)."""
     nproc = 32
-    two_layers = ["--num_layers", "2", "--window_pattern", "LS", "--value_embed_layers", "1", "--mudd", "false"] + [
-        f"--{name}=" for name in ("attention_free_layers", "paired_head_layers", "dc_layers", "gate_network_layers",
-                                  "xsa_layers", "output_gate_layers", "skip_layers", "attend_over_layer")]
     args = train_gpt.parse_args(["--preset", "tiny", "--seqs_per_step", str(nproc), "--val_tokens",
-                                 str(256 * nproc), "--compile", "false", "--zero", "1", *two_layers], cuda=False)
+                                 str(256 * nproc), "--compile", "false", "--zero", "1", *TWO_LAYERS], cuda=False)
     assert len(list(train_gpt.build_model(args, torch.device("meta")).parameters())) < nproc
     builds, real_build = [], train_gpt.build_trainer
     monkeypatch.setattr(train_gpt, "build_trainer", lambda *a, **k: builds.append(1) or real_build(*a, **k))
