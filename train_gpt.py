@@ -3533,14 +3533,17 @@ class GradientBuckets:
                 dist.all_reduce(t, group=self.summed_first[bucket[0]][0].group)
         if self.dp.size == 1 or bucket[0] in self.tables:  # (a table's rows travel in wait(), its counts first)
             return
-        if owner is None:
-            count_comm("all_reduce", *tensors)
-            self.handles[i] = [dist.all_reduce(t, op=dist.ReduceOp.AVG, group=self.dp.group, async_op=True)
-                               for t in tensors]
-        else:  # (no AVG for reduce on gloo: the owner divides)
-            count_comm("reduce", *tensors)
-            self.handles[i] = [dist.reduce(tensors[0], dst=self.dp.global_rank(owner), op=dist.ReduceOp.SUM,
-                                           group=self.dp.group, async_op=True)]
+        self.handles[i] = self._reduce(tensors, owner)
+
+    def _reduce(self, tensors: list[Tensor], keeper: int | None, label: str = "") -> list:
+        """Async: the tensors averaged over the data-parallel ranks (an all-reduce), or with a keeper summed onto it
+        (a reduce: gloo has none that averages, so the keeper divides once it is done)."""
+        if keeper is None:
+            count_comm(label + "all_reduce", *tensors)
+            return [dist.all_reduce(t, op=dist.ReduceOp.AVG, group=self.dp.group, async_op=True) for t in tensors]
+        count_comm(label + "reduce", *tensors)
+        return [dist.reduce(tensors[0], dst=self.dp.global_rank(keeper), op=dist.ReduceOp.SUM, group=self.dp.group,
+                            async_op=True)]
 
     def _add_to_sum(self, i: int) -> None:
         """Move bucket i's gradients into their float64 sums; a sparse one (an embedding's) only its rows, each summed
@@ -3672,12 +3675,8 @@ class GradientBuckets:
         return got
 
     def _average_whole(self, grad: Tensor, keeper: int | None) -> None:
-        if keeper is None:
-            count_comm("table_all_reduce", grad)
-            dist.all_reduce(grad, op=dist.ReduceOp.AVG, group=self.dp.group)
-            return
-        count_comm("table_reduce", grad)
-        dist.reduce(grad, dst=self.dp.global_rank(keeper), op=dist.ReduceOp.SUM, group=self.dp.group)
+        for handle in self._reduce([grad], keeper, label="table_"):
+            handle.wait()
         if self.dp.rank == keeper:
             grad.div_(self.dp.size)
 
