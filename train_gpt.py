@@ -3741,6 +3741,10 @@ class DataParallelMuon(Muon):
         self.update_buffers = [torch.empty(dp.size * size, dtype=self.dtype, device=params[0].device)
                                for size in sizes]
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)  # (which replaces the groups: the schedules set the new ones)
+        self.group_of = {p: group for group in self.param_groups for p in group["params"]}
+
     @torch.no_grad()
     def step(self):
         for params, update_buffer in zip(self.by_size, self.update_buffers):

@@ -101,3 +101,30 @@ def test_an_embedding_tables_gradient_travels_as_the_rows_the_ranks_looked_up():
             elif lookups == 400:
                 assert sent == {"table_all_gather_single": 9 * 8,
                                 "table_all_reduce" if keeper is None else "table_reduce": dense_bytes}
+
+
+def trained_after_warmup(rank, world_size, files, zero, warmup_steps):
+    """The parameters before and after 6 steps (ZeRO stage `zero`), with that many compile warm-up steps before them."""
+    args = train_gpt.parse_args(tiny_flags(files, zero=zero, num_iterations=6), cuda=False)
+    cpu = torch.device("cpu")
+    trainer = train_gpt.build_trainer(args, train_gpt.build_parallel_context(rank, world_size, cpu))
+    initial = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    if warmup_steps:
+        train_gpt.warmup_and_restore(trainer, warmup_steps)
+    batches = train_gpt.DistributedDataLoader(args.train_files, train_gpt.context_length(args), args.seqs_per_step,
+                                              rank, world_size, cpu)
+    for step in range(args.num_iterations):
+        train_gpt.forward_backward(trainer, batches, step)
+        train_gpt.optimizer_step(trainer, step)
+    return {name: (initial[name], p.detach().clone()) for name, p in trainer.model.named_parameters()}
+
+
+@pytest.mark.parametrize("zero", [0])
+def test_a_compile_warmup_leaves_data_parallel_training_as_it_was(tmp_path, zero):
+    # undoing the warm-up must reach all the state data parallelism adds: Muon's groups, whose learning rate and
+    # momentum the schedules set each step
+    files = write_synthetic_shards(tmp_path)
+    warmed, fresh = (run_on_ranks(trained_after_warmup, 2, files, zero, steps)[0] for steps in (6, 0))
+    assert all(not torch.equal(*map(torch.as_tensor, before_after)) for before_after in fresh.values())  # all moved
+    for name, (_, trained) in fresh.items():
+        assert torch.equal(torch.as_tensor(warmed[name][1]), torch.as_tensor(trained)), name
