@@ -1905,6 +1905,7 @@ def warmup_and_restore(trainer: Trainer, steps: int) -> None:
         forward_backward(trainer, batches, step)  # (steps on which Adam steps and steps on which it waits)
         optimizer_step(trainer, step)
     trainer.model.load_state_dict(initial["model"])
+    trainer.layout.zero.take_rows_from_tables()
     for opt, state in zip(trainer.optimizers, initial["optimizers"]):
         opt.load_state_dict(state)
     trainer.model.zero_grad(set_to_none=True)
@@ -2113,9 +2114,11 @@ def find_checkpoint(args: Hyperparameters, ctx: "ParallelContext") -> Path | Non
     return Path(found) if found else None
 
 def optimizer_state_owners(trainer: "Trainer") -> list[dict]:
-    """Per optimizer, the data-parallel rank holding each parameter's state (None: every rank)."""
+    """Per optimizer, the data-parallel rank holding each parameter's state (None: every rank; ROW_OWNERS: each rank
+    its rows)."""
     (adam, muon), zero = trainer.optimizers, trainer.layout.zero
-    return [{p: zero.owner_of[p] if zero.stage >= 1 else None for group in adam.param_groups for p in group["params"]},
+    return [{(t := zero.table_of(p)): zero.owner_of[t] if zero.stage >= 1 else None for group in adam.param_groups
+             for p in group["params"]},
             {p: zero.owner_of[p] for group in muon.param_groups for p in group["params"]}]  # (Muon: always its owner)
 
 def gather_training_state(trainer: "Trainer", weights_only: bool = False) -> dict | None:
@@ -2130,7 +2133,12 @@ def gather_training_state(trainer: "Trainer", weights_only: bool = False) -> dic
     part = dict(model={}, adam={}, muon={}, held_gradients={})
     for name, p in trainer.model.named_parameters():  # (every rank of a tensor-parallel group joins each whole())
         held = dict(model=whole(p, p.detach())) if ctx.dp.rank == 0 else {}
-        if not weights_only and p in adam_owners and ctx.dp.rank == (adam_owners[p] or 0):  # moments shaped like p
+        rows = trainer.layout.zero.rows.get(p)
+        if not weights_only and rows is not None:  # a table's moments from the ranks keeping its rows
+            state = {k: rows.whole(v) if k.startswith("exp_avg") else v for k, v in adam.state[rows.rows].items()}
+            if ctx.dp.rank == 0:
+                held["adam"] = {k: whole(p, v) if k.startswith("exp_avg") else v for k, v in state.items()}
+        elif not weights_only and p in adam_owners and ctx.dp.rank == (adam_owners[p] or 0):  # moments shaped like p
             held["adam"] = {k: whole(p, v) if k.startswith("exp_avg") else v for k, v in adam.state[p].items()}
         if not weights_only and ctx.dp.rank == muon_owners.get(p):  # Muon keeps whole matrices
             held["muon"] = dict(muon.state[p])
@@ -2257,13 +2265,19 @@ def restore_checkpoint(state: dict, path: Path, trainer: "Trainer") -> None:
                                 if saved[names[p]] or opt is muon else [])]
         need(not gaps, f"checkpoint {path} has no {type(opt).__name__} state for {', '.join(gaps[:5])}"
              f"{' and more' if len(gaps) > 5 else ''}: it is incomplete; resume from another one")
-    with trainer.layout.zero.whole_parameters():
+    zero = trainer.layout.zero
+    with zero.whole_parameters():
         model.load_state_dict({name: own_slice(p, state["model"][name]) for name, p in model.named_parameters()})
+        zero.take_rows_from_tables()
     for p, owner in adam_owners.items():  # moments in the parameter's dtype (bf16 embeddings on CUDA, fp32 on CPU)
-        if owner in (None, ctx.dp.rank):
+        if owner in (None, ctx.dp.rank, ROW_OWNERS):
+            saved = {key: value if key == "step" else own_slice(p, value)
+                     for key, value in state["adam"][names[p]].items()}
+            if owner == ROW_OWNERS:  # (a table: this rank's rows of its moments, as the state of its rows)
+                rows = zero.rows[p]
+                p, saved = rows.rows, {key: value if key == "step" else rows.own(value) for key, value in saved.items()}
             adam.state[p] = {key: value.to(p.device, copy=True) if key == "step" else
-                             own_slice(p, value).to(p.device, p.dtype, copy=True)
-                             for key, value in state["adam"][names[p]].items()}
+                             value.to(p.device, p.dtype, copy=True) for key, value in saved.items()}
     for p, owner in muon_owners.items():
         if owner == ctx.dp.rank:
             muon.state[p] = {key: value.to(p.device, copy=True) for key, value in state["muon"][names[p]].items()}
@@ -3302,18 +3316,20 @@ class Layout:
             for p in model.parameters():
                 dist.broadcast(p.detach(), ctx.dp.global_rank(0), group=ctx.dp.group)
         adam, muon = optimizers
+        adam_params = {p for group in adam.param_groups for p in group["params"]}
         tied = [p for name, p in model.named_parameters() if name in (self.tied_names or ())]
-        self.zero = zero = Zero.build(args.zero, adam, muon, ctx.dp, tied)
+        tables = [t for t in embedding_tables(model) if t not in self.shared]  # (a table on one pipeline stage)
+        self.zero = zero = Zero.build(args.zero, adam, muon, ctx.dp, tied, tables)
         self.tie = None if self.tied_names is None else TiedEmbedding(
             model, self.tied_names, self.pipeline.stage_of if self.pipeline is not None else {}, adam, ctx,
             updates=lambda p: zero.stage == 0 or zero.owns(p))
         if ctx.dp.size > 1 or ctx.tp.size > 1:
             muon = DataParallelMuon(muon, ctx.dp, exchange_updates=zero.stage < 3)
-        adam_params = {p for group in adam.param_groups for p in group["params"]}
         self.gradients = GradientBuckets(model.parameters(), sum_dtype=torch.float64 if args.fp64_grad_sum else None,
                                          dp=ctx.dp, owner_of=zero.gradient_owners(), reduce_to_owner=zero.stage >= 2,
                                          summed_first=self.shared, held=adam_params if args.adam_every > 1 else None,
-                                         tables=embedding_tables(model))
+                                         tables=embedding_tables(model),
+                                         table_rows={t: rows.rows for t, rows in zero.rows.items()})
         # the float64 sums take an embedding's few rows from a sparse gradient, for less work (the plan's meta
         # tensors have no values to find those rows in; torch.compile does not lower sparse embeddings)
         for module in model.modules() if args.fp64_grad_sum and ctx.device.type != "meta" and not args.compile else ():
@@ -3322,8 +3338,9 @@ class Layout:
         if zero.stage >= 3 and ctx.dp.size > 1:
             zero.shard_parameters(model, self.trace)
         counted_elsewhere = {p for p, (_, stages) in self.shared.items() if stages[0] != ctx.pp.rank}
-        self.norm_params = [p for p in model.parameters() if zero.owns(p) and p not in counted_elsewhere
-                            and (hasattr(p, "slice_of") or ctx.tp.rank == 0)]  # each gradient counted once
+        counted = lambda p: p not in counted_elsewhere and (hasattr(p, "slice_of") or ctx.tp.rank == 0)
+        self.norm_params = [p for p in model.parameters() if zero.owns(p) and counted(p)] + \
+            [rows.rows for t, rows in zero.rows.items() if counted(t)]  # each gradient counted once
         return [adam, muon]
 
     def send_updated_parameters(self) -> None:
@@ -3443,12 +3460,14 @@ class GradientBuckets:
     rounds once, so every world size trains bit-identical models. held: parameters whose gradients, in a step that
     holds them (hold()), stay on each rank and add up with the following steps', reduced only when a step uses
     them. tables: parameters whose gradient has a row per lookup of an embedding (-> the embedding), averaged as
-    the rows looked up (average_rows)."""
+    the rows looked up (average_rows); table_rows: those whose rows each rank keeps (ROW_OWNERS) -> the parameter of
+    this rank's rows, which gets their gradient."""
 
     def __init__(self, params, bucket_mb: float = 25, sum_dtype: torch.dtype | None = None,
                  owner_of: dict | None = None, reduce_to_owner: bool = False, dp: Axis = Axis(),
-                 summed_first: dict | None = None, held: set | None = None, tables: dict | None = None):
-        self.dp, self.owner_of, self.sum_dtype = dp, owner_of, sum_dtype
+                 summed_first: dict | None = None, held: set | None = None, tables: dict | None = None,
+                 table_rows: dict | None = None):
+        self.dp, self.owner_of, self.sum_dtype, self.table_rows = dp, owner_of, sum_dtype, table_rows or {}
         self.reduce_to_owner, self.summed_first = reduce_to_owner and owner_of is not None, summed_first or {}
         self.held, self.holding = held or set(), False
         self.tables = tables if dp.size > 1 and tables else {}
@@ -3597,7 +3616,9 @@ class GradientBuckets:
             for handle in handles:
                 handle.wait()
             if bucket[0] in self.tables:
-                self.average_rows(reduced[0].view(len(bucket[0]), -1), bucket[0])
+                kept = self.average_rows(reduced[0].view(len(bucket[0]), -1), bucket[0])
+                if kept is not None:  # this rank's rows of the table: their parameter's gradient
+                    self.table_rows[bucket[0]].grad = kept.to(bucket[0].dtype)
             elif self.owner(bucket[0]) == self.dp.rank and self.dp.size > 1:
                 reduced[0].div_(self.dp.size)
             flat = self.sums is None and reduced[0] is not bucket[0].grad  # a copy: each gradient a view of it
@@ -3614,13 +3635,14 @@ class GradientBuckets:
         self.ready, self.reduced = [0] * len(self.buckets), [None] * len(self.buckets)
         self.handles = [[] for _ in self.buckets]
 
-    def average_rows(self, grad: Tensor, table: Tensor) -> None:
+    def average_rows(self, grad: Tensor, table: Tensor) -> Tensor | None:
         """A table's (rows, width) gradient averaged over the data-parallel ranks, in place on the rank keeping it
         (ZeRO's owner; without ZeRO every rank), sending only the rows some rank looked up (a row of zeros adds
         nothing): each rank hands its rows to the ranks summing them (an all-to-all; rank j sums rows j, j + W, ...,
         so that the frequent tokens' low ids spread over the ranks), which send the summed rows on to the keeper, or
-        to every rank. Dense (an all-reduce, or a reduce to the keeper) where that sends fewer bytes, as every rank
-        decides alike from every rank's counts of rows for each."""
+        to every rank; where each rank keeps its rows (ROW_OWNERS: ZeRO's TableRows), the sums are its rows' average,
+        returned (padded as TableRows pads them). Dense (an all-reduce, a reduce to the keeper, or a reduce-scatter of
+        the rows) where that sends fewer bytes, as every rank decides alike from every rank's counts of rows for each."""
         dp, keeper = self.dp, self.owner_of[table] if self.owner_of is not None else None
         W, share, meta = dp.size, -(-len(grad) // dp.size), grad.device.type == "meta"  # (share: the most one sums)
         if meta:  # (the plan: every lookup a different row, spread evenly over the ranks; alike on every rank)
@@ -3637,15 +3659,17 @@ class GradientBuckets:
         sent = torch.full((W, W), per_rank) if meta else every.cpu()  # rank i's rows that rank j sums
         summed = sent.sum(0).clamp(max=share)  # at most, each rank's
         row_bytes = nbytes(grad[0])  # (rows that cross between ranks, each with its index)
-        gathered = summed.sum() - summed[keeper] if keeper is not None else W * (W - 1) * summed.max()
+        gathered = 0 if keeper == ROW_OWNERS else summed.sum() - summed[keeper] if keeper is not None else \
+            W * (W - 1) * summed.max()
         sparse = (sent.sum() - sent.diagonal().sum() + gathered).item() * (row_bytes + 8)
         if sparse >= len(grad) * (W - 1) * (1 if keeper is not None else 2) * row_bytes:
-            self._average_whole(grad, keeper)
-            return
+            return self._average_whole(grad, keeper)
         mine = self._all_to_all(rows, grad[rows], sent[dp.rank].tolist(), sent[:, dp.rank].tolist())
         summed_rows, summed_values = mine[0] // W, mine[1]  # (rows of this rank's share, numbered within it)
-        share_sum = grad.new_zeros(len(range(dp.rank, len(grad), W)), grad.size(1))
+        share_sum = grad.new_zeros(share, grad.size(1))  # (a rank with fewer rows: its last stays zero)
         share_sum.index_add_(0, summed_rows, summed_values)
+        if keeper == ROW_OWNERS:
+            return share_sum.div_(W)
         kept = share_sum.ne(0).any(1).nonzero().squeeze(1) if not meta else summed_rows[:int(summed[dp.rank])]
         kept_counts = counts.new_empty(W)
         count_comm("table_all_gather_single", kept_counts)
@@ -3674,11 +3698,18 @@ class GradientBuckets:
             dist.all_to_all_single(out, t.contiguous(), receive, send, group=self.dp.group)
         return got
 
-    def _average_whole(self, grad: Tensor, keeper: int | None) -> None:
+    def _average_whole(self, grad: Tensor, keeper: int | None) -> Tensor | None:
+        W = self.dp.size
+        if keeper == ROW_OWNERS:  # each rank's rows from every rank
+            per_rank = rows_by_rank(grad, W).contiguous()
+            mine = grad.new_empty(per_rank.shape[1:])
+            count_comm("table_reduce_scatter_single", per_rank)
+            dist.reduce_scatter_single(mine.view(-1), per_rank.view(-1), op=dist.ReduceOp.AVG, group=self.dp.group)
+            return mine
         for handle in self._reduce([grad], keeper, label="table_"):
             handle.wait()
         if self.dp.rank == keeper:
-            grad.div_(self.dp.size)
+            grad.div_(W)
 
     def forget(self) -> None:
         """Drop the float64 sums and what was held (the parameters' own gradients are the optimizers' to clear)."""
@@ -3785,29 +3816,57 @@ class DataParallelMuon(Muon):
 # ----------------------------------------------------------------------------------------------------
 # ZeRO (Rajbhandari et al. 2020): optimizer states, gradients and parameters sharded over data-parallel ranks
 
+ROW_OWNERS = -1  # owner_of's mark of an embedding table whose rows are shared out over the ranks (TableRows)
+
+# Rank j of W keeps a table's rows j, j + W, ... (the frequent tokens' low ids spread over the ranks): a table's rows
+# as (W, most a rank keeps, ...), padded with zeros, and back
+def rows_by_rank(t: Tensor, W: int) -> Tensor:
+    most = -(-len(t) // W)
+    return torch.cat([t, t.new_zeros(W * most - len(t), *t.shape[1:])]).view(most, W, *t.shape[1:]).transpose(0, 1)
+
+def rows_in_table_order(per_rank: Tensor, length: int) -> Tensor:
+    return per_rank.transpose(0, 1).reshape(-1, *per_rank.shape[2:])[:length]
+
 @dataclass
 class Zero:
     """Which data-parallel rank owns (updates) each parameter, and what the stage shards: 1 Adam's states (owners
-    update and broadcast), 2 also gradients (reduced to their owner), 3 also the values (ShardedParameters).
-    Ownership is by whole parameters (Muon needs whole matrices): Muon's rule, Adam's largest first."""
+    update and send), 2 also gradients (reduced to their owner), 3 also the values (ShardedParameters).
+    Ownership is by whole parameters (Muon needs whole matrices): Muon's rule, Adam's largest first; but an embedding
+    table's by rows (TableRows), which balances the tables over the ranks where whole ones could not."""
     stage: int
     dp: Axis
-    owner_of: dict  # parameter -> data-parallel rank
+    owner_of: dict  # parameter -> data-parallel rank, or ROW_OWNERS
     sent_after_step: list  # the parameters an owner updates alone and sends (Adam's, stages 1 and 2)
+    rows: dict = dataclasses.field(default_factory=dict)  # table -> TableRows
     sharded: "ShardedParameters | None" = None
 
     @staticmethod
-    def build(stage: int, adam: torch.optim.Optimizer, muon: Muon, dp: Axis, tied: list[Tensor] = ()) -> "Zero":
+    def build(stage: int, adam: torch.optim.Optimizer, muon: Muon, dp: Axis, tied: list[Tensor] = (),
+              tables: list[Tensor] = ()) -> "Zero":
+        """tables: the embedding tables whose rows may be shared out (Adam then steps each rank's rows)."""
         owner_of = muon_owners([p for group in muon.param_groups for p in group["params"]], dp.size)
         adam_params, load = [p for group in adam.param_groups for p in group["params"]], [0] * dp.size
         for p in tied:  # a tied head and embedding: one owner, the same on every pipeline stage (TiedEmbedding)
             owner_of[p] = 0
             load[0] += p.numel()
+        sharing = stage >= 1 and dp.size > 1
+        rows = {t: TableRows(t, dp) for t in tables if t in set(adam_params) and t not in owner_of} if sharing else {}
+        owner_of.update(dict.fromkeys(rows, ROW_OWNERS))
         # the others largest first, each to the least loaded rank
         for p in sorted((p for p in adam_params if p not in owner_of), key=lambda p: -p.numel()):
             owner_of[p] = load.index(min(load))
             load[owner_of[p]] += p.numel()
-        return Zero(stage, dp, owner_of, adam_params if stage in (1, 2) and dp.size > 1 else [])
+        for group in adam.param_groups:
+            group["params"] = [rows[p].rows if p in rows else p for p in group["params"]]
+        return Zero(stage, dp, owner_of, adam_params if stage in (1, 2) and dp.size > 1 else [], rows)
+
+    def table_of(self, p: Tensor) -> Tensor:
+        """The model's parameter that p (one of Adam's) is, or is this rank's rows of."""
+        return next((t for t, rows in self.rows.items() if rows.rows is p), p)
+
+    def parameters(self, model: nn.Module) -> list[Tensor]:
+        """The parameters this rank holds: the model's, and its rows of the tables."""
+        return [*model.parameters(), *(rows.rows for rows in self.rows.values())]
 
     def owns(self, param: Tensor) -> bool:
         return self.owner_of[param] == self.dp.rank
@@ -3819,11 +3878,14 @@ class Zero:
     def send_updated_parameters(self, skip: set) -> None:
         """After the optimizers' steps: the parameters an owner updated alone, sent to the other ranks (but those in
         skip, which no optimizer stepped)."""
-        for handle in [self.broadcast_from_owner(p) for p in self.sent_after_step if p not in skip]:
+        for handle in [self.send_from_owners(p) for p in self.sent_after_step if p not in skip]:
             handle.wait()
 
-    def broadcast_from_owner(self, param: Tensor):
-        """Async: the owner's values of param to the other data-parallel ranks (.data: see ShardedParameters)."""
+    def send_from_owners(self, param: Tensor):
+        """Async: the owner's values of param to the other data-parallel ranks (.data: see ShardedParameters); a
+        table's rows from each rank."""
+        if param in self.rows:
+            return self.rows[param].gather()
         count_comm("broadcast", param)
         return dist.broadcast(param.data, self.dp.global_rank(self.owner_of[param]), group=self.dp.group,
                               async_op=True)
@@ -3845,8 +3907,55 @@ class Zero:
 
     def peak_parameter_bytes(self, model: nn.Module) -> int:
         """The most parameter bytes this rank held at once (ZeRO 3 gathers them for a while)."""
-        held = sum(p.untyped_storage().nbytes() for p in model.parameters())
+        held = sum(p.untyped_storage().nbytes() for p in self.parameters(model))
         return max(held, self.sharded.peak_bytes) if self.sharded is not None else held
+
+    def take_rows_from_tables(self) -> None:
+        """Each rank's rows as its tables hold them (after a checkpoint loaded the tables)."""
+        for table, rows in self.rows.items():
+            rows.rows.data.copy_(rows.own(table.detach()))
+
+class TableRows:
+    """ZeRO's share of an embedding table: data-parallel rank j keeps Adam's state of rows j, j + W, ... and updates
+    them (the rows whose gradients it sums: GradientBuckets.average_rows), and the ranks gather each other's rows into
+    the table. (#89's bigram table is 290M parameters: over half the record's, too many for one owner.)"""
+
+    def __init__(self, table: Tensor, dp: Axis):
+        self.table, self.dp = table, dp
+        self.most = -(-len(table) // dp.size)  # rows a rank keeps (the first len % W ranks; the others a row of zeros)
+        self.rows = nn.Parameter(self.own(table.detach()))  # this rank's, which Adam steps
+        self.pending: tuple[Tensor, object] | None = None  # a gather in flight: its buffer and handle
+
+    def own(self, t: Tensor) -> Tensor:
+        """This rank's rows of a tensor shaped like the table, padded to `most` rows (a copy)."""
+        mine = t[self.dp.rank::self.dp.size]
+        return torch.cat([mine, mine.new_zeros(self.most - len(mine), *mine.shape[1:])])
+
+    def _all_gather(self, t: Tensor) -> tuple[Tensor, object]:
+        """Async: a tensor shaped like this rank's rows from every rank."""
+        gathered = t.new_empty(self.dp.size * t.numel())
+        count_comm("all_gather_single", gathered)
+        return gathered, dist.all_gather_single(gathered, t.contiguous().view(-1), group=self.dp.group, async_op=True)
+
+    def _in_table_order(self, gathered: Tensor) -> Tensor:
+        return rows_in_table_order(gathered.view(self.dp.size, self.most, *self.table.shape[1:]), len(self.table))
+
+    def gather(self) -> "TableRows":
+        """Async: every rank's rows into the table (wait() puts them there)."""
+        self.pending = self._all_gather(self.rows.detach())
+        return self
+
+    def wait(self) -> None:
+        gathered, handle = self.pending
+        handle.wait()
+        self.table.data.copy_(self._in_table_order(gathered))
+        self.pending = None
+
+    def whole(self, t: Tensor) -> Tensor:
+        """A tensor shaped like this rank's rows (its Adam state), every rank's together, shaped like the table."""
+        gathered, handle = self._all_gather(t)
+        handle.wait()
+        return self._in_table_order(gathered)
 
 class ShardedParameters:
     """ZeRO 3: each unit (a block, or another module holding parameters) is gathered from the owners just before
@@ -3875,7 +3984,7 @@ class ShardedParameters:
         self.handles: dict[int, list] = {}  # unit -> broadcasts in flight
         self.resident: set[int] = set(range(len(self.units)))
         self.grads_in = [0] * len(self.units)
-        self.bytes = sum(p.untyped_storage().nbytes() for p in model.parameters())  # held now
+        self.bytes = sum(p.untyped_storage().nbytes() for p in zero.parameters(model))  # held now
         self.peak_bytes = 0
         for u, (_, module) in enumerate(blocks + others):
             # a block prefetches its neighbour: the next one going forward, the one before going backward
@@ -3903,7 +4012,7 @@ class ShardedParameters:
             if not self.zero.owns(p):
                 self._resize(p, nbytes(p))
         # into .data, which has its own version counter: refilling does not invalidate what autograd saved
-        self.handles[u] = [self.zero.broadcast_from_owner(p) for p in self.units[u]]
+        self.handles[u] = [self.zero.send_from_owners(p) for p in self.units[u]]
 
     def gather(self, u: int) -> None:
         self._start(u)
@@ -4654,11 +4763,12 @@ def account_step(trainer: Trainer, batches, step: int = 0) -> dict:
     saved = SavedActivations(trainer.model, batch_shape(step, trainer.args)[0])
     with saved:
         loss = forward_backward(trainer, batches, step)
-    held = dict(gradients=sum(nbytes(p.grad) for p in trainer.model.parameters() if p.grad is not None),
+    params = trainer.layout.zero.parameters(trainer.model)
+    held = dict(gradients=sum(nbytes(p.grad) for p in params if p.grad is not None),
                 gradient_sums=sum(map(nbytes, trainer.layout.gradients.sums or [])), activations=saved.peak)
     trainer.layout.step_stats(loss, trainer.layout.gradient_squares(), stop=False)
     optimizer_step(trainer, step)
-    held.update(parameters=sum(p.untyped_storage().nbytes() for p in trainer.model.parameters()),
+    held.update(parameters=sum(p.untyped_storage().nbytes() for p in params),
                 peak_parameters=trainer.layout.zero.peak_parameter_bytes(trainer.model),
                 optimizer_states=sum(nbytes(t) for opt in trainer.optimizers for state in opt.state.values()
                                      for t in state.values()),

@@ -1,6 +1,6 @@
 """Benchmark (not a test) of the embedding tables' gradient traffic under data parallelism: each of the record's
 tables averaged by the rows the ranks looked up (GradientBuckets.average_rows) against averaged whole (an all-reduce,
-or with --zero a reduce to the table's owner), on gloo processes.
+or with --zero, where each rank keeps its rows of a table, a reduce-scatter), on gloo processes.
 
     python tests/benchmark_tables.py [--ranks 8] [--width 128] [--zero 0] [--shard PATH]
 
@@ -39,13 +39,14 @@ def measure(rank: int, world_size: int, shard: str, tokens_per_rank: int, width:
     args = train_gpt.parse_args(["--preset", "record"], cuda=False)
     stream = train_gpt.load_data_shard(shard)
     tokens = stream[rank * tokens_per_rank:(rank + 1) * tokens_per_rank]
+    keeper = train_gpt.ROW_OWNERS if zero else None
     results = {}
-    for i, (name, rows) in enumerate(record_tables(args).items()):
+    for name, rows in record_tables(args).items():
         found = lookups(name, rows, tokens)
         table = torch.nn.Parameter(torch.zeros(rows, width))
         buckets = train_gpt.GradientBuckets([table], dp=train_gpt.world_axis(rank, world_size),
-                                            owner_of={table: i % world_size} if zero else None,
-                                            reduce_to_owner=zero, tables={table: None})
+                                            owner_of={table: keeper} if zero else None, reduce_to_owner=zero,
+                                            tables={table: None})
         gradient = torch.zeros(rows, width).index_add_(0, found, torch.ones(len(found), width))
         figures = {}
         for way, average in (("by_rows", buckets.average_rows), ("whole", buckets._average_whole)):
@@ -53,7 +54,7 @@ def measure(rank: int, world_size: int, shard: str, tokens_per_rank: int, width:
             train_gpt.comm_bytes.clear()
             torch.distributed.barrier()
             start = time.perf_counter()
-            average(grad, table if way == "by_rows" else buckets.owner_of[table] if zero else None)
+            average(grad, table if way == "by_rows" else keeper)
             torch.distributed.barrier()
             figures[way] = (sum(train_gpt.comm_bytes.values()), time.perf_counter() - start)
         union = torch.zeros(rows, dtype=torch.int32).index_fill_(0, found.unique(), 1)
@@ -66,7 +67,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=8)
     parser.add_argument("--width", type=int, default=128)
-    parser.add_argument("--zero", type=int, default=0, help="a ZeRO stage: 1 and up average each table on its owner")
+    parser.add_argument("--zero", type=int, default=0, help="a ZeRO stage: 1 and up: each rank keeps its rows")
     parser.add_argument("--shard", default=str(REPO_ROOT / "data/shakespeare/shakespeare_train_000001.bin"))
     options = parser.parse_args()
     args = train_gpt.parse_args(["--preset", "record"], cuda=False)
@@ -78,7 +79,7 @@ def main():
     results = train_gpt.run_on_ranks(measure, options.ranks, options.shard, tokens_per_rank, options.width,
                                      options.zero > 0, timeout=1800)
     print(f"{options.ranks} ranks, {tokens_per_rank:,} tokens each (adam_every {args.adam_every} of the record's last "
-          f"steps), width {options.width} float32, {'ZeRO: to each table owner' if options.zero else 'every rank'}")
+          f"steps), width {options.width} float32, {'ZeRO: each rank its rows' if options.zero else 'every rank'}")
     print(f"{'table':24s} {'rows':>8s} {'per rank':>9s} {'all':>8s}   {'bytes by rows':>14s} {'whole':>14s} "
           f"{'ratio':>6s}   {'s by rows':>9s} {'whole':>7s} {'ratio':>6s}")
     for name in results[0]:

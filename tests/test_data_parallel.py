@@ -75,32 +75,39 @@ def average_rows_on_rank(rank, world_size, cases):
                                             reduce_to_owner=keeper is not None, tables={table: None})
         train_gpt.comm_bytes.clear()
         grad = table_gradient(rank, rows, lookups)
-        buckets.average_rows(grad, table)
-        results.append((grad, dict(train_gpt.comm_bytes)))
+        kept = buckets.average_rows(grad, table)  # (each rank's rows: returned; else in place)
+        results.append((grad if kept is None else kept, dict(train_gpt.comm_bytes)))
     return results
 
 
 def test_an_embedding_tables_gradient_travels_as_the_rows_the_ranks_looked_up():
     # three ranks, so that the shares of rows each rank sums differ in size (34, 33, 33 of 100 rows); averaged on the
-    # keeper (every rank, or the owner of ZeRO), equal to the average of the three ranks' gradients summed here (whole
-    # numbers: exact in any order). A few rows each: the rows travel, in well under the dense bytes; every row
-    # looked up: an all-reduce (or reduce) of the table, which sends less; more ranks than rows: some blocks empty
-    cases = [(100, 5, None), (100, 5, 1), (100, 400, None), (100, 400, 2), (2, 1, None), (2, 1, 0)]
+    # keeper (every rank, the owner of ZeRO, or each rank its rows j, j + 3, ...: ROW_OWNERS), equal to the average
+    # of the three ranks' gradients summed here (whole numbers: exact in any order). A few rows each: the rows
+    # travel, in well under the dense bytes; every row looked up: an all-reduce (a reduce, a reduce-scatter) of the
+    # table, which sends less; more ranks than rows: some shares empty
+    rows_kept = train_gpt.ROW_OWNERS
+    cases = [(100, 5, None), (100, 5, 1), (100, 5, rows_kept), (100, 400, None), (100, 400, 2), (100, 400, rows_kept),
+             (2, 1, None), (2, 1, 0), (2, 1, rows_kept)]
     results = run_on_ranks(average_rows_on_rank, 3, cases)
     for case, (rows, lookups, keeper) in enumerate(cases):
         expected = sum(table_gradient(rank, rows, lookups) for rank in range(3)) / 3
-        assert expected.ne(0).any(1).sum() >= min(rows, lookups)  # (rows of each rank's own, in each block)
-        for rank in range(3) if keeper is None else [keeper]:
+        assert expected.ne(0).any(1).sum() >= min(rows, lookups)  # (rows of each rank's own, in each share)
+        for rank in range(3) if keeper in (None, rows_kept) else [keeper]:
             grad, sent = results[rank][case]
-            assert torch.equal(torch.as_tensor(grad), expected), (case, rank)
+            if keeper == rows_kept:  # (rank j's rows j, j + 3, ..., a row of zeros after where it has fewer)
+                own = expected[rank::3]
+                expected_here = torch.cat([own, own.new_zeros(-(-rows // 3) - len(own), 4)])
+            assert torch.equal(torch.as_tensor(grad), expected if keeper != rows_kept else expected_here), (case, rank)
             dense_bytes = rows * 4 * torch.float64.itemsize
             if lookups == 5:
                 assert set(sent) == {"table_all_gather_single", "table_all_to_all"} | (
                     {"table_all_gather"} if keeper is None else set())
-                assert sum(sent.values()) < dense_bytes / 2
+                assert sum(sent.values()) < dense_bytes / (2 if keeper != rows_kept else 4)
             elif lookups == 400:
-                assert sent == {"table_all_gather_single": 9 * 8,
-                                "table_all_reduce" if keeper is None else "table_reduce": dense_bytes}
+                dense = {None: "table_all_reduce", rows_kept: "table_reduce_scatter_single"}.get(keeper, "table_reduce")
+                padded_rows = 3 * 34 if keeper == rows_kept else rows
+                assert sent == {"table_all_gather_single": 9 * 8, dense: padded_rows * 4 * torch.float64.itemsize}
 
 
 def trained_after_warmup(rank, world_size, files, zero, warmup_steps):
@@ -119,10 +126,10 @@ def trained_after_warmup(rank, world_size, files, zero, warmup_steps):
     return {name: (initial[name], p.detach().clone()) for name, p in trainer.model.named_parameters()}
 
 
-@pytest.mark.parametrize("zero", [0])
+@pytest.mark.parametrize("zero", [0, 1])
 def test_a_compile_warmup_leaves_data_parallel_training_as_it_was(tmp_path, zero):
     # undoing the warm-up must reach all the state data parallelism adds: Muon's groups, whose learning rate and
-    # momentum the schedules set each step
+    # momentum the schedules set each step, and (ZeRO) the rows of the embedding tables each rank steps
     files = write_synthetic_shards(tmp_path)
     warmed, fresh = (run_on_ranks(trained_after_warmup, 2, files, zero, steps)[0] for steps in (6, 0))
     assert all(not torch.equal(*map(torch.as_tensor, before_after)) for before_after in fresh.values())  # all moved

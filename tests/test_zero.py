@@ -13,25 +13,40 @@ from synthetic import tiny_flags
 from test_checkpoints import main_on_rank
 
 
+def rows_padding(args, world_size):
+    """The embedding tables whose rows the ranks share out under ZeRO, and the bytes of rows of zeros that pad each
+    rank's (the ranks with fewer rows have one of them), over all ranks."""
+    model = train_gpt.build_model(args, torch.device("meta"))
+    tied = train_gpt.tied_pair(model, args.vocab_size) if args.tied_stages else ()
+    names = {p: name for name, p in model.named_parameters()}
+    shared_out = [t for t in train_gpt.embedding_tables(model) if names[t] not in (tied or ())]
+    return len(shared_out), sum(-len(t) % world_size * t[0].numel() * t.element_size() for t in shared_out)
+
+
 @pytest.mark.parametrize("zero", [1, 2, 3])
 def test_zero_on_two_ranks_splits_what_each_rank_holds(layout_runs, layout_files, zero):
     ranks, single = layout_runs(f"dp2_zero{zero}"), layout_runs("one process")
     held = [rank["accounted"] for rank in ranks]
     full = single["accounted"]
+    # the embedding tables (but the one tied to the head) are shared out by rows: each rank keeps its rows, and its
+    # own step count of each
+    args = train_gpt.parse_args(tiny_flags(layout_files, **LAYOUT_TEST_FLAGS), cuda=False)
+    shared_out, padding = rows_padding(args, 2)
+    assert shared_out == 4 and padding > 0
     # after the step's reduction each rank keeps the gradients of the parameters it updates: one copy in all
-    assert sum(rank["gradients"] for rank in held) == full["gradients"]
+    assert sum(rank["gradients"] for rank in held) == full["gradients"] + padding
     if zero >= 3:  # one copy of the parameters across the ranks between uses, and more while a step runs (those of
         # the GPT itself, in no unit that ZeRO 3 gathers, would be whole on each rank: the tiny model has none, its
         # backout one of MUDD's head coefficients)
-        assert sum(rank["parameters"] for rank in held) == full["parameters"]
+        assert sum(rank["parameters"] for rank in held) == full["parameters"] + padding
         assert all(rank["parameters"] < rank["peak_parameters"] < full["parameters"] for rank in held)
-    assert sum(rank["optimizer_states"] for rank in held) == full["optimizer_states"]
+    # one copy of the optimizer states (Adam's two moments of the padding, and a step count a table on each rank)
+    assert sum(rank["optimizer_states"] for rank in held) == full["optimizer_states"] + 2 * padding + shared_out * 4
     # stage 1 all-reduces the gradients (float64 sums, the tiny preset's) and broadcasts what owners updated; from
     # stage 2 on, the ZeRO paper's volume: every gradient handed once to its owner's reduce. Beside them, the one
     # all-reduce of the step's loss, gradient norm and stop flag. But the embedding tables': at every stage only
     # the rows the step looked up travel, to the owner, in less than a tenth of the table's bytes
     comm = held[0]["comm"]
-    args = train_gpt.parse_args(tiny_flags(layout_files, **LAYOUT_TEST_FLAGS), cuda=False)
     tables = train_gpt.embedding_tables(train_gpt.build_model(args, torch.device("meta")))
     table_sums = sum(p.numel() for p in tables) * torch.float64.itemsize
     sent_by_tables = sum(n for op, n in comm.items() if op.startswith("table_"))
@@ -82,4 +97,6 @@ def test_the_plan_counts_adams_gradients_held_whole_on_every_rank(files):
     groups = train_gpt.optimizer_param_groups(model, args.vocab_size, args.model_dim)
     adam_bytes = sum(train_gpt.nbytes(params[name]) for kind in groups if kind != "muon" for name in groups[kind])
     owned, held = ([rank["gradients"] for rank in plans[every]["ranks"]] for every in (1, 2))
-    assert adam_bytes > 0 and sum(held) == sum(owned) + adam_bytes  # each of Adam's on both ranks, not on one
+    padding = rows_padding(args, 2)[1]  # (each rank's rows of the tables: held whole, or its rows padded)
+    assert adam_bytes > 0 and sum(held) == sum(owned) - padding + adam_bytes  # each of Adam's on both ranks, not one
+
