@@ -4100,11 +4100,11 @@ def enter_region(x: Tensor, tp: Axis, sp: bool) -> Tensor:
         return _Conjugate.apply(x, tp, gather_sequence_shards, reduce_scatter_sequence_shards)
     return _Conjugate.apply(x, tp, identity, all_reduce_sum)
 
-def enter_beside(x: Tensor, tp: Axis, sequence_shard: bool, runs: int) -> Tensor:
+def enter_beside(x: Tensor, tp: Axis, sequence_shard: bool, runs: int, num_heads: int) -> Tensor:
     """Into a region split by head, beside its input, a tensor per head (a gated value embedding, as wide as the
     heads together; a coefficient per head): this rank's heads' part (of a sequence shard, of the gathered
     sequence); backward gathers the parts."""
-    heads = TensorParallelSlice(x.ndim - 1, x.size(-1), tp, runs)
+    heads = TensorParallelSlice(x.ndim - 1, x.size(-1), tp, runs, num_heads)
     if sequence_shard:
         return _Conjugate.apply(x, tp, lambda t, tp: heads.cut(gather_sequence_shards(t, tp)),
                                 lambda grad, tp: own_sequence_shard(heads.gather(grad), tp))
@@ -4155,15 +4155,18 @@ def gather_while_multiplying(linear: nn.Module, tp: Axis) -> None:
 @dataclass(frozen=True)
 class TensorParallelSlice:
     """A parameter split along `dim` over the axis's ranks, zero-padded to a multiple of them; `size` is the whole.
-    With `runs`, dim holds that many equal runs, each split alike (paired heads: h and h + H/2 on one rank)."""
+    With `runs`, dim holds that many equal runs, each split alike (paired heads: h and h + H/2 on one rank); with
+    `units`, dim is that many units that each stay whole (heads), a run padded with units of zeros (the record's
+    3 pairs of heads over 2 ranks: 2 heads and 2 pairs a rank, one of them zeros, which stay zero)."""
     dim: int
     size: int
     axis: Axis
     runs: int = 1
+    units: int | None = None  # (None: each element a unit)
 
     def cut(self, whole: Tensor) -> Tensor:
-        per_run = self.size // self.runs
-        n = -(-per_run // self.axis.size)
+        per_run, unit = self.size // self.runs, self.size // self.units if self.units else 1
+        n = -(-per_run // (self.axis.size * unit)) * unit
         whole = whole.unflatten(self.dim, (self.runs, per_run))
         pad = list(whole.shape)
         pad[self.dim + 1] = n * self.axis.size - per_run
@@ -4191,9 +4194,9 @@ def own_slice(p: Tensor, t: Tensor) -> Tensor:
 def full_shape(p: Tensor) -> tuple:
     return p.slice_of.full_shape(p) if hasattr(p, "slice_of") else tuple(p.shape)
 
-def split_parameter(model: nn.Module, p: nn.Parameter, dim: int, runs: int, tp: Axis) -> None:
-    """Replace p, in every module that holds it, by this rank's slice of it along dim (of `runs` runs)."""
-    how = TensorParallelSlice(dim, p.size(dim), tp, runs)
+def split_parameter(model: nn.Module, p: nn.Parameter, dim: int, runs: int, units: int | None, tp: Axis) -> None:
+    """Replace p, in every module that holds it, by this rank's slice of it along dim (of `runs` runs of `units`)."""
+    how = TensorParallelSlice(dim, p.size(dim), tp, runs, units)
     # a storage of its own: a slice that viewed the whole one would keep all of it alive
     part = nn.Parameter(how.cut(p.detach()).clone(), requires_grad=p.requires_grad)
     part.slice_of = how
@@ -4271,8 +4274,8 @@ def tensor_parallelize(model: GPT, tp: Axis, args: Hyperparameters, trace: Model
         cut = sequence_parallel_cut(trace, regions)
         if checked:
             refuse_sequence_mixing(model, trace, regions, cut, tp.size)
-    for p, (dim, runs) in splits.items():
-        split_parameter(model, p, dim, runs, tp)
+    for p, split in splits.items():
+        split_parameter(model, p, *split, tp)
     for call in regions.values():
         for name, part in per_head_buffer_parts(call.module, args.num_heads, tp).items():
             setattr(call.module, name, part)
@@ -4289,7 +4292,7 @@ def tensor_parallelize(model: GPT, tp: Axis, args: Hyperparameters, trace: Model
             call.module.register_forward_pre_hook(lambda m, a: (enter_region(a[0], tp, args.sp), *a[1:]))
         if split_by(call.module) == "heads":
             call.module.register_forward_pre_hook(lambda m, a: tuple(
-                enter_beside(t, tp, args.sp and t.size(-2) * tp.size == seq_len[0], head_runs(m))
+                enter_beside(t, tp, args.sp and t.size(-2) * tp.size == seq_len[0], head_runs(m), args.num_heads)
                 if i in beside_the_input(a, args.num_heads, args.head_dim) else t for i, t in enumerate(a)))
         call.module.register_forward_hook(lambda m, a, out: leave_region(out, tp, args.sp))
     for module in model.modules():
@@ -4333,7 +4336,7 @@ def per_head_buffer_parts(module: nn.Module, num_heads: int, tp: Axis) -> dict[s
     heads' rotation offsets), split with the heads. Its submodules' (the rotary's frequencies) are per dim."""
     if split_by(module) != "heads":
         return {}
-    return {name: TensorParallelSlice(b.shape.index(num_heads), num_heads, tp, head_runs(module)).cut(b)
+    return {name: TensorParallelSlice(b.shape.index(num_heads), num_heads, tp, head_runs(module), num_heads).cut(b)
             for name, b in module.named_buffers(recurse=False) if num_heads in b.shape}
 
 def region_of(modules: tuple, regions: dict) -> str | None:
@@ -4342,13 +4345,13 @@ def region_of(modules: tuple, regions: dict) -> str | None:
 
 def tensor_parallel_splits(model: GPT, trace: ModelTrace, regions: dict, heads: set[str],
                            num_heads: int) -> tuple[dict, dict]:
-    """The dim each parameter is split along and the runs it holds (TensorParallelSlice), and each linear layer's
-    role in its region; unplaced is refused."""
+    """The dim each parameter is split along, the runs it holds and the units (heads) that stay whole
+    (TensorParallelSlice), and each linear layer's role in its region; unplaced is refused."""
     roles, splits = linear_roles(trace, regions), {}
 
-    def claim(name: str, p: Tensor, dim: int, rule: str, runs: int = 1) -> None:
+    def claim(name: str, p: Tensor, dim: int, rule: str, runs: int = 1, units: int | None = None) -> None:
         dim %= p.ndim
-        need(splits.setdefault(p, (dim, runs)) == (dim, runs), f"tensor parallelism: {name} is split along dim "
+        need(splits.setdefault(p, (dim, runs, units))[:2] == (dim, runs), f"tensor parallelism: {name} is split along dim "
              f"{splits[p][0]} in {splits[p][1]} run(s) in one of its modules and along dim {dim} in {runs} as a {rule} "
              "in another: a tied parameter is one slice on each rank, so tie only parameters split alike")
     for module_name, module in model.named_modules():
@@ -4359,7 +4362,8 @@ def tensor_parallel_splits(model: GPT, trace: ModelTrace, regions: dict, heads: 
         for attr, p in module.named_parameters(recurse=False):
             name = f"{module_name}.{attr}".lstrip(".")
             if role in ("column", "row"):
-                claim(name, p, -2 if role == "column" else -1, f"{role}-parallel layer", runs)
+                claim(name, p, -2 if role == "column" else -1, f"{role}-parallel layer", runs,
+                      num_heads if by_head else None)
             elif module_name in heads and module.weight.size(-2) in p.shape:  # its weight, a bias: per vocabulary entry
                 claim(name, p, p.shape.index(module.weight.size(-2)), "vocabulary-parallel head")
             elif isinstance(module, nn.Embedding):
@@ -4372,7 +4376,7 @@ def tensor_parallel_splits(model: GPT, trace: ModelTrace, regions: dict, heads: 
                     op.name == "__getitem__" and isinstance(op.index, int) for op in trace.parameter_reads(name)):
                 # in a module split by head, a parameter with a dimension of the head count is per head (unless
                 # its elements are read one by one: a few scalars)
-                claim(name, p, p.shape.index(num_heads), "per-head parameter", runs)
+                claim(name, p, p.shape.index(num_heads), "per-head parameter", runs, num_heads)
             elif region and p.ndim >= 2 and role != "whole":
                 raise UserError(f"tensor parallelism: {name} is a weight matrix in the tensor-parallel region {region} "
                                 "that no rule places (it neither reads the region's input nor writes its output, and "
@@ -4508,10 +4512,11 @@ def region_that_mixes_ranks(trace: ModelTrace, regions: dict, splits: dict, tp: 
                 total, shares = 0, []
                 for r in range(tp):
                     axis = Axis(r, tp, None, tuple(range(tp)))
-                    held = {k: TensorParallelSlice(splits[p][0], p.size(splits[p][0]), axis, splits[p][1]).cut(
+                    held = {k: TensorParallelSlice(splits[p][0], p.size(splits[p][0]), axis, *splits[p][1:]).cut(
                         params[k]) if p in splits else params[k] for k, p in call.module.named_parameters()}
                     held.update(per_head_buffer_parts(call.module, num_heads, axis))
-                    args = [TensorParallelSlice(t.ndim - 1, t.size(-1), axis, runs).cut(t) if i in by_heads else t
+                    args = [TensorParallelSlice(t.ndim - 1, t.size(-1), axis, runs, num_heads).cut(t) if i in by_heads
+                            else t
                             for i, t in enumerate(call.args)]
                     shares.append([])
                     hooks = [m.register_forward_hook(functools.partial(_summed_before, seen=shares[-1], summed=summed))

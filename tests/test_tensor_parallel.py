@@ -60,3 +60,24 @@ def test_layouts_that_do_not_fit_are_refused_by_name(files, world_size, flags, w
     with pytest.raises(train_gpt.UserError, match=words):
         args = train_gpt.parse_args(tiny_flags(files) + flags, cuda=False)
         train_gpt.check_world_size(args, world_size)
+
+
+def test_paired_heads_that_do_not_halve_evenly_train_under_two_ranks_padded_with_heads_of_zeros(layout_files):
+    # the record's 6 heads attend in 3 pairs (h with h + 3), which 2 ranks cannot share evenly: each rank holds 2
+    # heads of each half, rank 1 one of them zeros, which stay zero. The tiny model with 6 heads trains as one
+    # process does, within the noise floor measured by jittering that process's gradients
+    from layouts import LAYOUT_TEST_FLAGS, assert_trains_like_one_process, edited_train_steps
+    flags = tiny_flags(layout_files, **LAYOUT_TEST_FLAGS, num_heads=6, model_dim=48)
+    single, jittered = (run_on_ranks(edited_train_steps, 1, None, flags, 3, jitter)[0]
+                        for jitter in (0.0, train_gpt.ROUNDING_JITTER))
+    ranks = run_on_ranks(edited_train_steps, 2, None, flags + ["--tp=2"], 3)
+    assert_trains_like_one_process(ranks, single, train_gpt.noise_floors(jittered, single))
+    args = train_gpt.parse_args(flags + ["--tp=2"], cuda=False)
+    model = train_gpt.build_model(args, torch.device("meta"))
+    paired = [i for i, block in enumerate(model.blocks) if getattr(getattr(block, "attn", None), "head_groups", 1) > 1]
+    ctx = train_gpt.build_parallel_context(1, 2, torch.device("meta"), tp=2)
+    with train_gpt.simulated_rank(1, 2):
+        layout = train_gpt.apply_layout(model, args, ctx)
+    for i in paired:  # (a paired layer's q and k: 2 x 4 heads of 8, half of them zeros on rank 1)
+        assert tuple(layout.model.blocks[i].attn.qk.weight.shape) == (2, 4 * 8, 48), i
+    assert paired
