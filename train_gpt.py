@@ -4351,9 +4351,9 @@ def tensor_parallel_splits(model: GPT, trace: ModelTrace, regions: dict, heads: 
 
     def claim(name: str, p: Tensor, dim: int, rule: str, runs: int = 1, units: int | None = None) -> None:
         dim %= p.ndim
-        need(splits.setdefault(p, (dim, runs, units))[:2] == (dim, runs), f"tensor parallelism: {name} is split along dim "
-             f"{splits[p][0]} in {splits[p][1]} run(s) in one of its modules and along dim {dim} in {runs} as a {rule} "
-             "in another: a tied parameter is one slice on each rank, so tie only parameters split alike")
+        need(splits.setdefault(p, (dim, runs, units)) == (dim, runs, units), f"tensor parallelism: {name} is split "
+             f"along dim {splits[p][0]} in {splits[p][1]} run(s) in one of its modules and along dim {dim} in {runs} "
+             f"as a {rule} in another: a tied parameter is one slice on each rank, so tie only parameters split alike")
     for module_name, module in model.named_modules():
         region = next((n for n in regions if module_name == n or module_name.startswith(n + ".")), None)
         by_head = region is not None and split_by(regions[region].module) == "heads"
