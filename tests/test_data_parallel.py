@@ -126,12 +126,11 @@ def trained_after_warmup(rank, world_size, files, zero, warmup_steps):
     return {name: (initial[name], p.detach().clone()) for name, p in trainer.model.named_parameters()}
 
 
-@pytest.mark.parametrize("zero", [0, 1])
-def test_a_compile_warmup_leaves_data_parallel_training_as_it_was(tmp_path, zero):
+def test_a_compile_warmup_leaves_data_parallel_training_as_it_was(tmp_path):
     # undoing the warm-up must reach all the state data parallelism adds: Muon's groups, whose learning rate and
-    # momentum the schedules set each step, and (ZeRO) the rows of the embedding tables each rank steps
+    # momentum the schedules set each step, and (ZeRO 1) the rows of the embedding tables each rank steps
     files = write_synthetic_shards(tmp_path)
-    warmed, fresh = (run_on_ranks(trained_after_warmup, 2, files, zero, steps)[0] for steps in (6, 0))
+    warmed, fresh = (run_on_ranks(trained_after_warmup, 2, files, 1, steps)[0] for steps in (6, 0))
     assert all(not torch.equal(*map(torch.as_tensor, before_after)) for before_after in fresh.values())  # all moved
     for name, (_, trained) in fresh.items():
         assert torch.equal(torch.as_tensor(warmed[name][1]), torch.as_tensor(trained)), name
