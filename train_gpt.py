@@ -4156,8 +4156,9 @@ def gather_while_multiplying(linear: nn.Module, tp: Axis) -> None:
 class TensorParallelSlice:
     """A parameter split along `dim` over the axis's ranks, zero-padded to a multiple of them; `size` is the whole.
     With `runs`, dim holds that many equal runs, each split alike (paired heads: h and h + H/2 on one rank); with
-    `units`, dim is that many units that each stay whole (heads), a run padded with units of zeros (the record's
-    3 pairs of heads over 2 ranks: 2 heads and 2 pairs a rank, one of them zeros, which stay zero)."""
+    `units`, dim is that many units that each stay whole (heads), a run padded with units of zeros where they do not
+    divide among the ranks (the record's 3 pairs over 2 ranks: each rank holds 2 heads of each half, so 2 pairs, and
+    rank 1's second pair is zeros, which stay zero)."""
     dim: int
     size: int
     axis: Axis
@@ -4516,8 +4517,7 @@ def region_that_mixes_ranks(trace: ModelTrace, regions: dict, splits: dict, tp: 
                         params[k]) if p in splits else params[k] for k, p in call.module.named_parameters()}
                     held.update(per_head_buffer_parts(call.module, num_heads, axis))
                     args = [TensorParallelSlice(t.ndim - 1, t.size(-1), axis, runs, num_heads).cut(t) if i in by_heads
-                            else t
-                            for i, t in enumerate(call.args)]
+                            else t for i, t in enumerate(call.args)]
                     shares.append([])
                     hooks = [m.register_forward_hook(functools.partial(_summed_before, seen=shares[-1], summed=summed))
                              for m in head_sums]
