@@ -2133,13 +2133,14 @@ def gather_training_state(trainer: "Trainer", weights_only: bool = False) -> dic
     part = dict(model={}, adam={}, muon={}, held_gradients={})
     for name, p in trainer.model.named_parameters():  # (every rank of a tensor-parallel group joins each whole())
         held = dict(model=whole(p, p.detach())) if ctx.dp.rank == 0 else {}
-        rows = trainer.layout.zero.rows.get(p)
-        if not weights_only and rows is not None:  # a table's moments from the ranks keeping its rows
+        rows, state = trainer.layout.zero.rows.get(p), None  # (state: p's Adam moments, where this rank sends them)
+        if not weights_only and rows is not None:  # a table's, gathered from its rows' ranks, sent by the first
             state = {k: rows.whole(v) if k.startswith("exp_avg") else v for k, v in adam.state[rows.rows].items()}
-            if ctx.dp.rank == 0:
-                held["adam"] = {k: whole(p, v) if k.startswith("exp_avg") else v for k, v in state.items()}
-        elif not weights_only and p in adam_owners and ctx.dp.rank == (adam_owners[p] or 0):  # moments shaped like p
-            held["adam"] = {k: whole(p, v) if k.startswith("exp_avg") else v for k, v in adam.state[p].items()}
+            state = state if ctx.dp.rank == 0 else None
+        elif not weights_only and p in adam_owners and ctx.dp.rank == (adam_owners[p] or 0):
+            state = adam.state[p]
+        if state is not None:  # moments shaped like p
+            held["adam"] = {k: whole(p, v) if k.startswith("exp_avg") else v for k, v in state.items()}
         if not weights_only and ctx.dp.rank == muon_owners.get(p):  # Muon keeps whole matrices
             held["muon"] = dict(muon.state[p])
         if p in held_gradients and ctx.dp.rank == 0:
