@@ -257,8 +257,9 @@ class HeadCpuKeyOffset:
     """In a with block: the key offset as head_cpu computes it, not as #89's run does. #89 shifts the keys' unrotated
     dims by one position in place, `k[:, 1:, :, D/2:] = k[:, :-1, :, D/2:]` (CausalSelfAttention.forward). Under
     torch.compile (#89's run) that is a shift; eager torch on a CPU (head_cpu) copies the overlapping slices forward
-    in memory order, so every position's unrotated key dims become position 0's. This file does the shift; to
-    compare with head_cpu's numbers, this emulates head_cpu's result in the key-offset layers."""
+    in memory order, so every position's unrotated key dims become position 0's, while autograd, which recorded a
+    copy from the slice as it was, takes the shift's backward. This file does the shift; to compare with head_cpu's
+    numbers, this emulates head_cpu's forward and its backward in the key-offset layers."""
 
     def __init__(self, model: train_gpt.GPT):
         self.attns = [b.attn for b in model.blocks if b.attn is not None and b.attn.key_offset]
@@ -269,7 +270,8 @@ class HeadCpuKeyOffset:
 
             def first_position_keys(q, k, head_offsets=None, rotary=rotary, rotate=rotate):
                 q, k = rotate(q, k, head_offsets)
-                return q, torch.where(rotary.stationary, k[:, :1].expand_as(k), k)
+                shifted = torch.cat([k[:, :1], k[:, :-1]], dim=1)
+                return q, torch.where(rotary.stationary, shifted + (k[:, :1] - shifted).detach(), k)
             attn.key_offset, rotary.forward = False, first_position_keys
         return self
 
