@@ -625,6 +625,14 @@ class GateNetwork(nn.Module):
         parts = iter(coefs.split([w for widths in self.widths.values() for w in widths.values()], dim=-1))
         return {layer: {name: next(parts) for name in widths} for layer, widths in self.widths.items()}
 
+class SublayerScales(nn.Module):
+    """A sublayer's learned scales of the residual and of its output (#45). Adam trains each apart from the other
+    scalars, as its recipe has it (#89: both with betas (0.9, 0.95), the output's at a fifth of the scalars' lr)."""
+
+    def __init__(self, residual: float, output: float):
+        super().__init__()
+        self.residual, self.output = nn.Parameter(torch.tensor(residual)), nn.Parameter(torch.tensor(output))
+
 VALUE_GATE_CHANNELS = 6  # a value embedding's gate reads this many channels of attention's input and of the embedding
 VALUE_GATE_LANES = 2  # a dense layer's value-embedding gate: one per-token coefficient for each half of the heads
 
@@ -659,7 +667,7 @@ class Block(nn.Module):
         # per token
         scales = dict(attn_scales=(1.1 ** 0.5, 1.0) if has_attention else None, mlp_scales=(1.1 ** 0.5, 1.0))
         for name, start in scales.items():
-            setattr(self, name, nn.Parameter(torch.tensor(start)) if start and not dense_sources else None)
+            setattr(self, name, SublayerScales(*start) if start and not dense_sources else None)
         self.skip_gate = nn.Parameter(torch.tensor(SKIP_SCALE_START if gated else SKIP_GATE_START)) if takes_skip \
             else None
         self.bigram_joins = bigram_joins  # "input", "output" (after attention) or None
@@ -719,8 +727,9 @@ class Block(nn.Module):
 
     def scales(self, name: str, gates: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         """A sublayer's scales of the residual and of its output: a dense layer's coefficients, or learned."""
-        residual, output = gates[name].split(1, dim=-1) if name in gates else getattr(self, name)
-        return residual, output
+        if name in gates:
+            return gates[name].split(1, dim=-1)
+        return getattr(self, name).residual, getattr(self, name).output
 
     @staticmethod
     def mix(coefficients: Tensor | None, states: list[Tensor]) -> Tensor | None:
@@ -1750,18 +1759,22 @@ def is_head(module: nn.Module, vocab_size: int) -> bool:
 
 # Each parameter goes to one group, by the kind of module that holds it (an embedding tied to the head: the head's);
 # where two modules hold it (tied weights), the first kind in this order wins
-OPTIMIZER_GROUPS = ("scalar", "gate", "head", "embed", "muon")
+OPTIMIZER_GROUPS = ("scalar", "residual_scale", "output_scale", "gate", "head", "embed", "muon")
 
-# Adam's momenta and cautious weight decay (x lr^2) by kind, as a record sets them (--optimizer_recipe): #23's (its
-# betas for gates too, which it had none of), and #89's where its lrs are this file's: the token and value embeddings
-# share the lr of its value embeddings (0.6), the scalars that of its scalars (0.04); the head #89's (its decay 150 x
-# its base 0.005), at its lr 0.008, which the token embedding tied to it takes too (#89's, apart or not);
-# the gates its base lr 0.008 and decay 0.005 (the smear's gate has none there: 0.005 x (0.01 x 0.008)^2 is nothing)
+# Adam's momenta, cautious weight decay (x lr^2) and lr_scale (of its kind's lr flag) by kind, as a record sets them
+# (--optimizer_recipe): #23's (its scalars' betas for every kind of scalar and for gates, which it had none of), and
+# #89's where its lrs are this file's: the token and value embeddings share the lr of its value embeddings (0.6), the
+# scalars that of its scalars (0.04), as its residual scales do, and its output scales a fifth of it (its base 0.008);
+# the head #89's (its decay 150 x its base 0.005), at its lr 0.008, which the token embedding tied to it takes too
+# (#89's, apart or not); the gates its base lr 0.008 and decay 0.005 (the smear's gate has none there: 0.005 x
+# (0.01 x 0.008)^2 is nothing)
 ADAM_RECIPES = {
     "23": dict(head=dict(betas=(0.8, 0.95)), embed=dict(betas=(0.8, 0.95)), scalar=dict(betas=(0.8, 0.95)),
+               residual_scale=dict(betas=(0.8, 0.95)), output_scale=dict(betas=(0.8, 0.95)),
                gate=dict(betas=(0.8, 0.95))),
     "89": dict(head=dict(betas=(0.5, 0.95), cautious_weight_decay=0.75),
                embed=dict(betas=(0.75, 0.95), cautious_weight_decay=0.025), scalar=dict(betas=(0.9, 0.99)),
+               residual_scale=dict(betas=(0.9, 0.95)), output_scale=dict(betas=(0.9, 0.95), lr_scale=0.2),
                gate=dict(betas=(0.9, 0.99), cautious_weight_decay=0.005)),
 }
 
@@ -1771,9 +1784,10 @@ def optimizer_param_groups(model: nn.Module, vocab_size: int, model_dim: int) ->
     kinds, lr_scales = collections.defaultdict(set), collections.defaultdict(set)
     for module in model.modules():
         linear = isinstance(module, (CastedLinear, nn.Linear))
-        for p in module.parameters(recurse=False):
+        for part, p in module.named_parameters(recurse=False):
             lr_scales[p].add(getattr(module, "lr_scale", 1.0))
-            kinds[p].add("gate" if isinstance(module, (Gate, GateNetwork)) else "scalar" if p.ndim < 2 else
+            kinds[p].add(f"{part}_scale" if isinstance(module, SublayerScales) else
+                         "gate" if isinstance(module, (Gate, GateNetwork)) else "scalar" if p.ndim < 2 else
                          "head" if is_head(module, vocab_size) or getattr(module, "tied_to_head", False) else
                          "muon" if linear
                          else "embed" if isinstance(module, nn.Embedding) else
@@ -1796,13 +1810,16 @@ def held_attribute(model: nn.Module, name: str, default) -> dict[Tensor, object]
 def build_optimizers(model: nn.Module, groups: dict[str, list[str]], args: Hyperparameters, device: torch.device,
                      cuda_dtypes: bool) -> list[torch.optim.Optimizer]:
     """Adam for the heads, embeddings, scalars and gates, Muon for the hidden matrices: of each group, the parameters
-    this rank's part of the model holds. A module's `lr_scale` (a Gate's) scales its parameters' Adam lr."""
+    this rank's part of the model holds. A module's `lr_scale` (a Gate's) scales its parameters' Adam lr, as a
+    recipe's does its kind's."""
     params = dict(model.named_parameters())
     held = {kind: [params[name] for name in names if name in params] for kind, names in groups.items()}
     lr_scale = held_attribute(model, "lr_scale", 1.0)
-    lrs = dict(head=args.lr_head, embed=args.lr_embed, scalar=args.lr_scalar, gate=args.lr_gate)
-    adam = Adam([dict(params=[p for p in held[kind] if lr_scale[p] == scale], lr=lrs[kind] * scale,
-                      **ADAM_RECIPES[args.optimizer_recipe][kind])
+    lrs = dict(head=args.lr_head, embed=args.lr_embed, scalar=args.lr_scalar, residual_scale=args.lr_scalar,
+               output_scale=args.lr_scalar, gate=args.lr_gate)
+    recipes = {kind: dict(ADAM_RECIPES[args.optimizer_recipe][kind]) for kind in lrs}
+    lrs = {kind: lr * recipes[kind].pop("lr_scale", 1.0) for kind, lr in lrs.items()}
+    adam = Adam([dict(params=[p for p in held[kind] if lr_scale[p] == scale], lr=lrs[kind] * scale, **recipes[kind])
                  for kind in lrs for scale in sorted({lr_scale[p] for p in held[kind]})],
                 fused=device.type != "meta")  # (stages lack some kinds; meta: the plan)
     orthogonalize = torch.compile(polar_express) if device.type == "cuda" else polar_express
@@ -2047,8 +2064,9 @@ def main(argv=None) -> float | None:
 # a gate for each layer they feed; 7: its gate networks, and no x0 scale in the layers they serve; 8: attention's q
 # and k apart from v (Muon's blocks of head pairs), the window stages' flags; 9: the staged batch's flags, whose
 # sequence lengths and document cuts are per stage; 10: the embedding tied to the head (the head's rows and group);
-# 11: MUDD's networks, and no scalars, shares or value gate in its dense layer
-CHECKPOINT_FORMAT = 11
+# 11: MUDD's networks, and no scalars, shares or value gate in its dense layer; 12: a sublayer's residual and output
+# scales apart (#89 trains them at their own lrs)
+CHECKPOINT_FORMAT = 12
 EXIT_STOPPED = 3  # kill switch or signal: a checkpoint was saved; continue with --resume latest
 EXIT_DIVERGED = 4  # non-finite training loss or gradient norm
 EXIT_LOST = 5  # a rank stopped answering or died: no stop checkpoint; continue from the last one

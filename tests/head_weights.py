@@ -35,8 +35,8 @@ index among those with attention, i - (i > 6)). Heads keep #89's order: in a pai
 - vo_bank[2a + 1] -> blocks.i.attn.c_proj.weight: times sa_lambda1 = scalars[2i + 1]
 - mlp_bank[i, 0]; mlp_bank[i, 1] (4W, W) -> blocks.i.mlp.c_fc.weight; blocks.i.mlp.c_proj.weight (W, 4W): as is;
   transposed
-- resid_lambdas[i], post_lambdas[i] ([:, 0] attention, [:, 1] MLP) -> blocks.i.attn_scales, blocks.i.mlp_scales:
-  (residual, output) paired up
+- resid_lambdas[i], post_lambdas[i] ([:, 0] attention, [:, 1] MLP) -> blocks.i.attn_scales.residual, .output,
+  blocks.i.mlp_scales.residual, .output
 - ve_gate_bank[0..3] -> blocks.{1,2,8,9}.value_gate.weight: as is
 - mudd_gate_w1[g], mudd_gate_w2[g], mudd_gate_b2[g], _mudd_gate_scale (g = 0: pre, 1: post) ->
   gate_networks.{0,4}.hidden.weight, .out.weight, .bias, .scale: the out rows and bias in this file's order
@@ -200,7 +200,8 @@ def port_state_from_head(head_weights: dict[str, Tensor], model: train_gpt.GPT) 
         out[p + "mlp.c_fc.weight"] = h["mlp_bank"][i, 0]
         out[p + "mlp.c_proj.weight"] = h["mlp_bank"][i, 1].T  # #89 multiplies relu(x W1^T)^2 @ W2, W2 (4W, W)
         if block.mlp_scales is not None:
-            out[p + "mlp_scales"] = torch.stack([h["resid_lambdas"][i, 1], h["post_lambdas"][i, 1]])
+            out[p + "mlp_scales.residual"], out[p + "mlp_scales.output"] = h["resid_lambdas"][i, 1], \
+                h["post_lambdas"][i, 1]
         if block.attn is None:
             continue
         a = i - (i > PAD_LAYER)
@@ -214,7 +215,8 @@ def port_state_from_head(head_weights: dict[str, Tensor], model: train_gpt.GPT) 
         out[p + "attn.value_scale"] = lambda_in
         out[p + "attn.c_proj.weight"] = lambda_out * h["vo_bank"][2 * a + 1]
         if block.attn_scales is not None:
-            out[p + "attn_scales"] = torch.stack([h["resid_lambdas"][i, 0], h["post_lambdas"][i, 0]])
+            out[p + "attn_scales.residual"], out[p + "attn_scales.output"] = h["resid_lambdas"][i, 0], \
+                h["post_lambdas"][i, 0]
     for g, (name, network) in enumerate(model.gate_networks.items()):
         rows_ = _network_rows(network.widths, GATE_LAYOUT[name])
         out.update({f"gate_networks.{name}.hidden.weight": h["mudd_gate_w1"][g],
@@ -488,7 +490,7 @@ def compare_fp32(state_path: Path, out: Path) -> None:
     model = train_gpt.build_model(args, torch.device("cpu"))
     load_head_weights(model, state["model"])
     for name, p in model.named_parameters():
-        if name.endswith(("attn_scales", "mlp_scales")):  # #89's forward reads resid_ and post_lambdas as bf16
+        if "_scales." in name:  # #89's forward reads resid_ and post_lambdas as bf16
             p.copy_(p.bfloat16())
     head_dim = args.head_dim
     perm = rotary_permutation(head_dim)

@@ -109,7 +109,7 @@ class GPTWithRecordEdits(train_gpt.GPT):
         stream = super().run_block(i, stream, masks)
         if self.blocks[i].mlp_scales is None:  # (a dense layer's scales are per token)
             return stream
-        return dict(stream, x=stream["x"] + 0.1 * self.blocks[i].mlp_scales[1] * stream["x0"])
+        return dict(stream, x=stream["x"] + 0.1 * self.blocks[i].mlp_scales.output * stream["x0"])
 
     def head_loss(self, stream, target_seq):
         loss = super().head_loss(stream, target_seq)

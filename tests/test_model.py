@@ -120,11 +120,13 @@ def logits_by_the_formulas(model, tokens, window, backout=True, attend_over=True
                   gates["dc_weight"], masks["banded"]] if "dc_mix" in gates and composition else []
             out = block.attn(read, ve, masks[model.mask_keys[i]], gates.get("xsa") if xsa else None,
                              gates.get("output_gate") if output_gates else None, *dc)
-            residual, output = gates["attn_scales"].split(1, -1) if "attn_scales" in gates else block.attn_scales
+            residual, output = gates["attn_scales"].split(1, -1) if "attn_scales" in gates else \
+                (block.attn_scales.residual, block.attn_scales.output)
             x = residual * x + output * out + gates["x0"] * (outputs[-1] if i == model.dense_layer else x0)
             if i > 0:
                 x = x + gates["bigram"] * pairs
-        residual, output = gates["mlp_scales"].split(1, -1) if "mlp_scales" in gates else block.mlp_scales
+        residual, output = gates["mlp_scales"].split(1, -1) if "mlp_scales" in gates else \
+            (block.mlp_scales.residual, block.mlp_scales.output)
         x = residual * x + output * block.mlp(norm(x))
         outputs[i] = x
     if backout and model.backout is not None:
@@ -184,11 +186,12 @@ def test_each_learned_scale_starts_where_record_89_starts_it():
     assert torch.sigmoid(model.blocks[4].skip_gate).item() == torch.sigmoid(torch.tensor(-1.5)).item()
     assert [i for i, block in enumerate(model.blocks) if block.skip_gate is not None] == [4]
     for block in model.blocks[:-1]:  # the residual grows by 1.1 a layer; outputs at 1; x0's share from the networks
-        scales = block.mlp_scales if block.attn is None else block.mlp_scales * block.attn_scales[0]
-        assert math.isclose(scales[0].item(), 1.1 if block.attn is not None else 1.1 ** 0.5, rel_tol=1e-6)
-        assert block.mlp_scales[1].item() == 1.0
+        residual = block.mlp_scales.residual * (1 if block.attn is None else block.attn_scales.residual)
+        assert math.isclose(residual.item(), 1.1 if block.attn is not None else 1.1 ** 0.5, rel_tol=1e-6)
+        assert block.mlp_scales.output.item() == 1.0
         if block.attn is not None:
-            assert block.attn_scales.tolist() == [pytest.approx(1.1 ** 0.5), 1.0]
+            assert [block.attn_scales.residual.item(), block.attn_scales.output.item()] == \
+                [pytest.approx(1.1 ** 0.5), 1.0]
     # without gate networks, the skip's gate is one learned scalar starting at the same weight, by hand
     # 0.5 / (1 + e^1.5), and x0's and the bigram embedding's shares learned scalars starting at 0 and 0.05
     static = train_gpt.build_model(train_gpt.parse_args(["--preset", "tiny", "--gate_network_layers", "",
