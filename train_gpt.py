@@ -1700,9 +1700,9 @@ def muon_momentum(step: int, args: Hyperparameters) -> float:
     return (1 - frac) * 0.85 + frac * 0.95
 
 def adam_steps(step: int, args: Hyperparameters) -> bool:
-    """Whether Adam steps after step `step` (from 0): on the last of every adam_every steps, the gradients summed,
-    and on the run's last step (its gradients would go unused)."""
-    return (step + 1) % args.adam_every == 0 or step + 1 == args.num_iterations
+    """Whether Adam steps after step `step` (from 0): on the last of every adam_every steps, the gradients summed
+    (#89's odd steps; as there, a last step that ends no such run of steps is Muon's alone: #89's 1,285th)."""
+    return (step + 1) % args.adam_every == 0
 
 def last_tied_step(args: Hyperparameters) -> int:
     """The last step on which the head and the token embedding are one table (-1: none): the first on which Adam
@@ -4803,11 +4803,12 @@ def accounted_steps(args: Hyperparameters) -> list[int]:
     """The steps the plan runs, in order: from the first at the longest sequences, one that holds Adam's gradients
     (each rank keeps them whole), then one on which Adam steps (the most sent); and where the head and the embedding
     start tied and pipeline stages hold them apart, the step that unties them (the most the tie sends: the
-    embedding's gradient, the head's values and its Adam state)."""
+    embedding's gradient, the head's values and its Adam state). A run whose last steps are too few for Adam's next
+    step (as #89's last) has none there."""
     firsts = first_step_of_seq_len(args)
     first = firsts[max(firsts)]
     held = [s for s in range(first, min(first + args.adam_every, args.num_iterations)) if not adam_steps(s, args)][:1]
-    steps = held + [next(s for s in range(held[0] if held else first, args.num_iterations) if adam_steps(s, args))]
+    steps = held + [s for s in range(held[0] if held else first, args.num_iterations) if adam_steps(s, args)][:1]
     untie = last_tied_step(args)
     return sorted({*steps, untie}) if 0 <= untie < args.num_iterations and args.pp > 1 else steps
 
