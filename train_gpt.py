@@ -186,11 +186,9 @@ class Muon(torch.optim.Optimizer):
         neuron (grad is used up)."""
         state = self.state[p]
         if not state:
-            matrices = Muon.matrices(grad, group)
-            rows, cols = matrices.shape[-2:]
             state["momentum_buffer"] = torch.zeros_like(grad)
-            state["second_moment"] = grad.new_zeros((*matrices.shape[:-1], 1) if rows >= cols else
-                                                    (*matrices.shape[:-2], 1, cols), dtype=torch.float32)
+            state["second_moment"] = grad.new_zeros(Muon.second_moment_shape(grad.shape, group["block_rows"]),
+                                                    dtype=torch.float32)
         buf = state["momentum_buffer"]
         buf.lerp_(grad, 1 - group["momentum"])
         update = self.orthogonalize(Muon.matrices(grad.lerp_(buf, group["momentum"]), group), dtype=self.dtype)
@@ -200,6 +198,14 @@ class Muon(torch.optim.Optimizer):
     def matrices(t: Tensor, group: dict) -> Tensor:
         """t as the matrices orthogonalised one by one: its own, or their blocks of the group's block_rows."""
         return t if group["block_rows"] is None else t.view(-1, group["block_rows"], t.size(-1))
+
+    @staticmethod
+    def second_moment_shape(shape: tuple, block_rows: int | None) -> tuple:
+        """The shape of NorMuon's running mean square for a matrix (or bank) of this shape: one per row of each
+        matrix or block of block_rows rows, or one per column where that is wider than tall."""
+        rows, cols = (shape[-2] if block_rows is None else block_rows), shape[-1]
+        lead = tuple(shape[:-2]) if block_rows is None else (math.prod(shape) // (block_rows * cols),)
+        return (*lead, rows, 1) if rows >= cols else (*lead, 1, cols)
 
     @staticmethod
     def apply_update(p: Tensor, update: Tensor, group: dict, shape: tuple) -> None:
@@ -1845,6 +1851,7 @@ class Trainer:
     layout: "Layout"
     micro_batches: int
     full_shapes: dict[str, tuple]  # the one-process model's parameter shapes, by name: what checkpoints hold
+    state_shapes: dict[str, dict[str, tuple]]  # the shape of each of a parameter's optimizer states, by name and key
 
 def build_trainer(args: Hyperparameters, ctx: "ParallelContext", cuda_dtypes: bool | None = None,
                   stream_specs: dict | None = None, nonzero_init: bool = False) -> Trainer:
@@ -1860,12 +1867,17 @@ def build_trainer(args: Hyperparameters, ctx: "ParallelContext", cuda_dtypes: bo
             nn.init.normal_(p.detach(), std=0.02)
     full_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     groups = optimizer_param_groups(model, args.vocab_size, args.model_dim)  # (refused before any layout work)
+    block_rows = held_attribute(model, "muon_block_rows", None)
+    state_shapes = {name: dict(momentum_buffer=shape, second_moment=Muon.second_moment_shape(shape, block_rows[p]))
+                    if name in groups["muon"] else dict(step=(), exp_avg=shape, exp_avg_sq=shape)
+                    for (name, p), shape in zip(model.named_parameters(), full_shapes.values())}
     layout = apply_layout(model, args, ctx, stream_specs)  # on the CPU: slices and stages cut before the copy
     model = to_device(model, ctx.device, cuda_dtypes)
     optimizers = layout.share(build_optimizers(model, groups, args, ctx.device, cuda_dtypes))
     if args.compile:
         model.compile(dynamic=False)
-    return Trainer(args, ctx, model, optimizers, layout, args.seqs_per_step // ctx.dp.size, full_shapes)
+    return Trainer(args, ctx, model, optimizers, layout, args.seqs_per_step // ctx.dp.size, full_shapes,
+                   state_shapes)
 
 def compiles_by_default(args: Hyperparameters, device: torch.device) -> bool:
     """--compile unset: on CUDA, without the layouts whose collectives and hooks have not run compiled on GPUs."""
@@ -2214,6 +2226,11 @@ def write_atomically(path: Path, state: dict) -> str | None:
 def _is_count(value) -> bool:
     return type(value) is int and value >= 0
 
+def _is_generator_state(value, size: int | None = None) -> bool:
+    """A random generator's state as torch keeps it: bytes in a 1-D uint8 tensor (of this many)."""
+    return isinstance(value, Tensor) and value.dtype == torch.uint8 and value.dim() == 1 and \
+        size in (None, value.numel())
+
 def _tensors_by_name(value, depth: int = 1) -> bool:
     return isinstance(value, dict) and all(isinstance(k, str) and (
         isinstance(v, Tensor) if depth == 1 else _tensors_by_name(v, depth - 1)) for k, v in value.items())
@@ -2224,7 +2241,7 @@ CHECKPOINT_FIELDS = {
     "run_id": ("text", lambda v: isinstance(v, str)),
     "data": ("{'shard': file name, 'offset': token count >= 0}",
              lambda v: isinstance(v, dict) and isinstance(v.get("shard"), str) and _is_count(v.get("offset"))),
-    "training_time_ms": ("a number >= 0", lambda v: type(v) in (int, float) and v >= 0),
+    "training_time_ms": ("a finite number >= 0", lambda v: type(v) in (int, float) and 0 <= v < math.inf),
     "log_bytes": ("a byte count >= 0", _is_count),
     "log_sha256": ("a hex digest", lambda v: isinstance(v, str)),
     "hyperparameters": ("the run's flags", lambda v: isinstance(v, dict) and _is_count(v.get("num_iterations"))),
@@ -2232,7 +2249,9 @@ CHECKPOINT_FIELDS = {
     "adam": ("tensors by name and state", lambda v: _tensors_by_name(v, depth=2)),
     "muon": ("tensors by name and state", lambda v: _tensors_by_name(v, depth=2)),
     "held_gradients": ("tensors by name", _tensors_by_name),
-    "rng": ("{'cpu': tensor, 'cuda': ...}", lambda v: isinstance(v, dict) and isinstance(v.get("cpu"), Tensor)),
+    "rng": ("{'cpu': the CPU generator's state, 'cuda': a CUDA generator's or None}",
+            lambda v: isinstance(v, dict) and _is_generator_state(v.get("cpu"), torch.get_rng_state().numel()) and
+            (v.get("cuda") is None or _is_generator_state(v["cuda"]))),
 }
 
 def load_checkpoint(path: Path) -> dict:
@@ -2259,6 +2278,21 @@ def load_checkpoint(path: Path) -> dict:
              "it would diverge at once; resume from an earlier one")
     return state
 
+def optimizer_state_problem(key: str, value: Tensor, shape: tuple | None) -> str | None:
+    """What is wrong with one optimizer state tensor a checkpoint holds for a parameter whose state of that key has
+    this shape (None: it has no such state), or None."""
+    if shape is None:
+        return "no optimizer of this model keeps"
+    if tuple(value.shape) != shape:
+        return f"is of shape {tuple(value.shape)}, where this model's is {shape}"
+    if not value.is_floating_point():
+        return f"holds {value.dtype}, not floating-point numbers"
+    if not torch.isfinite(value).all():
+        return "holds non-finite values"
+    if key in ("step", "exp_avg_sq", "second_moment") and (value < 0).any():
+        return "holds negative values, where a step count or mean square has none"
+    return None
+
 def restore_checkpoint(state: dict, path: Path, trainer: "Trainer") -> None:
     """Load weights, the optimizer state this rank holds and the RNG; refuse another model's shapes."""
     def shape(t):
@@ -2284,6 +2318,18 @@ def restore_checkpoint(state: dict, path: Path, trainer: "Trainer") -> None:
                                 if saved[names[p]] or opt is muon else [])]
         need(not gaps, f"checkpoint {path} has no {type(opt).__name__} state for {', '.join(gaps[:5])}"
              f"{' and more' if len(gaps) > 5 else ''}: it is incomplete; resume from another one")
+    for kind, saved in (("Adam", state["adam"]), ("Muon", state["muon"])):
+        for name, entries in saved.items():
+            for key, value in entries.items():
+                problem = optimizer_state_problem(key, value, trainer.state_shapes.get(name, {}).get(key))
+                need(problem is None, f"checkpoint {path} holds {kind} state {name}.{key} that {problem}: it is "
+                     "damaged or of another model; resume from another one")
+    cuda_rng = state["rng"]["cuda"]
+    need(ctx.device.type != "cuda" or cuda_rng is None or
+         cuda_rng.numel() == torch.cuda.get_rng_state(ctx.device).numel(), f"checkpoint {path} holds a CUDA random "
+         f"state of {cuda_rng.numel() if cuda_rng is not None else 0} bytes, not this GPU's "
+         f"{torch.cuda.get_rng_state(ctx.device).numel() if ctx.device.type == 'cuda' else 0}: it is damaged or was "
+         "edited; resume from another one")
     zero = trainer.layout.zero
     with zero.whole_parameters():
         model.load_state_dict({name: own_slice(p, state["model"][name]) for name, p in model.named_parameters()})
@@ -2982,13 +3028,29 @@ def sampling_prompt(args: Hyperparameters, encoding, context: int) -> list[int]:
          f"context of {context} (its run's longest --train_seq_len or --val_seq_len): shorten it")
     return prompt
 
+def saved_hyperparameters(state: dict, path: Path) -> Hyperparameters:
+    """The run's flags a checkpoint holds (those this file knows), held to the rules the command line's are."""
+    kinds = {field.name: field.type for field in dataclasses.fields(Hyperparameters)}
+    saved = {name: value for name, value in state["hyperparameters"].items() if name in kinds}
+    for name, value in saved.items():
+        kind = {bool | None: (bool, type(None)), float: (int, float)}.get(kinds[name], (kinds[name],))
+        need(type(value) in kind, f"checkpoint {path} holds {name} {value!r}"[:200] + f", not of type "
+             f"{' or '.join(k.__name__ for k in kind)}: it is damaged or was edited; use another checkpoint")
+    run = dataclasses.replace(Hyperparameters(), **saved)
+    run.given = set(saved)  # (its messages name the values, not a preset's)
+    try:
+        check_hyperparameters(run)
+    except UserError as e:
+        raise UserError(f"checkpoint {path} holds flags this file refuses ({e}): it is damaged, was edited or "
+                        "comes from another version; use another checkpoint") from None
+    return run
+
 def sample_from_checkpoint(args: Hyperparameters) -> list[str]:
     """--sample: the checkpoint's model continues the prompt --num_samples times, printed as drawn, then the speed."""
     path = Path(args.sample)
     need(path.is_file(), f"--sample {path}: no such file; name a checkpoint (<log_dir>/<run_id>/stepNNNNNN.pt)")
     state = load_checkpoint(path)
-    fields = {field.name for field in dataclasses.fields(Hyperparameters)}
-    run = dataclasses.replace(Hyperparameters(), **{k: v for k, v in state["hyperparameters"].items() if k in fields})
+    run = saved_hyperparameters(state, path)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     model = build_model(run, device)
     model.stretch_rotary(long_windows_so_far(run.num_iterations, run))

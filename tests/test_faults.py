@@ -239,12 +239,35 @@ def test_a_checkpoint_field_of_the_wrong_type_or_value_is_refused_by_name(tmp_pa
     state = torch.load(tmp_path / "logs" / "C" / "step000004.pt", weights_only=True)
     before = digests(tmp_path / "logs")
     nan_model = dict(state["model"], **{"embed.weight": torch.full_like(state["model"]["embed.weight"], float("nan"))})
+    adam, muon = (next(name for name, entries in state[kind].items() if entries) for kind in ("adam", "muon"))
+
+    def edited(kind, name, **entries):  # the state with some of one parameter's optimizer state replaced
+        return dict(state, **{kind: dict(state[kind], **{name: dict(state[kind].get(name, {}), **entries)})})
+    exp_avg, momentum = state["adam"][adam]["exp_avg"], state["muon"][muon]["momentum_buffer"]
     for broken, words in ((dict(state, step="4"), "bad step field '4' (expected a step count >= 0)"),
                           (dict(state, step=-1), "bad step field -1"),
                           (dict(state, data="x"), "bad data field 'x'"),
                           (dict(state, data=dict(state["data"], offset=-5)), "bad data field (expected"),
                           (dict(state, training_time_ms="soon"), "bad training_time_ms field"),
-                          (dict(state, model=nan_model), "non-finite values in tensor embed.weight")):
+                          (dict(state, training_time_ms=float("inf")), "bad training_time_ms field inf (expected a "
+                                                                       "finite number >= 0)"),
+                          (dict(state, model=nan_model), "non-finite values in tensor embed.weight"),
+                          # issue 32, case 4: a wrong shape once crashed the process (SIGSEGV) at the first step
+                          (edited("adam", adam, exp_avg=exp_avg[:-1]), f"holds Adam state {adam}.exp_avg that is of "
+                                                                       f"shape {tuple(exp_avg[:-1].shape)}, where this "
+                                                                       f"model's is {tuple(exp_avg.shape)}"),
+                          (edited("adam", adam, step=torch.ones(3)), f"Adam state {adam}.step that is of shape (3,)"),
+                          (edited("adam", adam, exp_avg_sq=-state["adam"][adam]["exp_avg_sq"] - 1),
+                           f"Adam state {adam}.exp_avg_sq that holds negative values"),
+                          (edited("adam", adam, exp_avg=exp_avg.long()), "that holds torch.int64, not floating-point"),
+                          (edited("adam", muon, exp_avg=momentum), f"Adam state {muon}.exp_avg that no optimizer "
+                                                                   "of this model keeps"),
+                          (edited("muon", muon, momentum_buffer=momentum[..., :-1]),
+                           f"Muon state {muon}.momentum_buffer that is of shape"),
+                          (edited("muon", muon, second_moment=torch.zeros(momentum.shape)),
+                           f"Muon state {muon}.second_moment that is of shape"),
+                          (dict(state, rng=dict(state["rng"], cpu=state["rng"]["cpu"].float())), "bad rng field"),
+                          (dict(state, rng=dict(state["rng"], cpu=state["rng"]["cpu"][:-1])), "bad rng field")):
         bad = tmp_path / "bad.pt"
         torch.save(broken, bad)
         refused(flags(files, tmp_path, "C", resume=bad), f"checkpoint {bad}", words)

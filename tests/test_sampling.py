@@ -93,6 +93,25 @@ def test_a_missing_or_incomplete_checkpoint_and_an_overlong_prompt_are_refused(s
         train_gpt.main(["--sample", str(saved), "--prompt", "to be " * 100])
 
 
+@pytest.mark.parametrize("saved_flags, words", [
+    (dict(model_dim="32"), "holds model_dim '32', not of type int"),  # once a TypeError while building the model
+    (dict(vocab_size=10**12), "--vocab_size must be a whole number > 0 and below 2**31, got 1000000000000"),
+    (dict(train_seq_len="0"), "--train_seq_len '0': each stage's must be a multiple of 128"),  # once blamed --prompt
+    (dict(fp8_head="yes"), "holds fp8_head 'yes', not of type bool"),
+])
+def test_a_checkpoint_whose_flags_the_command_line_would_refuse_is_refused_before_sampling(saved, tmp_path,
+                                                                                           saved_flags, words):
+    """Issue 32, cases 5 and 11: a checkpoint's hyperparameters are held to the flags' rules, named as its own."""
+    state = torch.load(saved, weights_only=True)
+    state["hyperparameters"].update(saved_flags)
+    edited = tmp_path / "edited.pt"
+    torch.save(state, edited)
+    with pytest.raises(train_gpt.UserError) as error:
+        train_gpt.main(["--sample", str(edited)])
+    assert str(error.value).startswith(f"checkpoint {edited} holds ") and words in str(error.value), str(error.value)
+    assert "preset's" not in str(error.value)
+
+
 def test_sample_every_prints_samples_at_validation_and_changes_no_loss(files, tmp_path, gpt2_ranks, capsys):
     logs = []
     for run_id, sample_every in (("plain", 0), ("sampled", 2)):
