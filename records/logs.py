@@ -14,6 +14,7 @@ import argparse
 import difflib
 import json
 import math
+import os
 import re
 import sys
 from collections import Counter
@@ -437,6 +438,12 @@ def compare(args) -> str:
     loss_p = mean_below_target_p(losses(candidate), target)
     lines = [f"{name}: train time {mean_std(times_s(runs), 3, ' s')}, val loss {mean_std(losses(runs), 4)}"
              for name, runs in (("baseline ", baseline), ("candidate", candidate))]
+    named = [sorted({run.hyperparameters.get("target_val_loss") for run in runs} - {None})
+             for runs in (baseline, candidate)]
+    if args.target is None and len(set(named[0] + named[1])) > 1:  # the verdict depends on the target: say which
+        lines.insert(0, f"target: the baseline's logs name target_val_loss {', '.join(map(str, named[0])) or 'none'} "
+                        f"and the candidate's {', '.join(map(str, named[1])) or 'none'}; judged by {target:g} "
+                        f"({source}); give --target T to judge both by another")
     base_time = mean(times_s(baseline))
     time_change = mean(times_s(candidate)) - base_time
     # a baseline logged at 0 s (its train_time rounds to 0 ms) has no relative change
@@ -555,9 +562,12 @@ def make_figure(curves: list[Curve], target: float):
 
 def check_output(output: Path) -> None:
     """Refuse, before any log is read, an output matplotlib would fail on only after the work, or would write
-    elsewhere (a name without a suffix gets .png appended)."""
+    elsewhere (a name without a suffix gets .png appended; a symbolic link leads to another file)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
+    if output.is_symlink():
+        raise LogError(f"-o {output}: a symbolic link (to {os.readlink(output)}), and plot writes through none; "
+                       "give the path of the image itself")
     if kind := not_a_file(output):
         raise LogError(f"-o {output}: {kind}; the output must be a file path such as curves.png")
     formats = FigureCanvasAgg.get_supported_filetypes()
@@ -577,11 +587,24 @@ def plot(args) -> str:
         runs = [run for group in run_groups for run in group]
         curves = [group_curve(group, i) for i, group in enumerate(run_groups)]
     target, _ = resolve_target(runs, args.target)
-    try:
-        make_figure(curves, target).savefig(args.output, dpi=100)
-    except OSError as e:
-        raise LogError(f"{args.output}: cannot write it ({e.strerror})") from None
+    write_image(make_figure(curves, target), Path(args.output))
     return f"wrote {args.output}: {len(curves)} line(s) and the target {target:g}"
+
+
+def write_image(figure, output: Path) -> None:
+    """The figure into a temporary file beside output, then renamed onto it: a failed write leaves output as it was,
+    and the rename replaces whatever name stands there (a link made since the check too), never a file it leads to."""
+    temporary = output.with_name(f".{output.name}.{os.getpid()}.tmp")
+    created = False
+    try:
+        with open(temporary, "xb") as file:  # (x: never onto something already there)
+            created = True
+            figure.savefig(file, dpi=100, format=output.suffix[1:].lower())
+        os.replace(temporary, output)
+    except OSError as e:
+        if created:
+            temporary.unlink(missing_ok=True)
+        raise LogError(f"{output}: cannot write it ({e.strerror or e})") from None
 
 
 # ----------------------------------------------------------------------------------------------------

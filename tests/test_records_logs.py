@@ -488,6 +488,58 @@ def test_plot_refuses_an_output_it_cannot_write_before_reading_any_log(tmp_path,
     assert not any((tmp_path / "folder").iterdir())
 
 
+def test_plot_never_writes_through_a_symbolic_link(tmp_path, capsys):
+    """`ln -s good.txt link.png; logs.py plot ok.txt -o link.png` once replaced good.txt with the image."""
+    (good,) = write_logs(tmp_path, [5.5], [1000])
+    link, dangling = tmp_path / "link.png", tmp_path / "dangling.png"
+    link.symlink_to("run0.txt")
+    dangling.symlink_to("elsewhere.png")  # writing through it would make a file elsewhere
+    before = sha256(good)
+    for output, to in ((link, "run0.txt"), (dangling, "elsewhere.png")):
+        code, out, err = run_cli(capsys, "plot", good, "-o", output)
+        assert code == 2 and out == "" and "Traceback" not in err
+        assert err == f"logs.py: error: -o {output}: a symbolic link (to {to}), and plot writes through none; give " \
+                      "the path of the image itself\n"
+    assert sha256(good) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling.png", "link.png", "run0.txt"]
+
+
+def test_plot_writes_its_image_whole_or_not_at_all(tmp_path, capsys, figures, monkeypatch):
+    """The image goes to a temporary file renamed onto -o: a link made there after the check is replaced, not
+    written through, and a write that fails leaves the old image and no temporary file."""
+    (good,) = write_logs(tmp_path, [5.5], [1000])
+    output = tmp_path / "curves.png"
+    assert run_cli(capsys, "plot", good, "-o", output)[0] == 0
+    old_image, before = output.read_bytes(), sha256(good)
+    output.unlink()
+    output.symlink_to("run0.txt")
+    logs.write_image(figures[0], output)
+    assert not output.is_symlink() and output.read_bytes() == old_image and sha256(good) == before
+
+    def disk_full(self, file, **kwargs):
+        file.write(b"\x89PNG half an image")
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(type(figures[0]), "savefig", disk_full)
+    code, out, err = run_cli(capsys, "plot", good, "-o", output)
+    assert code == 2 and out == "" and err == f"logs.py: error: {output}: cannot write it (No space left on device)\n"
+    assert output.read_bytes() == old_image and sha256(good) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["curves.png", "run0.txt"]
+
+
+def test_compare_says_which_target_it_judged_by_when_the_logs_name_different_ones(tmp_path, capsys):
+    """The verdict depends on the target: compare once took the candidate's without a word."""
+    baseline = write_logs(tmp_path / "a", [3.27, 3.26], [1000, 1100], target=3.28)
+    candidate = write_logs(tmp_path / "b", [3.25, 3.27], [900, 950], target=3.3)
+    before = {path: sha256(path) for path in baseline + candidate}
+    code, out, err = run_cli(capsys, "compare", *baseline, "--", *candidate)
+    assert code == 0 and err == ""
+    assert out.splitlines()[0] == "target: the baseline's logs name target_val_loss 3.28 and the candidate's 3.3; " \
+                                  "judged by 3.3 (the logs' target_val_loss); give --target T to judge both by another"
+    code, out, _ = run_cli(capsys, "compare", *baseline, "--", *candidate, "--target", "3.28")
+    assert code == 0 and out.startswith("baseline ") and "candidate vs target 3.28 (--target)" in out
+    assert {path: sha256(path) for path in baseline + candidate} == before
+
+
 @pytest.mark.parametrize("target, written", [("abc", '"abc"'), ([1], "[1]"), (True, "true"), (-1, "-1")])
 def test_a_log_whose_target_is_not_a_finite_number_is_refused(tmp_path, capsys, target, written):
     path = tmp_path / "run.txt"
