@@ -44,10 +44,10 @@ def model_flops_per_token(args: train_gpt.Hyperparameters, windows: tuple[int, i
     return 6 * matmul_weights + 12 * keys * hdim
 
 
-def synthetic_shards(directory: Path, train_tokens: int, seed: int = 0) -> dict:
+def synthetic_shards(directory: Path, train_tokens: int, seed: int = 0, val_tokens: int = 2 * 262144) -> dict:
     """Random tokens below the GPT-2 vocabulary with a document start (EOT) every few hundred tokens."""
     rng = np.random.default_rng(seed)
-    for name, n in (("train", train_tokens), ("val", 2 * 262144)):
+    for name, n in (("train", train_tokens), ("val", val_tokens)):
         tokens = rng.integers(0, train_gpt.EOT_TOKEN, n)
         tokens[np.cumsum(rng.integers(100, 800, n // 100)) % n] = train_gpt.EOT_TOKEN
         tokens[0] = train_gpt.EOT_TOKEN
