@@ -1489,6 +1489,9 @@ def check_hyperparameters(args: Hyperparameters) -> None:
         if field.type is float:
             need(math.isfinite(value) and (value > 0 if name in POSITIVE else value >= 0),
                  f"--{name} must be a finite number {low}, got {value}")
+        if field.type is str:  # (the log and the console print it: undecodable bytes cannot be)
+            need(not any(0xDC80 <= ord(c) <= 0xDCFF for c in value), f"--{name} {value!r} holds bytes that are not "
+                 "UTF-8 text: use UTF-8 text")
         need(not choices or value in choices, f"--{name} must be one of {', '.join(map(str, choices))}, got {value!r}")
     soft_cap_terms(args)
     need(args.pp <= args.num_layers, f"--pp {args.pp} must be between 1 and --num_layers {args.num_layers}: each "
@@ -1502,6 +1505,8 @@ def check_hyperparameters(args: Hyperparameters) -> None:
     need(args.top_k <= args.vocab_size, f"--top_k must be between 0 (all tokens) and --vocab_size {args.vocab_size}, "
          f"got {args.top_k}")
     need(args.cooldown_frac <= 1, f"--cooldown_frac must be in [0, 1], got {args.cooldown_frac}")
+    need(args.collective_timeout < 2**31, f"--collective_timeout must be below 2**31 seconds (68 years), got "
+         f"{args.collective_timeout:g}")
     need(args.extension_steps < args.num_iterations, f"{flag_value(args, 'extension_steps')} must be below "
          f"{flag_value(args, 'num_iterations')}: the extension follows the scheduled steps")
     stage_windows(args)
@@ -1563,6 +1568,8 @@ def check_hyperparameters(args: Hyperparameters) -> None:
     need(args.model_dim >= 12 or not args.smear and not layer_indices(args, "value_embed_layers"),
          f"--model_dim {args.model_dim}: the smear's gate reads 12 channels and a value embedding's gate 6 of it: "
          "use a width of 12 or more, or --smear false and --value_embed_layers ''")
+    need(args.run_id.isprintable(), f"--run_id {args.run_id!r} holds control characters, which would break the "
+         "log's lines: use a plain name")
     need(set(args.run_id) != {"."} and "/" not in args.run_id and os.sep not in args.run_id,
          f"--run_id {args.run_id!r} would put the run's log and checkpoints outside --log_dir: use a plain name "
          "(no path separators, not dots only)")
@@ -2813,7 +2820,7 @@ def check_host_memory(args: Hyperparameters, device: torch.device) -> None:
             available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration, ValueError):
         return  # (not Linux: unchecked)
-    params, processes = parameter_count(args), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    params, processes = parameter_count(args), launch_variable("LOCAL_WORLD_SIZE", 1, 1)
     needed = params * (16 if device.type == "cpu" else 4) * processes
     need(needed <= available, f"the model's {params:,} parameters (--model_dim {args.model_dim}, --num_layers "
          f"{args.num_layers}, --vocab_size {args.vocab_size}) need at least {needed / 2**30:.1f} GiB of this machine's "
@@ -3160,24 +3167,27 @@ def build_parallel_context(rank: int, world_size: int, device: torch.device, tp:
     host_group = dist.new_group(backend="gloo") if device.type == "cuda" and world_size > 1 else None
     return ParallelContext(rank, world_size, device, axes["dp"], axes["tp"], axes["pp"], host_group=host_group)
 
+def launch_variable(name: str, default: int, low: int, high: int | None = None) -> int:
+    """A whole number torchrun puts in the environment (unset: default), refused when malformed."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    need(text.strip().isdigit() and low <= int(text) <= (int(text) if high is None else high),
+         f"the environment variable {name}={text!r} must be a whole number from {low}"
+         + (f" to {high}" if high is not None else "") + ": launch with torchrun, which sets it (or unset it for "
+         "one process)")
+    return int(text)
+
 def launch_environment() -> tuple[int, int, int]:
     """RANK, WORLD_SIZE and LOCAL_RANK as torchrun sets them (unset: one process), refused when malformed."""
-    def read(name: str, default: int, low: int, high: int | None = None) -> int:
-        text = os.environ.get(name)
-        if text is None:
-            return default
-        need(text.strip().isdigit() and low <= int(text) <= (int(text) if high is None else high),
-             f"the environment variable {name}={text!r} must be a whole number from {low}"
-             + (f" to {high}" if high is not None else "") + ": launch with torchrun, which sets it (or unset it for "
-             "one process)")
-        return int(text)
-    world_size = read("WORLD_SIZE", 1, 1)
-    rank, local_rank = read("RANK", 0, 0, world_size - 1), read("LOCAL_RANK", 0, 0)
+    world_size = launch_variable("WORLD_SIZE", 1, 1)
+    rank, local_rank = launch_variable("RANK", 0, 0, world_size - 1), launch_variable("LOCAL_RANK", 0, 0)
+    launch_variable("LOCAL_WORLD_SIZE", 1, 1, world_size)  # (the host-memory check reads it later)
     if world_size > 1:
         missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
         need(not missing, f"WORLD_SIZE={world_size} needs {' and '.join(missing)}, where rank 0 waits for the "
              f"others: launch with torchrun --nproc_per_node={world_size} train_gpt.py, which sets them")
-        read("MASTER_PORT", 0, 1, 65535)
+        launch_variable("MASTER_PORT", 0, 1, 65535)
     return rank, world_size, local_rank
 
 def setup_distributed(tp: int = 1, pp: int = 1, timeout_s: float = 600.0) -> ParallelContext:

@@ -69,6 +69,10 @@ def fetch_ranks(dest: Path = DEFAULT_RANKS_FILE) -> Path:
     """Store GPT-2's ranks file at dest, taken from the openai-whisper source archive on PyPI."""
     if dest.is_file() and sha256_bytes(dest.read_bytes()) == RANKS_SHA256:
         return dest
+    folder = next((f for f in (dest.parent, *dest.parent.parents) if f.exists()), None)  # (the nearest that is)
+    if folder is not None and not folder.is_dir():
+        raise UserError(f"{folder} is a file, where --fetch keeps the ranks in a folder: move it away, or set "
+                        f"${RANKS_ENV} to a gpt2.tiktoken file")
     members = read_sdist_members(RANKS_SDIST, lambda inner: inner == RANKS_IN_SDIST)
     data = members.get(RANKS_IN_SDIST)
     if data is None:

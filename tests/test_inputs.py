@@ -197,6 +197,10 @@ def test_a_vocabulary_without_the_end_of_text_token_is_refused_at_parse_time():
     (["--run_id", ".."], "--run_id '..' would put the run's log and checkpoints outside --log_dir"),
     (["--run_id", "a/b"], "--run_id 'a/b' would put"),
     (["--run_id", "..."], "--run_id '...' would put"),
+    # issue 32, case 8: once a UnicodeEncodeError and an OverflowError
+    (["--run_id", "bad\udcffid"], "--run_id 'bad\\udcffid' holds bytes that are not UTF-8 text"),
+    (["--run_id", "a\nb"], "--run_id 'a\\nb' holds control characters"),
+    (["--collective_timeout", "1e15"], "--collective_timeout must be below 2**31 seconds (68 years), got 1e+15"),
 ])
 def test_values_that_cannot_train_are_refused_at_parse_time(argv, words):
     with pytest.raises(train_gpt.UserError) as error:
