@@ -53,6 +53,15 @@ class TorchVarlenAttention:  # benchmark_vs_reference.py: FA3 comes from the Hug
                            window_size=window_size)
 flash_attn_interface = TorchVarlenAttention"""
 
+# #89's GPT-2 tokenizer from the ranks file, as tiktoken builds its own (r50k_base's pattern; EOT 50256), in #89's
+# process without importing this repository
+GPT2_OFFLINE = """import tiktoken
+import tiktoken.load
+from tiktoken_ext import openai_public
+_GPT2 = tiktoken.Encoding(name="gpt2", pat_str=openai_public.r50k_pat_str, special_tokens={{"<|endoftext|>": 50256}},
+                          mergeable_ranks=tiktoken.load.load_tiktoken_bpe({ranks!r}))
+tiktoken.get_encoding = lambda name: _GPT2  # benchmark_vs_reference.py: the device reaches no network"""
+
 
 def edited(source: str, edits: list[tuple[str, str]], what: str) -> str:
     """source with each (line pattern, replacement) made once; an edit whose line is gone stops the benchmark."""
@@ -103,9 +112,7 @@ def patched_89(steps: int) -> str:
     return edited(source, [
         (r"^from kernels import get_kernel$", ""),
         (r"^flash_attn_interface = get_kernel\(.*$", TORCH_VARLEN_ATTENTION),
-        (r"^import tiktoken$", f"import tiktoken\nsys.path.insert(0, {str(REPO_ROOT / 'data')!r})\n"
-                               "import gpt2_tokenizer  # benchmark_vs_reference.py: the ranks without network\n"
-                               "tiktoken.get_encoding = lambda name: gpt2_tokenizer.get_gpt2_encoding()"),
+        (r"^import tiktoken$", GPT2_OFFLINE.format(ranks=str(gpt2_tokenizer.ranks_file()))),
         (r"^    num_scheduled_iterations: int = 1270 .*$", f"    num_scheduled_iterations: int = {scheduled}"),
         (r"^    num_extension_iterations: int = 15 .*$", f"    num_extension_iterations: int = {steps - scheduled}"),
         (r"^    val_tokens: int = 10485760 .*$", f"    val_tokens: int = {VAL_BATCH_89}"),
