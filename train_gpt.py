@@ -2332,11 +2332,10 @@ def restore_checkpoint(state: dict, path: Path, trainer: "Trainer") -> None:
                 need(problem is None, f"checkpoint {path} holds {kind} state {name}.{key} that {problem}: it is "
                      "damaged or of another model; resume from another one")
     cuda_rng = state["rng"]["cuda"]
-    need(ctx.device.type != "cuda" or cuda_rng is None or
-         cuda_rng.numel() == torch.cuda.get_rng_state(ctx.device).numel(), f"checkpoint {path} holds a CUDA random "
-         f"state of {cuda_rng.numel() if cuda_rng is not None else 0} bytes, not this GPU's "
-         f"{torch.cuda.get_rng_state(ctx.device).numel() if ctx.device.type == 'cuda' else 0}: it is damaged or was "
-         "edited; resume from another one")
+    if ctx.device.type == "cuda" and cuda_rng is not None:  # (the CPU's state is held to its size on load)
+        size = torch.cuda.get_rng_state(ctx.device).numel()
+        need(cuda_rng.numel() == size, f"checkpoint {path} holds a CUDA random state of {cuda_rng.numel()} bytes, "
+             f"not this GPU's {size}: it is damaged or was edited; resume from another one")
     zero = trainer.layout.zero
     with zero.whole_parameters():
         model.load_state_dict({name: own_slice(p, state["model"][name]) for name, p in model.named_parameters()})

@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "data"))
 import gpt2_tokenizer  # noqa: E402
 from benchmark_gpu import synthetic_shards  # noqa: E402
-from head_weights import HEAD_CPU, HEAD_SCHEDULED, HEAD_STEPS  # noqa: E402
+from head_weights import HEAD_CPU, scheduled_steps  # noqa: E402
 
 SKIPPED_STEPS = 10  # lazy initialisation and the first steps' compiles
 REFERENCE_23 = REPO_ROOT.parent / "shared" / "reference" / "train_gpt_2025-05-25.py"
@@ -96,19 +96,13 @@ def undo_diff(text: str, diff: str) -> str:
     return "".join(lines)
 
 
-def scheduled_89(steps: int) -> int:
-    """Of `steps` steps, those #89's schedule spends in its three stages (the rest: the extension), as head_cpu
-    compresses it."""
-    return max(3, round(steps * HEAD_SCHEDULED / HEAD_STEPS))
-
-
 def patched_89(steps: int) -> str:
     """#89's own file, from head_cpu, for one GPU without network: torch's varlen attention for FA3, the GPT-2 ranks
     from this repository, #89's schedule in `steps` steps, one validation batch at the end."""
     source = undo_diff((HEAD_CPU / "train_gpt.py").read_text(), (HEAD_CPU / "head.diff").read_text())
     if "HEAD_CPU" in source:
         raise SystemExit("head_cpu's train_gpt.py with head.diff undone still mentions HEAD_CPU: update this script")
-    scheduled = scheduled_89(steps)
+    scheduled = scheduled_steps(steps)
     return edited(source, [
         (r"^from kernels import get_kernel$", ""),
         (r"^flash_attn_interface = get_kernel\(.*$", TORCH_VARLEN_ATTENTION),
@@ -167,7 +161,7 @@ def main():
                 (scratch / kernels).write_text((HEAD_CPU / kernels).read_text())
             (scratch / "train_gpt.py").write_text(patched_89(steps))
             work = ["--num_iterations", str(steps),
-                    "--extension_steps", str(steps - scheduled_89(steps))]
+                    "--extension_steps", str(steps - scheduled_steps(steps))]
         else:
             (scratch / "train_gpt.py").write_text(patched_23(REFERENCE_23.read_text(), steps))
             work = ["--seqs_per_step", "1", "--num_iterations", str(steps), "--train_seq_len", "49152",

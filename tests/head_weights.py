@@ -116,6 +116,12 @@ def _window_blocks(blocks: int, block_size: int) -> str:
     return repr(blocks * block_size / train_gpt.ATTENTION_BLOCK_SIZE)
 
 
+def scheduled_steps(steps: int) -> int:
+    """Of `steps` steps, those #89's schedule spends in its three stages (the rest: the extension), as head_cpu
+    compresses its 1270 + 15."""
+    return max(3, round(steps * HEAD_SCHEDULED / HEAD_STEPS))
+
+
 def port_hyperparameters(head_config: dict) -> train_gpt.Hyperparameters:
     """This file's flags for head_cpu's configuration (its run_head_cpu.py flags, as a state's or a dump's
     "config"): #89's model (the record preset) at head_cpu's width, bigram table, batches, windows and step count;
@@ -125,7 +131,7 @@ def port_hyperparameters(head_config: dict) -> train_gpt.Hyperparameters:
         raise ValueError("only head_cpu's stream loader (--loader stream) reads the shards as this file's "
                          "doc_max_tokens 0 does; its aligned loader is #89's training loader, not ported here")
     head_dim, block, steps = int(c.get("head_dim", 16)), int(c.get("block_size", 16)), int(c.get("steps", 60))
-    scheduled = max(3, round(steps * HEAD_SCHEDULED / HEAD_STEPS))  # as head_cpu scales #89's 1270 + 15
+    scheduled = scheduled_steps(steps)
     growth = [int(g) for g in str(c.get("batch_growth", "1,2,3")).split(",")]
     seq_len = int(c.get("seq_len", 128))
     scale = steps / HEAD_STEPS
