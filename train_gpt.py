@@ -62,6 +62,45 @@ def need(ok: bool, message: str) -> None:
     if not ok:
         raise UserError(message)
 
+def file_size_limit() -> int | None:
+    """This process's largest file in bytes (`ulimit -f`), or None where there is no limit."""
+    import resource
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return None if limit == resource.RLIM_INFINITY else limit
+
+def write_file_atomically(path: Path, write: Callable, what: str) -> None:
+    """The file path (a `what`) written by write(f) into a fresh <path>.tmp (a leftover there, or a link, is removed,
+    never written through), synced and renamed onto path: no reader ever sees half a file. On failure the temporary
+    file is removed and a UserError names path and the cause: a full disk, the file size limit, or the error."""
+    path, tmp = Path(path), Path(f"{path}.tmp")
+    try:
+        tmp.unlink(missing_ok=True)
+        with open(tmp, "xb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        folder = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(folder)  # the rename survives a power cut too
+        finally:
+            os.close(folder)
+    except (OSError, RuntimeError) as e:  # (torch.save reports a full disk or the size limit as a RuntimeError)
+        written, limit = tmp.lstat().st_size if tmp.is_file() else 0, file_size_limit()
+        free = shutil.disk_usage(next(p for p in [path.parent, *path.parent.parents, Path("/")] if p.is_dir())).free
+        tmp.unlink(missing_ok=True)  # (after measuring the free space the partial file took)
+        if limit is not None and (getattr(e, "errno", None) == errno.EFBIG or written >= limit):
+            cause = (f"it reached this process's file size limit of {limit} bytes (`ulimit -f`): raise the limit "
+                     "(`ulimit -f unlimited`)")
+        elif getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or free < 64 * 2**20:
+            cause = f"no space left on the device ({free / 2**20:.1f} MiB free)"
+        else:
+            cause = " ".join(str(e).split())[:300]
+        raise UserError(f"cannot write {what} {path}: {cause}") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
 # ----------------------------------------------------------------------------------------------------
 # FP8 matmul: a custom op so torch.compile sees one opaque node with a fake (shape-only) implementation
 
@@ -1078,16 +1117,19 @@ def load_data_shard(path, pin_memory: bool = False) -> Tensor:
     return tokens
 
 def write_data_shard(path, tokens) -> None:
-    """Write tokens (ints below 2**16) as a shard, via a temporary name so no half-written file is left."""
+    """Write tokens (ints below 2**16) as a shard, once its disk has room, through a temporary file (so no half-written
+    file is left); UserError names the shard when it cannot be written."""
     tokens = np.asarray(tokens)
     if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**16):
         raise ValueError(f"{path}: token ids must fit in uint16, got range [{tokens.min()}, {tokens.max()}]")
+    need(tokens.size < 2**31, f"cannot write data shard {path}: {tokens.size} tokens, and a shard's header counts at "
+         "most 2**31 - 1")
     header = np.zeros(SHARD_HEADER_INTS, dtype="<i4")
     header[:3] = SHARD_MAGIC, SHARD_VERSION, tokens.size
-    with open(f"{path}.tmp", "wb") as f:
-        f.write(header.tobytes())
-        f.write(tokens.astype("<u2").tobytes())
-    os.replace(f"{path}.tmp", path)
+    size, free = SHARD_HEADER_BYTES + 2 * tokens.size, shutil.disk_usage(Path(path).parent).free
+    need(free >= size, f"cannot write data shard {path}: it takes {size / 2**20:.1f} MiB, and its disk has "
+         f"{free / 2**20:.1f} MiB free: make room, or write the shards to another disk")
+    write_file_atomically(path, lambda f: f.write(header.tobytes() + tokens.astype("<u2").tobytes()), "data shard")
 
 def list_shards(pattern: str, flag: str) -> list[Path]:
     files = [Path(f) for f in sorted(glob.glob(pattern))]
@@ -2192,8 +2234,9 @@ def gather_training_state(trainer: "Trainer", weights_only: bool = False) -> dic
         if ctx.is_master else None
 
 def save_checkpoint(path: Path, trainer: "Trainer", on_written: Callable[[], None] = lambda: None,
-                    **run_state) -> None:
-    """Rank 0 writes the training state and run_state, then calls on_written; all ranks stop if it failed."""
+                    refusal: Callable[[], str | None] = lambda: None, **run_state) -> None:
+    """Rank 0 writes the training state and run_state (unless refusal() gives a reason not to), then calls
+    on_written; all ranks stop if it failed."""
     ctx, failure = trainer.ctx, None
     with trainer.layout.zero.whole_parameters():  # (until written: rank 0 saves its parameters from where they live)
         state = gather_training_state(trainer)
@@ -2201,33 +2244,19 @@ def save_checkpoint(path: Path, trainer: "Trainer", on_written: Callable[[], Non
             cuda_rng = torch.cuda.get_rng_state(ctx.device) if ctx.device.type == "cuda" else None
             state.update(format=CHECKPOINT_FORMAT, rng=dict(cpu=torch.get_rng_state(), cuda=cuda_rng),
                          code=Path(__file__).read_text(), **run_state)
-            failure = write_atomically(path, state)
+            failure = refusal() or write_atomically(path, state)
             if failure is None:
                 on_written()
     failure = from_master(failure if ctx.is_master else None)
     need(failure is None, failure)
 
 def write_atomically(path: Path, state: dict) -> str | None:
-    """torch.save to a temporary name, then renamed and synced; the reason it failed (None: written)."""
-    tmp = path.with_name(path.name + ".tmp")
+    """torch.save through a temporary file; the reason it failed (None: written)."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        directory = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(directory)  # the rename survives a power cut too
-        finally:
-            os.close(directory)
-    except (OSError, RuntimeError) as e:  # (torch.save reports a full disk as a RuntimeError)
-        free = shutil.disk_usage(path.parent if path.parent.exists() else ".").free  # (before the partial file goes)
-        tmp.unlink(missing_ok=True)
-        cause = f"no space left on the device ({free / 2**20:.1f} MiB free)" \
-            if getattr(e, "errno", None) == errno.ENOSPC or free < 2**20 * 64 else " ".join(str(e).split())[:300]
-        return f"cannot write checkpoint {path}: {cause}; the earlier checkpoints are intact"
+        write_file_atomically(path, lambda f: torch.save(state, f), "checkpoint")
+    except UserError as e:
+        earlier = [p for p in path.parent.glob("step*.pt") if p != path]
+        return f"{e}; " + ("the earlier checkpoints are intact" if earlier else "no checkpoint of this run was written")
     return None
 
 def _is_count(value) -> bool:
@@ -2799,6 +2828,10 @@ def check_room_for_the_run(args: Hyperparameters, start_step: int) -> None:
     end, every = args.num_iterations, args.save_every
     saves = 1 + (end // every - start_step // every + (end % every != 0) if every > 0 and start_step < end else 0)
     saves = min(saves, args.keep_last + 1) if args.keep_last else saves
+    limit = file_size_limit()
+    need(limit is None or limit >= max(log_bytes, checkpoint_bytes), f"this process may write files of at most {limit} "
+         f"bytes (`ulimit -f`), and this run's log and checkpoints take up to {checkpoint_bytes / 2**20:.1f} MiB each: "
+         "raise the limit (`ulimit -f unlimited`)")
     if free < log_bytes + saves * checkpoint_bytes:
         what = f"its log and {saves} checkpoint(s) of {checkpoint_bytes / 2**20:.0f} MiB (--save_every {every}, " \
                "and one for a stop; " + (f"--keep_last {args.keep_last})" if args.keep_last else "none is deleted)")

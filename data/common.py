@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tarfile
@@ -16,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from train_gpt import EOT_TOKEN, SHARD_HEADER_BYTES, UserError, read_shard_header
+from train_gpt import (EOT_TOKEN, SHARD_HEADER_BYTES, UserError, file_size_limit, read_shard_header,
+                       write_data_shard)
 
 DATA_DIR = Path(__file__).resolve().parent
 MANIFEST_FILE = DATA_DIR / "manifest.json"
@@ -31,7 +33,8 @@ class FlagError(UserError):
 
 def run_script(main) -> None:
     """Run a script's main(argv) -> exit status; a UserError becomes one `error:` paragraph and status 1 (2 for a
-    FlagError)."""
+    FlagError). SIGTERM ends it as Ctrl-C does, so no temporary file is left behind."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         sys.exit(main())
     except UserError as e:
@@ -48,6 +51,14 @@ def check_out_dir(out_dir: Path) -> None:
     if not os.access(existing, os.W_OK | os.X_OK):
         raise FlagError(f"--out_dir {out_dir}: no permission to write in {existing}; choose another --out_dir or "
                         "make it writable")
+
+
+def write_shard(path: Path, tokens) -> None:
+    """A shard into --out_dir; one its disk cannot take (full, or over the file size limit) is --out_dir's problem."""
+    try:
+        write_data_shard(path, tokens)
+    except UserError as e:
+        raise FlagError(f"--out_dir {path.parent}: {e}") from None
 
 
 def shard_name(prefix: str, index: int) -> str:
@@ -152,8 +163,11 @@ def read_sdist_members(requirement: str, wanted, timeout_s: float | None = None)
         archives = sorted(Path(tmp).glob("*.tar.gz"))
         if result.returncode != 0 or len(archives) != 1:
             last_line = (result.stderr.strip().splitlines() or ["no archive was saved"])[-1]
-            raise UserError(f"`pip download --no-deps {requirement}` failed ({last_line}): PyPI could not be reached "
-                            "or has no such source archive; check the network or pip's index settings")
+            limit = file_size_limit()
+            raise UserError(f"`pip download --no-deps {requirement}` failed ({last_line}): " + (
+                f"this process may write files of at most {limit} bytes (`ulimit -f`), which the archive may pass; "
+                "raise the limit (`ulimit -f unlimited`)" if limit is not None else "PyPI could not be reached or has "
+                "no such source archive; check the network or pip's index settings"))
         members = {}
         with tarfile.open(archives[0]) as tar:
             for member in tar:

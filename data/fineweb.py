@@ -28,10 +28,10 @@ import pyarrow.parquet
 from huggingface_hub import HfApi, hf_hub_download
 from tqdm import tqdm
 
-from data.common import DATA_DIR, FlagError, UserError, check_out_dir, run_script, shard_name
+from data.common import DATA_DIR, FlagError, UserError, check_out_dir, run_script, shard_name, write_shard
 from data.gpt2_tokenizer import get_gpt2_encoding
 from data.hub import HUB_ERRORS, hub_error, probe
-from train_gpt import EOT_TOKEN, write_data_shard
+from train_gpt import EOT_TOKEN
 
 DATASETS = {"fineweb": ("HuggingFaceFW/fineweb", "fineweb"), "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "finewebedu")}
 SAMPLES = ("10BT", "100BT")
@@ -146,7 +146,7 @@ class ShardWriter:
 
     def _write(self) -> None:
         path = self.out_dir / shard_name(self.prefix, len(self.written))
-        write_data_shard(path, self.buffer[:self.filled])
+        write_shard(path, self.buffer[:self.filled])
         self.written.append((path, self.filled))
         self.filled = 0
 
@@ -162,8 +162,9 @@ def main(argv=None) -> int:
     parser.add_argument("--shard_size", type=int, default=DEFAULT_SHARD_SIZE, help="tokens per shard")
     parser.add_argument("--workers", type=int, default=os.cpu_count(), help="tokenizer processes")
     args = parser.parse_args(argv)
-    if args.shard_size < 1:
-        raise FlagError(f"--shard_size {args.shard_size}: a shard needs at least 1 token")
+    if not 1 <= args.shard_size < 2**31:
+        raise FlagError(f"--shard_size {args.shard_size}: a shard holds from 1 token to 2**31 - 1 (its header counts "
+                        "them in 32 bits)")
     if args.workers < 1:
         raise FlagError(f"--workers {args.workers}: need at least 1")
     prefix = args.prefix or DATASETS[args.dataset][1]

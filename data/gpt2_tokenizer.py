@@ -21,7 +21,7 @@ import tiktoken.load
 from tiktoken_ext import openai_public
 
 from data.common import DATA_DIR, UserError, read_sdist_members, run_script, sha256_bytes
-from train_gpt import EOT_TOKEN
+from train_gpt import EOT_TOKEN, write_file_atomically
 
 RANKS_ENV = "GPT2_TIKTOKEN_FILE"
 DEFAULT_RANKS_FILE = DATA_DIR / ".cache" / "gpt2.tiktoken"
@@ -82,9 +82,7 @@ def fetch_ranks(dest: Path = DEFAULT_RANKS_FILE) -> Path:
         raise UserError(f"{RANKS_IN_SDIST} in {RANKS_SDIST} has SHA-256 {sha256_bytes(data)}, not GPT-2's "
                         f"{RANKS_SHA256}; not storing it")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(dest.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, dest)  # atomic: a reader never sees half a file
+    write_file_atomically(dest, lambda f: f.write(data), "GPT-2's ranks file")  # a reader never sees half of it
     return dest
 
 

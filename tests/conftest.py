@@ -1,6 +1,8 @@
 """Shared test setup: the repo root on sys.path (tests import train_gpt's parts), and shared fixtures."""
+import contextlib
 import functools
 import os
+import resource
 import sys
 from pathlib import Path
 
@@ -11,6 +13,17 @@ sys.path.insert(0, str(REPO_ROOT))
 # the worker processes' server (train_gpt.run_on_ranks) imports the trainer and these helpers by name once
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), str(REPO_ROOT / "tests"),
                                                          os.environ.get("PYTHONPATH")]))
+
+
+@contextlib.contextmanager
+def file_size_limit(limit: int):
+    """This process, and those it starts, may write files of at most `limit` bytes, as under `ulimit -f`."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
 
 
 @pytest.fixture(scope="session")

