@@ -2389,11 +2389,13 @@ def restore_checkpoint(state: dict, path: Path, trainer: "Trainer") -> None:
         torch.cuda.set_rng_state(state["rng"]["cuda"], ctx.device)
 
 class StopRequests:
-    """Stop after this step: the kill switch appeared, or SIGTERM, SIGINT or SIGHUP came. A second signal stops at
-    once, unless a checkpoint is being written: that finishes first."""
+    """Stop after this step: the kill switch appeared, SIGTERM, SIGINT or SIGHUP came, or the run's folder was lost
+    (its stop checkpoint is then refused). A second signal stops at once, unless a checkpoint is being written: that
+    finishes first."""
 
-    def __init__(self, kill_switch: Path):
-        self.kill_switch, self.reason, self.previous_handlers, self.writing_checkpoint = kill_switch, None, {}, False
+    def __init__(self, kill_switch: Path, folder_lost: Callable[[], str | None]):
+        self.kill_switch, self.folder_lost, self.reason, self.previous_handlers, self.writing_checkpoint = \
+            kill_switch, folder_lost, None, {}, False
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
@@ -2426,16 +2428,20 @@ class StopRequests:
     def check(self) -> str | None:
         if self.reason is None and self.kill_switch.exists():
             self.reason = f"kill switch {self.kill_switch}"
+        if self.reason is None:
+            self.reason = self.folder_lost()
         return self.reason
 
 class RankWatchdog:
     """Around the loop: a rank that stops answering (a step outlasts --collective_timeout: a thread, since the others
     wait in a collective) or dies (a collective fails) ends the run, naming the ranks that miss a roll call in the
-    launch's store, the step and the last checkpoint."""
+    launch's store, the step and the last checkpoint. A rank that was itself stopped that long (SIGSTOP, a frozen
+    machine) finds the run ended when it runs again, and says so."""
 
     def __init__(self, run: "RunKeeper"):
         self.run, self.ctx, self.timeout_s = run, run.ctx, run.args.collective_timeout
         self.step, self.beat_at, self.armed, self.done = run.start_step, time.monotonic(), False, threading.Event()
+        self.first_step_compiles, self.stopped_s = run.args.compile and run.args.warmup_steps == 0, 0.0
         self.thread = threading.Thread(target=self._watch, daemon=True, name="rank watchdog")
 
     def __enter__(self):
@@ -2450,49 +2456,88 @@ class RankWatchdog:
             self.thread.join()
         # gloo and NCCL report a lost peer as RuntimeError (or its subclass DistError)
         if isinstance(error, RuntimeError) and self.ctx.world_size > 1:
+            if self.stopped_s:  # (no roll call: the store may have gone with the run)
+                raise RunEnded(self._report(self._stopped()), EXIT_LOST) from None
             cause = str(error).split("] ", 1)[-1].split(". ")[0]  # (after the source location gloo puts first)
-            message = self._report(f"saw a collective fail in step {self.step + 1} ({' '.join(cause.split())[:120]})",
-                                   self._roll_call())
-            if message:
-                raise RunEnded(message, EXIT_LOST) from None
+            lost = self._lost(self._roll_call())
+            if lost:
+                raise RunEnded(self._report(f"{lost}: rank {self.ctx.rank} saw a collective fail in step "
+                                            f"{self.step + 1} ({' '.join(cause.split())[:120]})"), EXIT_LOST) from None
 
     def beat(self, step: int) -> None:
-        """Step `step` starts (armed from the second: the first may compile)."""
-        self.armed, self.step, self.beat_at = step > self.run.start_step, step, time.monotonic()
+        """Step `step` starts (armed from the first, unless it compiles: then from the second)."""
+        self.armed = step > self.run.start_step or not self.first_step_compiles
+        self.step, self.beat_at = step, time.monotonic()
 
     def _watch(self) -> None:
-        while not self.done.wait(min(1.0, self.timeout_s / 10)):
+        woke = time.monotonic()
+        while True:
+            done, previous, woke = self.done.wait(min(1.0, self.timeout_s / 10)), woke, time.monotonic()
+            if woke - previous > self.timeout_s:  # this process did not run meanwhile: the others gave up on it
+                self.stopped_s = woke - previous
+                if not done:
+                    print_if_possible(self._report(self._stopped()), sys.stderr)
+                    os._exit(EXIT_LOST)
+            if done:
+                return
             step, beat_at = self.step, self.beat_at
             if self.armed and time.monotonic() - beat_at > self.timeout_s:
-                lost = self._roll_call()
+                lost = self._lost(self._roll_call())
                 if self.beat_at != beat_at:  # the step ended during the roll call: a slow step on a busy machine
                     continue
-                message = self._report(f"waited {self.timeout_s:g} s in a collective in step {step + 1} "
-                                       "(--collective_timeout)", lost)
-                if message:
-                    print_if_possible(message, sys.stderr)
+                if lost:
+                    print_if_possible(self._report(f"{lost}: rank {self.ctx.rank} waited {self.timeout_s:g} s in a "
+                                                   f"collective in step {step + 1} (--collective_timeout)"),
+                                      sys.stderr)
                     os._exit(EXIT_LOST)  # (the main thread waits inside a collective: it is writing nothing)
                 self.beat_at = time.monotonic()  # every rank answered: a slow step, not a lost rank
 
-    def _report(self, what: str, lost: list[int] | None) -> str | None:
-        """The run's last line and message when ranks were lost (`lost`: those missing the roll call; None: no store
-        to call them in); None when every rank answered."""
-        if lost == []:
+    def _lost(self, missing: list[int] | None) -> str | None:
+        """Who was lost, by the roll call's missing ranks (None: no store to call them in); None if nobody."""
+        if missing == []:
             return None
-        who = "another rank stopped answering" if self.ctx.store is None else \
-            f"rank{'s' * (len(lost) > 1)} {', '.join(map(str, lost))} stopped answering" if lost else \
+        return "another rank stopped answering" if self.ctx.store is None else \
+            f"rank{'s' * (len(missing) > 1)} {', '.join(map(str, missing))} stopped answering" if missing else \
             "rank 0, which holds the run's store, stopped answering"
+
+    def _stopped(self) -> str:
+        return (f"rank {self.ctx.rank} did not run for {self.stopped_s:.0f} s (its process was stopped), longer than "
+                f"--collective_timeout {self.timeout_s:g}: the other ranks have ended the run in step {self.step + 1}")
+
+    def _report(self, what: str) -> str:
+        """The run's last line and message when ranks were lost: what happened, then how to go on."""
         last, run = self.run.last_checkpoint, self.run
-        message = (f"{who}: rank {self.ctx.rank} {what}; " + (f"the last checkpoint is {last} (step "
-                   f"{run.last_checkpoint_step}); " if last else "no checkpoint was saved; ")
-                   + f"once every rank is up, continue with --run_id {run.args.run_id} --resume latest")
+        message = (f"{what}; " + (f"the last checkpoint is {last} (step {run.last_checkpoint_step}); once every rank "
+                   "is up, continue" if last else "no checkpoint was saved; once every rank is up, start again (its "
+                   "log is kept aside)") + f" with --run_id {run.args.run_id} --resume latest")
         run.log(f"lost: {message}")
         return message
 
     def _roll_call(self) -> list[int] | None:
-        store, call = self.ctx.store, f"roll_call/step{self.step}"
-        if store is None:
+        """The ranks that miss a roll call in the store; None without a store, or when it does not answer in time (a
+        stopped rank 0 holds it: a call waits on it with no end)."""
+        if self.ctx.store is None or not self._store_reachable():
             return None
+        answer = queue.Queue()
+        threading.Thread(target=lambda: answer.put(self._call_the_roll()), daemon=True, name="roll call").start()
+        try:
+            return answer.get(timeout=min(5.0, self.timeout_s / 2) + 2)
+        except queue.Empty:
+            return None
+
+    def _store_reachable(self) -> bool:
+        """Whether the store's server (rank 0's, or torchrun's agent's) still takes connections: a call into a store
+        whose process has gone prints C++ tracebacks before it fails."""
+        if self.ctx.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            return True  # (it is this process)
+        try:
+            socket.create_connection((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])), timeout=2).close()
+            return True
+        except OSError:
+            return False
+
+    def _call_the_roll(self) -> list[int] | None:
+        store, call = self.ctx.store, f"roll_call/step{self.step}"
         try:
             store.set(f"{call}/{self.ctx.rank}", "here")
             deadline = time.monotonic() + min(5.0, self.timeout_s / 2)  # for the other live ranks to answer
@@ -2550,7 +2595,7 @@ class RunKeeper:
         with self.exits as exits:  # (closed at once when a check refuses the run: the lock is let go)
             agree_on_run_id(self.args, self.ctx)
             on_master(check_log_dir, self.args)
-            exits.enter_context(RunIdLock(self.args, self.ctx))  # another run with this id is refused at once
+            self.lock = exits.enter_context(RunIdLock(self.args, self.ctx))  # another run with this id: refused
             self.resume_path, self.checkpoint = check_run_inputs(self.args, self.ctx)  # refused now, not mid-run
             self.exits = exits.pop_all()
         return self
@@ -2591,7 +2636,7 @@ class RunKeeper:
             self.log(note, console=True)
         self.last_checkpoint, self.last_checkpoint_step = resume_path, self.start_step
         self.comm_logged, self.pending, self.stop_seen = [collections.Counter()], None, False
-        self.stop_requests = self.exits.enter_context(StopRequests(kill_switch_path(args)))
+        self.stop_requests = self.exits.enter_context(StopRequests(kill_switch_path(args), self.lock.lost))
         self.watchdog = self.exits.enter_context(RankWatchdog(self))
         self.clock = TrainingClock(trainer.ctx.device, self.training_time_ms)
 
@@ -2666,7 +2711,7 @@ class RunKeeper:
                 def written():  # on rank 0, as soon as the file is complete (a lost rank's message names it)
                     self.last_checkpoint, self.last_checkpoint_step = path, done
                     self.log(f"checkpoint: {path}", console=True)
-                save_checkpoint(path, self.trainer, written, step=done, run_id=args.run_id,
+                save_checkpoint(path, self.trainer, written, self.lock.lost, step=done, run_id=args.run_id,
                                 data=self.train_loader.position(), training_time_ms=clock.ms(),
                                 log_bytes=self.log.num_bytes(), log_sha256=self.log.digest(),
                                 hyperparameters=dataclasses.asdict(args))
@@ -2711,7 +2756,8 @@ def check_log_dir(args: Hyperparameters) -> None:
     try:
         log_dir.mkdir(parents=True, exist_ok=True)
         probe = log_dir / f".{args.run_id}.{os.getpid()}.probe"
-        probe.write_bytes(b"x")
+        with open(probe, "xb") as f:  # (x: never through a link)
+            f.write(b"x")
         probe.unlink()
     except OSError as e:
         raise UserError(f"cannot write in --log_dir {log_dir} ({e.strerror}): point it at a writable folder") from None
@@ -2720,7 +2766,8 @@ def check_log_dir(args: Hyperparameters) -> None:
 
 class RunIdLock:
     """Rank 0 locks the run's folder <log_dir>/<run_id> while the run lasts, so another run with this id is refused
-    at once; no lock file is left behind, and a folder the run made and left empty is removed."""
+    at once; no lock file is left behind, and a folder the run made and left empty is removed. The lock is the
+    folder, not its path: once the folder is moved away, the run writes nothing more under the path."""
 
     def __init__(self, args: Hyperparameters, ctx: "ParallelContext"):
         self.path, self.run_id, self.master, self.fd, self.made = checkpoint_dir(args), args.run_id, ctx.is_master, \
@@ -2748,10 +2795,25 @@ class RunIdLock:
 
     def __exit__(self, *exc_info):
         if self.fd is not None:
-            if self.made and not any(self.path.iterdir()):
+            if self.made and self.lost() is None and not any(self.path.iterdir()):
                 self.path.rmdir()
             os.close(self.fd)  # (releases the lock)
             self.fd = None
+
+    def lost(self) -> str | None:
+        """Why the path no longer names the locked folder (moved, replaced or deleted), or None (on the other ranks
+        too)."""
+        if self.fd is None:
+            return None
+        try:
+            now, locked = os.stat(self.path), os.fstat(self.fd)
+            if (now.st_dev, now.st_ino) == (locked.st_dev, locked.st_ino):
+                return None
+        except OSError:
+            pass
+        return (f"the run's folder {self.path} was moved, replaced or deleted during the run, and a run writes only "
+                f"into the folder it locked; to continue, put it back at {self.path} and run again with --run_id "
+                f"{self.run_id} --resume latest")
 
 def check_run_inputs(args: Hyperparameters, ctx: "ParallelContext") -> tuple[Path | None, dict | None]:
     """The checkpoint to resume from (or None), once the kill switch, the checkpoint, the log, the disk, the memory
@@ -2781,9 +2843,10 @@ def check_run_id_is_free(args: Hyperparameters, checkpoint: dict | None) -> None
                             "resume with the --log_dir the checkpoint was saved in, or pick another --run_id")
         return
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if restart != "0" and args.resume == "latest" and log.exists() and not saved:
+    if args.resume == "latest" and log.is_file() and not saved and (restart != "0" or ended_by_a_lost_rank(log)):
+        tag = f"attempt{restart}" if restart != "0" else "lost"  # (torchrun's restart, or the lost rank's advice)
         print(f"no checkpoint of run {args.run_id} to resume: its earlier attempt's log moved to "
-              f"{keep_aside(log, f'attempt{restart}')}", flush=True)
+              f"{keep_aside(log, tag)}; starting from step 0", flush=True)
     elif log.exists() or saved:
         held = " and ".join([f"a log {log}"] * log.exists() + [f"{len(saved)} checkpoint(s) in {checkpoint_dir(args)}"]
                             * bool(saved))
@@ -2791,10 +2854,16 @@ def check_run_id_is_free(args: Hyperparameters, checkpoint: dict | None) -> None
         raise UserError(f"run id {args.run_id} is taken: {held} exist; {advice}pick another --run_id (a new run "
                         "never overwrites another's log or checkpoints)")
 
+def ended_by_a_lost_rank(log: Path) -> bool:
+    """The log's last line is a lost rank's (RankWatchdog's), whose advice --resume latest follows."""
+    with open(log, "rb") as f:
+        f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+        return f.read().rstrip(b"\n").rsplit(b"\n", 1)[-1].startswith(b"lost: ")
+
 def keep_aside(path: Path, tag: str, copy: bool = False) -> Path:
     """Rename (or copy) path to <path>.<tag>, or <path>.<tag>.2, ... when that is taken: kept, never overwritten."""
     aside, n = path.with_name(f"{path.name}.{tag}"), 1
-    while aside.exists():
+    while os.path.lexists(aside):  # (a link there, even a broken one, is not written through)
         n += 1
         aside = path.with_name(f"{path.name}.{tag}.{n}")
     if copy:
@@ -2942,6 +3011,34 @@ def print_if_possible(line: str, file=None) -> None:
     except OSError:
         pass
 
+class Console:
+    """sys.stdout for a run started from the command line: once the terminal cannot take a line (a full device, a
+    closed window), the console goes to /dev/null and the run goes on, for the log has every line that matters."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except OSError:
+            self._drop()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except OSError:
+            self._drop()
+
+    def _drop(self) -> None:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, self.stream.fileno())  # (what the stream still holds is flushed there, at exit too)
+        os.close(devnull)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
 def device_synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # CPU ops are synchronous: nothing to wait for
@@ -2968,7 +3065,8 @@ def peak_memory_line(device: torch.device) -> str:
     return f"peak memory rss: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MiB"
 
 class RunLog:
-    """Writes the log file on the master rank; other ranks' calls do nothing."""
+    """Writes the log file on the master rank; other ranks' calls do nothing. A line is only ever added to the file
+    the run started or continued: one deleted, moved or replaced by a link meanwhile is not made again."""
 
     def __init__(self, args: Hyperparameters, ctx: "ParallelContext"):
         self.path = run_log_path(args) if ctx.is_master else None
@@ -2976,12 +3074,15 @@ class RunLog:
     def __call__(self, line: str, console: bool = False, mode: str = "a") -> None:
         if self.path is None:
             return
+        how = os.O_CREAT | os.O_EXCL if mode == "x" else os.O_APPEND  # (appending: the file must be there)
         try:
-            with open(self.path, mode) as f:
+            with open(os.open(self.path, os.O_WRONLY | os.O_NOFOLLOW | how, 0o644), "w") as f:
                 f.write(line + "\n")
         except OSError as e:
-            raise UserError(f"cannot write the log {self.path} ({e.strerror}): make room on its disk, then continue "
-                            "from the last checkpoint, if there is one, with --resume latest") from None
+            gone = e.errno in (errno.ENOENT, errno.ELOOP)
+            raise UserError(f"cannot write the log {self.path} ({e.strerror}): " + (
+                "it was deleted, moved or replaced by a link during the run" if gone else "make room on its disk")
+                + ", then continue from the last checkpoint, if there is one, with --resume latest") from None
         if console:
             print_if_possible(line)
 
@@ -5231,6 +5332,7 @@ def run_on_ranks(fn, world_size: int, *args, timeout: float = 300.0, backend: st
     return [collected[r] for r in range(world_size)]
 
 if __name__ == "__main__":
+    sys.stdout = Console(sys.stdout)
     try:
         main()
     except UserError as e:
