@@ -13,6 +13,7 @@ half is the machinery for bigger jobs (data, tensor, sequence and pipeline paral
 check), applied to the built model by rules about kinds of modules, so a model edit needs no change there.
 """
 import argparse
+import codecs
 import collections
 import contextlib
 import copy
@@ -44,7 +45,7 @@ import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -3143,29 +3144,32 @@ def gpt2_encoding():
 
 @torch.no_grad()
 def generate(model: GPT, prompt: list[int], new_tokens: int, temperature: float, top_k: int,
-             window: tuple[int, int], context: int, vocab_size: int, generator: torch.Generator) -> list[int]:
-    """Tokens continuing prompt up to an end-of-text token, drawn from softmax(logits / temperature) over the top_k,
-    from GPT.forward over the last `context` tokens padded to whole attention blocks (no cache)."""
+             window: tuple[int, int], vocab_size: int, generator: torch.Generator) -> Iterator[int]:
+    """Tokens continuing prompt, yielded as drawn, up to an end-of-text token: from softmax(logits / temperature) over
+    the top_k, from GPT.forward over the sequence so far padded to whole attention blocks (no cache)."""
     model.eval()
     device = next(model.parameters()).device
     tokens, window = list(prompt), window_tensor(window, device)
     while len(tokens) < len(prompt) + new_tokens:
-        seq = tokens[-context:]
-        padded = seq + [EOT_TOKEN] * (next_multiple_of_n(len(seq), ATTENTION_BLOCK_SIZE) - len(seq))
-        logits = model(torch.tensor(padded, dtype=torch.int32, device=device), None, window)[len(seq) - 1]
-        logits = logits[:vocab_size].float() / temperature  # (the head's padding rows are no tokens)
+        padded = tokens + [EOT_TOKEN] * (next_multiple_of_n(len(tokens), ATTENTION_BLOCK_SIZE) - len(tokens))
+        logits = model(torch.tensor(padded, dtype=torch.int32, device=device), None, window)[len(tokens) - 1]
+        logits = logits[:vocab_size].float()  # (the head's padding rows are no tokens)
         if top_k:
             logits[logits < logits.topk(top_k).values[-1]] = -math.inf
+        logits = (logits - logits.max()) / temperature  # (from the top: no temperature overflows it to inf or nan)
         tokens.append(int(torch.multinomial(logits.softmax(-1).cpu(), 1, generator=generator)))
+        yield tokens[-1]
         if tokens[-1] == EOT_TOKEN:
-            break
-    return tokens[len(prompt):]
+            return
 
-def sampling_prompt(args: Hyperparameters, encoding, context: int) -> list[int]:
-    """--prompt's tokens after the end-of-text token that starts every document."""
-    prompt = [EOT_TOKEN] + encoding.encode(args.prompt)
-    need(len(prompt) <= context, f"--prompt is {len(prompt)} tokens with the document start, longer than the model's "
-         f"context of {context} (its run's longest --train_seq_len or --val_seq_len): shorten it")
+def sampling_prompt(args: Hyperparameters, encoding, context: int, new_tokens: int) -> list[int]:
+    """--prompt's tokens (its <|endoftext|>, a document's start, as the token) after the end-of-text token that starts
+    every document; they and new_tokens more must fit the model's context."""
+    prompt = [EOT_TOKEN] + encoding.encode(args.prompt, allowed_special={"<|endoftext|>"})
+    need(len(prompt) + new_tokens <= context, f"--prompt is {len(prompt)} tokens with the document start, and "
+         f"{new_tokens} new ones (--max_new_tokens) would not fit the model's context of {context} tokens (its run's "
+         f"longest --train_seq_len or --val_seq_len): " + (f"ask for at most {context - len(prompt)} new tokens"
+                                                            if len(prompt) < context else "shorten the prompt"))
     return prompt
 
 def saved_hyperparameters(state: dict, path: Path) -> Hyperparameters:
@@ -3200,14 +3204,19 @@ def sample_from_checkpoint(args: Hyperparameters) -> list[str]:
         raise UserError(f"checkpoint {path} does not fit this file's model ({str(e).splitlines()[1].strip()}): sample "
                         "with the train_gpt.py that wrote it (its source is in the checkpoint, under 'code')") from None
     encoding, context = gpt2_encoding(), context_length(run)
-    prompt = sampling_prompt(args, encoding, context)
+    prompt = sampling_prompt(args, encoding, context, args.max_new_tokens)
     generator, texts, count, start = torch.Generator().manual_seed(args.seed), [], 0, time.perf_counter()
     for i in range(args.num_samples):
-        tokens = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k,
-                          window_tokens(run.num_iterations, run), context, run.vocab_size, generator)
+        print(f"--- sample {i + 1} of {args.num_samples}\n{encoding.decode(prompt[1:])}", end="", flush=True)
+        text, tokens = codecs.getincrementaldecoder("utf-8")(errors="replace"), []
+        for token in generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k,
+                              window_tokens(run.num_iterations, run), run.vocab_size, generator):
+            tokens.append(token)  # (printed as drawn: a long sample shows from its first token)
+            print(text.decode(encoding.decode_single_token_bytes(token)) if token != EOT_TOKEN else "", end="",
+                  flush=True)
+        print(text.decode(b"", final=True) + f"\n--- ({len(tokens)} tokens)", flush=True)
         count += len(tokens)
         texts.append(encoding.decode(prompt[1:] + [t for t in tokens if t != EOT_TOKEN]))
-        print(f"--- sample {i + 1} of {args.num_samples} ({len(tokens)} tokens)\n{texts[-1]}", flush=True)
     print(f"--- {count} tokens in {time.perf_counter() - start:.1f} s: {count / (time.perf_counter() - start):.1f} "
           f"tokens/s on {device.type}", flush=True)
     return texts
@@ -3223,9 +3232,10 @@ def print_sample(trainer: "Trainer", step: int) -> None:
     model.load_state_dict(state["model"])
     model.stretch_rotary(long_windows_so_far(step, args))
     encoding, context = gpt2_encoding(), context_length(args)
-    tokens = generate(model, sampling_prompt(args, encoding, context), 48, args.temperature, args.top_k,
-                      window_tokens(step, args), context, args.vocab_size, torch.Generator().manual_seed(step))
-    print(f"sample: step:{step} {encoding.decode(tokens)!r}", flush=True)
+    prompt = sampling_prompt(args, encoding, context, 0)
+    tokens = generate(model, prompt, min(48, context - len(prompt)), args.temperature, args.top_k,
+                      window_tokens(step, args), args.vocab_size, torch.Generator().manual_seed(step))
+    print(f"sample: step:{step} {encoding.decode(list(tokens))!r}", flush=True)
 
 # ----------------------------------------------------------------------------------------------------
 # Parallel machinery: the rank grid, its process groups, the bytes handed to each collective, the model's trace

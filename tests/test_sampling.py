@@ -33,7 +33,7 @@ def test_greedy_samples_follow_the_argmax_of_the_training_forward_on_each_prefix
     args, model = model_of(saved)
     prompt = [train_gpt.EOT_TOKEN, 464, 3290, 318]
     window = train_gpt.window_tokens(args.num_iterations, args)
-    new = train_gpt.generate(model, prompt, 40, 1.0, 1, window, 128, args.vocab_size, torch.Generator())
+    new = list(train_gpt.generate(model, prompt, 40, 1.0, 1, window, args.vocab_size, torch.Generator()))
     assert len(new) >= 10 and len(set(new)) > 1  # (up to an end-of-text token)
     # the reference: the training forward (train mode, the whole sequence at once, padded with another token) and its
     # argmax at each position before a generated token
@@ -88,9 +88,47 @@ def test_a_missing_or_incomplete_checkpoint_and_an_overlong_prompt_are_refused(s
     torch.save(state, tmp_path / "incomplete.pt")
     with pytest.raises(train_gpt.UserError, match=r"incomplete\.pt lacks model: it is incomplete"):
         train_gpt.main(["--sample", str(tmp_path / "incomplete.pt")])
-    with pytest.raises(train_gpt.UserError, match=r"--prompt is \d+ tokens with the document start, longer than the "
-                                                  r"model's context of 128"):
+    with pytest.raises(train_gpt.UserError, match=r"--prompt is \d+ tokens with the document start, and 100 new ones "
+                                                  r"\(--max_new_tokens\) would not fit the model's context of 128 "
+                                                  r"tokens .*: shorten the prompt"):
         train_gpt.main(["--sample", str(saved), "--prompt", "to be " * 100])
+
+
+def sampled(path, *flags):
+    """--sample's texts (what main prints)."""
+    return train_gpt.sample_from_checkpoint(train_gpt.parse_args(["--sample", str(path), *flags], cuda=False))
+
+
+def test_new_tokens_beyond_the_context_are_refused_and_a_sample_is_printed_token_by_token(saved, gpt2_ranks, capsys,
+                                                                                         monkeypatch):
+    """Issue 32, case 3: --max_new_tokens 2147483647 once printed nothing for years; now what the model cannot attend
+    to is refused, and a sample shows from its first token on."""
+    with pytest.raises(train_gpt.UserError, match=r"--prompt is 3 tokens with the document start, and 2147483647 new "
+                                                  r"ones .* context of 128 tokens .*: ask for at most 125 new tokens"):
+        train_gpt.main(["--sample", str(saved), "--prompt", "To be", "--max_new_tokens", "2147483647"])
+    seen, real_generate = [], train_gpt.generate
+
+    def watched(*args, **kwargs):  # what the console holds when the next token is asked for
+        for token in real_generate(*args, **kwargs):
+            yield token
+            seen.append((token, capsys.readouterr().out))
+    monkeypatch.setattr(train_gpt, "generate", watched)
+    texts = sampled(saved, "--prompt", "To be", "--max_new_tokens", "40", "--top_k", "0")
+    encoding = train_gpt.gpt2_encoding()
+    assert len(seen) > 10 and seen[0][1] == "--- sample 1 of 1\nTo be" + encoding.decode([seen[0][0]])
+    assert "".join(out for token, out in seen) == "--- sample 1 of 1\n" + texts[0]  # each token printed as drawn
+
+
+def test_a_prompt_may_hold_a_document_start_and_the_least_temperature_samples_the_greedy_text(saved, gpt2_ranks,
+                                                                                              capsys):
+    """Issue 32, case 5: `<|endoftext|>` in --prompt once raised tiktoken's ValueError (it is the token that starts
+    each document), and --temperature 1e-45 gave inf and nan to multinomial (it is greedy sampling)."""
+    args = train_gpt.parse_args(["--preset", "tiny", "--prompt", "<|endoftext|> hello"], cuda=False)
+    encoding = train_gpt.gpt2_encoding()
+    assert train_gpt.sampling_prompt(args, encoding, 128, 1) == [train_gpt.EOT_TOKEN] * 2 + encoding.encode(" hello")
+    texts = [sampled(saved, "--prompt", "<|endoftext|>To be", "--max_new_tokens", "40", *flags)
+             for flags in (["--temperature", "1e-45", "--top_k", "0"], ["--top_k", "1"])]
+    assert texts[0] == texts[1] and texts[0][0].startswith("<|endoftext|>To be") and len(texts[0][0]) > 30
 
 
 @pytest.mark.parametrize("saved_flags, words", [
