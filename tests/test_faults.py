@@ -110,7 +110,8 @@ def test_a_running_job_s_id_is_refused_and_its_folder_moved_or_its_log_folder_de
     """A second run of a running job's id, fresh or resuming, is refused at once, and no lock file is left to tidy.
     Issue 32, cases 1, 8 and 9: a run whose folder was moved once made it again, so that a second run of its id
     resumed into its log; one whose log folder was deleted ended in two chained tracebacks. (The first run prints to
-    a full device, which once killed it before step 1.) Each run is frozen while its folder goes."""
+    a full device, which once killed it before step 1.) Each run is frozen while its folder goes; each message's
+    advice is then followed."""
     argv = flags(files, tmp_path, "busy", num_iterations=12, save_every=2)
     deleted = flags(files, tmp_path, "gone", num_iterations=12, log_dir=tmp_path / "L")
     with open("/dev/full", "w") as full:
@@ -147,8 +148,10 @@ def test_a_running_job_s_id_is_refused_and_its_folder_moved_or_its_log_folder_de
     text = logs[0].read_text()
     assert text.count("\nrun: id=busy") == 1 and int(re.search(r"\nresumed: step:(\d+)/12 ", text)[1]) >= 2
     assert [int(n) for n in re.findall(r"^step:(\d+)/12 train_loss:", text, re.M)] == list(range(1, 13))
-    train_gpt.main(flags(files, tmp_path, "once"))  # a run that saves nothing leaves no empty folder behind
-    assert not (tmp_path / "logs" / "once").exists() and (tmp_path / "logs" / "once.txt").exists()
+    train_gpt.main([*deleted, "--resume=latest"])  # the other advice, followed: no checkpoint, so from step 0
+    assert re.search(r"\nno checkpoint of run gone yet: starting from step 0\n(?s:.*)\nstep:12/12 val_loss",
+                     logs[1].read_text())
+    assert not (tmp_path / "L" / "gone").exists()  # a run that saves nothing leaves no empty folder behind
 
 
 # 5, 6, 10. a rank that stops answering or dies, and one that never comes

@@ -316,19 +316,6 @@ def test_a_bare_boolean_flag_means_true_and_false_still_works():
     assert train_gpt.parse_args(["--preset", "tiny", "--plan"], cuda=False).plan is True
 
 
-def test_a_plan_without_a_preset_plans_the_record_and_says_so(capsys):
-    train_gpt.main(["--plan", "--nproc", "8"])
-    out = capsys.readouterr().out
-    assert "preset record" in out and "8 processes = pipeline 1 x data parallel 8" in out
-    # the record model, not the cpu preset's; by hand: the head and the token embedding tied to it 2 x 50304 x 768,
-    # 5 value embeddings 5 x 50257 x 768, 10 attention layers 4 x 768^2 + 1 (v's scale), 11 MLPs 8 x 768^2, the
-    # scales of the residual and the output (2 each) of 10 MLPs and 9 attentions (not the dense layer's), the skip's
-    # gate, 4 value-embedding gates 6 x 12, the smear's gate (12) and scale, two gate networks of 64 x 768 + 1 (the
-    # scale) and 26 and 41 coefficients (DC-MHA's 12 among them) of 64 + 1 each, MUDD's two of 64 x 768 and 14 and 5
-    # coefficients of 65, the bigram table 377280 x 768: 635,704,886 (#89's file: 643,751,335)
-    assert "635,704,886 parameters" in out
-
-
 # exit status 2 and one line, not a traceback, as a user sees it
 
 def test_refusals_exit_2_with_one_error_line(tmp_path, files):
