@@ -2474,11 +2474,13 @@ class RankWatchdog:
         woke = time.monotonic()
         while True:
             done, previous, woke = self.done.wait(min(1.0, self.timeout_s / 10)), woke, time.monotonic()
-            if woke - previous > self.timeout_s:  # this process did not run meanwhile: the others gave up on it
-                self.stopped_s = woke - previous
-                if not done:
-                    print_if_possible(self._report(self._stopped()), sys.stderr)
-                    os._exit(EXIT_LOST)
+            if woke - previous > self.timeout_s:  # this process did not run meanwhile: did the others go on?
+                if done or self._lost(self._roll_call()):
+                    self.stopped_s = woke - previous
+                    if not done:
+                        print_if_possible(self._report(self._stopped()), sys.stderr)
+                        os._exit(EXIT_LOST)
+                woke = self.beat_at = time.monotonic()  # every rank answered: the whole job was paused
             if done:
                 return
             step, beat_at = self.step, self.beat_at
@@ -2511,7 +2513,10 @@ class RankWatchdog:
         message = (f"{what}; " + (f"the last checkpoint is {last} (step {run.last_checkpoint_step}); once every rank "
                    "is up, continue" if last else "no checkpoint was saved; once every rank is up, start again (its "
                    "log is kept aside)") + f" with --run_id {run.args.run_id} --resume latest")
-        run.log(f"lost: {message}")
+        try:
+            run.log(f"lost: {message}")
+        except UserError:
+            pass  # (the log cannot be written: the message is still printed)
         return message
 
     def _roll_call(self) -> list[int] | None:
@@ -2652,12 +2657,14 @@ class RunKeeper:
     @contextlib.contextmanager
     def validation(self, step: int):
         """Around a validation: the step before logged and checked first, the clock paused; then a sample when due.
-        What it sends is no step's."""
+        What it sends is no step's. The first validation may compile the model's evaluation: the watchdog waits."""
         self.finish_pending_step()
+        self.watchdog.armed &= not (self.args.compile and step == self.start_step)
         with self.clock.paused():
             yield
             if self.args.sample_every and step % self.args.sample_every == 0:
                 print_sample(self.trainer, step)
+        self.watchdog.beat(step)  # (the step's own work starts now)
         comm_bytes.clear()
 
     def log_validation(self, step: int, val_loss: float) -> None:
@@ -2844,8 +2851,8 @@ def check_run_id_is_free(args: Hyperparameters, checkpoint: dict | None) -> None
                             "resume with the --log_dir the checkpoint was saved in, or pick another --run_id")
         return
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if args.resume == "latest" and log.is_file() and not saved and (restart != "0" or ended_by_a_lost_rank(log)):
-        tag = f"attempt{restart}" if restart != "0" else "lost"  # (torchrun's restart, or the lost rank's advice)
+    if args.resume == "latest" and log.is_file() and not saved and (restart != "0" or cut_short_unsaved(log)):
+        tag = f"attempt{restart}" if restart != "0" else "unfinished"  # (torchrun's restart, or a lost rank's advice)
         print(f"no checkpoint of run {args.run_id} to resume: its earlier attempt's log moved to "
               f"{keep_aside(log, tag)}; starting from step 0", flush=True)
     elif log.exists() or saved:
@@ -2855,11 +2862,12 @@ def check_run_id_is_free(args: Hyperparameters, checkpoint: dict | None) -> None
         raise UserError(f"run id {args.run_id} is taken: {held} exist; {advice}pick another --run_id (a new run "
                         "never overwrites another's log or checkpoints)")
 
-def ended_by_a_lost_rank(log: Path) -> bool:
-    """The log's last line is a lost rank's (RankWatchdog's), whose advice --resume latest follows."""
-    with open(log, "rb") as f:
-        f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
-        return f.read().rstrip(b"\n").rsplit(b"\n", 1)[-1].startswith(b"lost: ")
+def cut_short_unsaved(log: Path) -> bool:
+    """The log's run was cut short (it does not end as a finished run's does, with its peak memory: a rank was lost,
+    rank 0 too, or it crashed) before it saved a checkpoint: --resume latest starts it again. One that names
+    checkpoints is refused, for they were moved or deleted."""
+    text = log.read_bytes()
+    return not text.rstrip(b"\n").rsplit(b"\n", 1)[-1].startswith(b"peak memory ") and b"\ncheckpoint: " not in text
 
 def keep_aside(path: Path, tag: str, copy: bool = False) -> Path:
     """Rename (or copy) path to <path>.<tag>, or <path>.<tag>.2, ... when that is taken: kept, never overwritten."""
@@ -3022,17 +3030,19 @@ class Console:
     def write(self, text: str) -> int:
         try:
             return self.stream.write(text)
-        except OSError:
-            self._drop()
+        except OSError as e:
+            self._drop(e)
             return len(text)
 
     def flush(self) -> None:
         try:
             self.stream.flush()
-        except OSError:
-            self._drop()
+        except OSError as e:
+            self._drop(e)
 
-    def _drop(self) -> None:
+    def _drop(self, error: OSError) -> None:
+        if error.errno not in (errno.ENOSPC, errno.EPIPE, errno.EIO, errno.ENXIO, errno.EFBIG):
+            return  # (a passing error, as a full pipe's EAGAIN: the line is lost, the console kept)
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, self.stream.fileno())  # (what the stream still holds is flushed there, at exit too)
         os.close(devnull)
@@ -5342,7 +5352,7 @@ def run_on_ranks(fn, world_size: int, *args, timeout: float = 300.0, backend: st
     return [collected[r] for r in range(world_size)]
 
 if __name__ == "__main__":
-    sys.stdout = Console(sys.stdout)
+    sys.stdout = Console(sys.stdout) if sys.stdout is not None else sys.stdout  # (None: fd 1 was closed)
     try:
         main()
     except UserError as e:

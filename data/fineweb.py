@@ -17,6 +17,7 @@ import itertools
 import json
 import multiprocessing
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -118,7 +119,8 @@ def token_stream(texts, workers: int):
     if workers == 1:
         yield from map(encode_documents, batches)
         return
-    with multiprocessing.Pool(workers) as pool:
+    # a worker leaves SIGTERM as it was (run_script's handler is the main process's): Pool.terminate() ends it at once
+    with multiprocessing.Pool(workers, signal.signal, (signal.SIGTERM, signal.SIG_DFL)) as pool:
         yield from pool.imap(encode_documents, batches)
 
 

@@ -204,7 +204,7 @@ def test_a_frozen_rank_is_named_in_time_every_rank_says_so_in_one_line_and_the_a
                         rf"rank 1 saw a collective fail) in step 1(?: \(.*\))?; {advice}", late), late
     lost_attempt = digests(logs)[logs / "early.txt"]
     finished([*early, "--resume=latest"])  # the advice, followed: the run from its start, uninterrupted
-    assert digests(logs)[logs / "early.txt.lost"] == lost_attempt
+    assert digests(logs)[logs / "early.txt.unfinished"] == lost_attempt
     assert "\nlost: " not in (logs / "early.txt").read_text()
 
     argv, log = flags(files, tmp_path, "lost", num_iterations=6, save_every=3, collective_timeout=3), logs / "lost.txt"
@@ -222,6 +222,22 @@ def test_a_frozen_rank_is_named_in_time_every_rank_says_so_in_one_line_and_the_a
     assert step_lines(log.read_text()) == step_lines((logs / "early.txt").read_text())
     assert_states_equal(torch.load(logs / "lost" / "step000006.pt", weights_only=True),
                         torch.load(logs / "early" / "step000006.pt", weights_only=True))
+
+
+def test_a_job_paused_whole_for_longer_than_the_timeout_goes_on_when_it_runs_again(tmp_path, files):
+    """Every rank stopped together (a suspended job: Slurm's scontrol suspend, docker pause), then continued: each
+    rank's watchdog sees its own gap, finds every rank at the roll call, and the run ends as usual."""
+    ranks = two_ranks(flags(files, tmp_path, "paused", num_iterations=6, collective_timeout=2), train_gpt.free_port())
+    wait_for(logged(tmp_path / "logs" / "paused.txt", "\nstep:2/6 "), "step 2")
+    for rank in ranks:
+        rank.send_signal(signal.SIGSTOP)
+    time.sleep(4)
+    for rank in ranks:
+        rank.send_signal(signal.SIGCONT)
+    for rank in ranks:
+        out, err = rank.communicate(timeout=120)
+        assert rank.returncode == 0, err[-2000:]
+    assert re.search(r"\nstep:6/6 val_loss:", (tmp_path / "logs" / "paused.txt").read_text())
 
 
 def test_a_killed_rank_is_named_with_its_step_and_the_last_checkpoint(tmp_path, files):
