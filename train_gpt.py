@@ -1130,7 +1130,8 @@ def write_data_shard(path, tokens) -> None:
     size, free = SHARD_HEADER_BYTES + 2 * tokens.size, shutil.disk_usage(Path(path).parent).free
     need(free >= size, f"cannot write data shard {path}: it takes {size / 2**20:.1f} MiB, and its disk has "
          f"{free / 2**20:.1f} MiB free: make room, or write the shards to another disk")
-    write_file_atomically(path, lambda f: f.write(header.tobytes() + tokens.astype("<u2").tobytes()), "data shard")
+    write_file_atomically(path, lambda f: f.write(header.tobytes()) + f.write(np.ascontiguousarray(tokens, "<u2").data),
+                          "data shard")  # (the tokens written from where they are, no copy where they are uint16)
 
 def list_shards(pattern: str, flag: str) -> list[Path]:
     files = [Path(f) for f in sorted(glob.glob(pattern))]
@@ -2460,10 +2461,10 @@ class RankWatchdog:
             if self.stopped_s:  # (no roll call: the store may have gone with the run)
                 raise RunEnded(self._report(self._stopped()), EXIT_LOST) from None
             cause = str(error).split("] ", 1)[-1].split(". ")[0]  # (after the source location gloo puts first)
-            lost = self._lost(self._roll_call())
-            if lost:
-                raise RunEnded(self._report(f"{lost}: rank {self.ctx.rank} saw a collective fail in step "
-                                            f"{self.step + 1} ({' '.join(cause.split())[:120]})"), EXIT_LOST) from None
+            # (every rank may answer a roll call whose keys an earlier one in this step set: the run ends anyway)
+            lost = self._lost(self._roll_call()) or "every rank answered the roll call"
+            raise RunEnded(self._report(f"{lost}: rank {self.ctx.rank} saw a collective fail in step {self.step + 1} "
+                                        f"({' '.join(cause.split())[:120]})"), EXIT_LOST) from None
 
     def beat(self, step: int) -> None:
         """Step `step` starts (armed from the first, unless it compiles: then from the second)."""

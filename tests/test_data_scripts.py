@@ -377,7 +377,8 @@ def test_a_shard_its_disk_cannot_take_is_refused_by_name_and_leaves_no_temporary
     document.write_text(json.dumps({"text": "To be, or not to be. " * 100}) + "\n")
     texts = make_texts(tmp_path / "texts", {f"{work}_gut.txt": work.upper() for work in shakespeare.VAL_WORKS}
                        | {"hamlet_gut.txt": "To be, or not to be. " * 100})
-    limited = {"fineweb": tmp_path / "f" / "fineweb_val_000000.bin", "shakespeare": tmp_path / "s" / shakespeare.TRAIN_SHARD}
+    limited = {"fineweb": tmp_path / "f" / "fineweb_val_000000.bin",
+               "shakespeare": tmp_path / "s" / shakespeare.TRAIN_SHARD}
     with file_size_limit(1500):  # the validation works' shard fits (1024 bytes of header, then 2 a token)
         for script, shard in limited.items():
             with pytest.raises(FlagError) as refused:
@@ -391,8 +392,8 @@ def test_a_shard_its_disk_cannot_take_is_refused_by_name_and_leaves_no_temporary
     assert not any((tmp_path / "f").iterdir()) and [p.name for p in (tmp_path / "s").iterdir()] == [
         shakespeare.VAL_SHARD]
     monkeypatch.setattr(train_gpt.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(2**30, 2**30, 2000))
-    with pytest.raises(FlagError, match=r"cannot write data shard .*fineweb_val_000000\.bin: it takes 0\.0 MiB, and its "
-                                        r"disk has 0\.0 MiB free: make room, or write the shards to another disk"):
+    with pytest.raises(FlagError, match=r"cannot write data shard .*fineweb_val_000000\.bin: it takes 0\.0 MiB, and "
+                                        r"its disk has 0\.0 MiB free: make room, or write the shards to another disk"):
         fineweb.main(["--input", str(document), "--out_dir", str(tmp_path / "full"), "--workers", "1"])
     assert not any((tmp_path / "full").iterdir())
     with pytest.raises(FlagError, match=r"--shard_size 1000000000000: a shard holds from 1 token to 2\*\*31 - 1"):

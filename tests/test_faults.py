@@ -196,12 +196,13 @@ def test_a_frozen_rank_is_named_in_time_every_rank_says_so_in_one_line_and_the_a
     assert took < 3 + 10                                                    # step 1
     advice = re.escape("no checkpoint was saved; once every rank is up, start again (its log is kept aside) with "
                        "--run_id early --resume latest\n")
-    assert re.fullmatch(r"rank 1 stopped answering: rank 0 waited 3 s in a collective in step 1 \(--collective_timeout\)"
-                        f"; {advice}", err), err
+    assert re.fullmatch(r"rank 1 stopped answering: rank 0 waited 3 s in a collective in step 1 "
+                        rf"\(--collective_timeout\); {advice}", err), err
     # (frozen before its watchdog began, rank 1 learns it only from a collective that fails)
-    assert re.fullmatch(r"(rank 1 did not run for \d+ s \(its process was stopped\), longer than --collective_timeout "
-                        r"3: the other ranks have ended the run|rank 0, which holds the run's store, stopped answering: "
-                        rf"rank 1 saw a collective fail) in step 1(?: \(.*\))?; {advice}", late), late
+    assert re.fullmatch(r"(rank 1 did not run for \d+ s \(its process was stopped\), longer than "
+                        r"--collective_timeout 3: the other ranks have ended the run|rank 0, which holds the run's "
+                        rf"store, stopped answering: rank 1 saw a collective fail) in step 1(?: \(.*\))?; {advice}",
+                        late), late
     lost_attempt = digests(logs)[logs / "early.txt"]
     finished([*early, "--resume=latest"])  # the advice, followed: the run from its start, uninterrupted
     assert digests(logs)[logs / "early.txt.unfinished"] == lost_attempt
@@ -215,8 +216,8 @@ def test_a_frozen_rank_is_named_in_time_every_rank_says_so_in_one_line_and_the_a
     assert message.search(err.strip()) and took < 3 + 10, err
     last_line = log.read_text().splitlines()[-1]
     assert last_line.startswith("lost: ") and int(message.search(last_line)[1]) >= 5, last_line
-    assert re.fullmatch(r"rank 1 did not run for \d+ s \(its process was stopped\), longer than --collective_timeout 3: "
-                        rf"the other ranks have ended the run in step \d+; {advice}\n", late), late
+    assert re.fullmatch(r"rank 1 did not run for \d+ s \(its process was stopped\), longer than --collective_timeout "
+                        rf"3: the other ranks have ended the run in step \d+; {advice}\n", late), late
     assert sorted(p.name for p in (logs / "lost").iterdir()) == ["step000003.pt"]  # nothing partial
     finished([*argv, "--resume=latest"])
     assert step_lines(log.read_text()) == step_lines((logs / "early.txt").read_text())
