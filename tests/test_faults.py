@@ -394,7 +394,7 @@ def test_a_file_size_limit_below_a_checkpoint_is_refused_at_start_and_named_when
     with file_size_limit(2**20):
         refused(flags(files, tmp_path), "this process may write files of at most 1048576 bytes (`ulimit -f`), and this "
                 "run's log and checkpoints take up to", "raise the limit (`ulimit -f unlimited`)")
-        failure = train_gpt.write_atomically(folder / "step000004.pt", dict(model=torch.zeros(2**19)))
+        failure = train_gpt.write_checkpoint(folder / "step000004.pt", dict(model=torch.zeros(2**19)))
     assert failure == (f"cannot write checkpoint {folder / 'step000004.pt'}: it reached this process's file size "
                        "limit of 1048576 bytes (`ulimit -f`): raise the limit (`ulimit -f unlimited`); no checkpoint "
                        "of this run was written")
@@ -428,7 +428,7 @@ def test_a_hangup_to_one_rank_stops_every_rank_with_a_checkpoint_like_sigterm(tm
 
 def test_a_second_interrupt_while_the_stop_checkpoint_is_written_lets_it_finish(tmp_path, files, monkeypatch,
                                                                                 capsys):
-    real_write, real_step = train_gpt.write_atomically, train_gpt.optimizer_step
+    real_write, real_step = train_gpt.write_checkpoint, train_gpt.optimizer_step
 
     def interrupted_step(trainer, step):  # Ctrl-C during step 3
         real_step(trainer, step)
@@ -439,7 +439,7 @@ def test_a_second_interrupt_while_the_stop_checkpoint_is_written_lets_it_finish(
         os.kill(os.getpid(), signal.SIGINT)  # delivered at the next bytecode, here, inside the write
         return real_write(path, state)
     monkeypatch.setattr(train_gpt, "optimizer_step", interrupted_step)
-    monkeypatch.setattr(train_gpt, "write_atomically", write_interrupted_again)
+    monkeypatch.setattr(train_gpt, "write_checkpoint", write_interrupted_again)
     with pytest.raises(train_gpt.RunEnded, match=r"stopped after step 3 \(SIGINT\)"):
         train_gpt.main(flags(files, tmp_path, "twice"))
     assert "SIGINT again: the checkpoint being written is finished first" in capsys.readouterr().out
