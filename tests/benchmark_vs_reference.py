@@ -81,7 +81,7 @@ def patched_23(source: str, steps: int) -> str:
                            (r"^    val_loss_every = 125 .*$", "    val_loss_every = 0")], "the reference")
 
 
-def undo_diff(text: str, diff: str) -> str:
+def undo_diff(text: str, diff: str, head_cpu: Path) -> str:
     """The file a unified diff was taken from, given the file it gives (text): each hunk's new lines put back as its
     old ones, last hunk first so that the line numbers hold."""
     lines = text.splitlines(keepends=True)
@@ -90,16 +90,16 @@ def undo_diff(text: str, diff: str) -> str:
         start = int(re.match(r"@@ -\d+(?:,\d+)? \+(\d+)", header)[1]) - 1
         new, old = ([line[1:] for line in body if line[:1] in kept] for kept in (" +", " -"))
         if lines[start:start + len(new)] != new:
-            raise SystemExit(f"{HEAD_CPU / 'head.diff'}'s hunk {header.strip()} does not match its train_gpt.py: "
+            raise SystemExit(f"{head_cpu / 'head.diff'}'s hunk {header.strip()} does not match its train_gpt.py: "
                              "head_cpu changed; update this script")
         lines[start:start + len(new)] = old
     return "".join(lines)
 
 
-def patched_89(steps: int) -> str:
+def patched_89(steps: int, head_cpu: Path) -> str:
     """#89's own file, from head_cpu, for one GPU without network: torch's varlen attention for FA3, the GPT-2 ranks
     from this repository, #89's schedule in `steps` steps, one validation batch at the end."""
-    source = undo_diff((HEAD_CPU / "train_gpt.py").read_text(), (HEAD_CPU / "head.diff").read_text())
+    source = undo_diff((head_cpu / "train_gpt.py").read_text(), (head_cpu / "head.diff").read_text(), head_cpu)
     if "HEAD_CPU" in source:
         raise SystemExit("head_cpu's train_gpt.py with head.diff undone still mentions HEAD_CPU: update this script")
     scheduled = scheduled_steps(steps)
@@ -128,6 +128,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--against", choices=("89", "23"), default="89", help="the record whose trainer to time")
     parser.add_argument("--steps", type=int, default=None, help="steps (default: 60 against #89, 40 against #23)")
+    parser.add_argument("--head_cpu", type=Path, default=HEAD_CPU,
+                        help="the head_cpu folder #89's file is rebuilt from (a copy travels to a GPU machine in "
+                             ".carry/: tests/gpu_session.py --prepare)")
+    parser.add_argument("--data_dir", type=Path, default=REPO_ROOT / "data" / "fineweb10B",
+                        help="the fineweb_{train,val}_*.bin shards both read; synthetic ones when it has none")
     flags = parser.parse_args()
     steps = flags.steps or (60 if flags.against == "89" else 40)
     if steps <= SKIPPED_STEPS:
@@ -144,11 +149,11 @@ def main():
         scratch = Path(scratch)
         data = scratch / "data" / "fineweb10B"
         data.mkdir(parents=True)
-        fineweb = sorted((REPO_ROOT / "data" / "fineweb10B").glob("fineweb_*.bin"))
+        fineweb = sorted(flags.data_dir.glob("fineweb_*.bin"))
         if fineweb:
             for shard in fineweb:
                 (data / shard.name).symlink_to(shard)
-            source = "FineWeb"
+            source = f"the shards in {flags.data_dir}"
         else:
             # #89 warms up on 14 of its steps and validates on each, from the same files, which it does not cycle
             files = (synthetic_shards(data, (steps + 50) * STEP_TOKENS_89 + 1, val_tokens=20 * VAL_BATCH_89 // 8)
@@ -158,8 +163,8 @@ def main():
             source = "synthetic shards"
         if flags.against == "89":
             for kernels in ("triton_kernels.py", "dc_triton_kernels.py"):
-                (scratch / kernels).write_text((HEAD_CPU / kernels).read_text())
-            (scratch / "train_gpt.py").write_text(patched_89(steps))
+                (scratch / kernels).write_text((flags.head_cpu / kernels).read_text())
+            (scratch / "train_gpt.py").write_text(patched_89(steps, flags.head_cpu))
             work = ["--num_iterations", str(steps),
                     "--extension_steps", str(steps - scheduled_steps(steps))]
         else:

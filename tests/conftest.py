@@ -3,6 +3,7 @@ import contextlib
 import functools
 import os
 import resource
+import signal
 import sys
 from pathlib import Path
 
@@ -13,6 +14,40 @@ sys.path.insert(0, str(REPO_ROOT))
 # the worker processes' server (train_gpt.run_on_ranks) imports the trainer and these helpers by name once
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), str(REPO_ROOT / "tests"),
                                                          os.environ.get("PYTHONPATH")]))
+
+
+def pytest_addoption(parser):
+    parser.addoption("--time_limit_per_test", type=float, default=0.0,
+                     help="seconds a test's setup or body may run before it fails (0: no limit; tests/gpu_session.py "
+                          "sets one, so that one hung test cannot take the session's budget)")
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float, what: str):
+    """Raise TimeoutError in this thread once `seconds` have passed (SIGALRM: Python code, or a C call that returns)."""
+    def out_of_time(signum, frame):
+        raise TimeoutError(f"{what} ran past its limit of {seconds:g} s (--time_limit_per_test)")
+    previous = signal.signal(signal.SIGALRM, out_of_time)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    limit = item.config.getoption("time_limit_per_test")
+    with time_limit(limit, f"{item.nodeid}'s setup") if limit else contextlib.nullcontext():
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    limit = item.config.getoption("time_limit_per_test")
+    with time_limit(limit, item.nodeid) if limit else contextlib.nullcontext():
+        return (yield)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,70 @@
+"""tests/gpu_session.py rehearsed on the CPU: its dry run, a hung check cut at its budget, a hung test cut at its
+limit, and a missing input named at the start."""
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import gpu_session
+from gpu_session import Check, check_lines, run_check
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's dry run (a GPU machine runs the checks)")
+def test_the_dry_run_writes_a_report_with_every_gpu_check_not_run_for_want_of_cuda(tmp_path):
+    assert gpu_session.main(["--dry_run", "--out", str(tmp_path)]) == 0
+    report = (tmp_path / "gpu_report.txt").read_text()
+    for name in ("tests", "benchmark", "reference"):
+        assert f"[not run] {name}: no CUDA: torch {torch.__version__} sees no GPU" in report
+    assert "data: synthetic shards in FineWeb's format" in report and "missing:" not in report
+    assert "0 of 3 checks failed" in report
+
+
+def test_a_missing_input_is_named_at_the_start_and_fails_the_session(tmp_path):
+    empty = tmp_path / "head_cpu"
+    empty.mkdir()
+    assert gpu_session.main(["--dry_run", "--out", str(tmp_path / "out"), "--head_cpu", str(empty)]) == 1
+    report = (tmp_path / "out" / "gpu_report.txt").read_text().splitlines()
+    missing = next(i for i, line in enumerate(report) if line.startswith("missing: no record #89 trainer"))
+    assert missing < next(i for i, line in enumerate(report) if line.startswith("[")), report  # before any check
+    assert "carry .carry" in report[missing] and "[not run] reference: no record #89 trainer" in "\n".join(report)
+
+
+def test_a_check_that_hangs_is_cut_at_its_budget_with_its_whole_process_group(tmp_path):
+    # the check starts a child of its own (as torchrun does) and sleeps; both must be gone when the check returns
+    hang = ("import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', 'import time; "
+            "time.sleep(120)']); print('child', child.pid, flush=True); time.sleep(120)")
+    start = time.monotonic()
+    check = run_check(Check("sleeper", [sys.executable, "-c", hang], r"^child", budget_s=3), tmp_path / "s.log")
+    assert time.monotonic() - start < 20
+    assert check.status == "CUT" and "budget of 3 s" in check.reason
+    child = int(check.log.split()[1])
+    assert not running(child)
+    assert check_lines(check)[0].startswith("[CUT] sleeper") and any("child" in line for line in check_lines(check))
+
+
+def running(pid: int) -> bool:
+    """Whether the process is alive: neither gone nor a zombie (an orphan that this sandbox's init may not reap)."""
+    try:
+        return " Z " not in open(f"/proc/{pid}/stat").read().split(")")[-1][:4]
+    except FileNotFoundError:
+        return False
+
+
+def test_a_failing_check_reports_its_exit_status_and_last_lines(tmp_path):
+    check = run_check(Check("failing", [sys.executable, "-c", "print('ms per step: 1.0'); raise SystemExit('boom')"],
+                            r"^ms per step", budget_s=30), tmp_path / "f.log")
+    lines = check_lines(check)
+    assert lines[0].startswith("[FAILED] failing") and "exit status 1" in lines[0]
+    assert "    ms per step: 1.0" in lines and "    | boom" in lines
+
+
+def test_a_test_past_its_time_limit_fails_without_holding_the_session(tmp_path):
+    (tmp_path / "test_sleeps.py").write_text("import time\n\ndef test_sleeps():\n    time.sleep(60)\n")
+    start = time.monotonic()
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "conftest", "--time_limit_per_test=1",
+                          "-p", "no:cacheprovider", str(tmp_path / "test_sleeps.py")],
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert time.monotonic() - start < 30
+    assert run.returncode == 1 and "ran past its limit of 1 s" in run.stdout, run.stdout[-2000:]
