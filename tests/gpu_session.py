@@ -16,6 +16,7 @@ it is set, else to logs/gpu_session/<time>/. The exit status is 1 when a check f
 check needs is missing, else 0; a dry run's checks are "not run", which is no failure.
 """
 import argparse
+import contextlib
 import datetime
 import os
 import platform
@@ -76,17 +77,17 @@ def run_check(check: Check, log_path: Path) -> Check:
 
 
 def stop_group(process: subprocess.Popen) -> None:
-    """SIGTERM to the process's group, SIGKILL to what is left of it 10 s later."""
-    for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
-        try:
+    """SIGINT to the process's group (pytest then prints what failed so far, as on Ctrl-C), SIGTERM 10 s later if
+    it still runs; then SIGKILL to whatever is left of the group (a child that outlived its parent included)."""
+    for sig, grace in ((signal.SIGINT, 10), (signal.SIGTERM, 5)):
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(timeout=grace)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+            break
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
 
 
 def check_lines(check: Check) -> list[str]:

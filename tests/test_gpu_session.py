@@ -4,8 +4,11 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
+
+import train_gpt
 
 import gpu_session
 from gpu_session import Check, check_lines, run_check
@@ -40,6 +43,9 @@ def test_a_check_that_hangs_is_cut_at_its_budget_with_its_whole_process_group(tm
     assert time.monotonic() - start < 20
     assert check.status == "CUT" and "budget of 3 s" in check.reason
     child = int(check.log.split()[1])
+    deadline = time.monotonic() + 2  # (SIGKILL was sent; its delivery takes a moment)
+    while running(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert not running(child)
     assert check_lines(check)[0].startswith("[CUT] sleeper") and any("child" in line for line in check_lines(check))
 
@@ -68,3 +74,16 @@ def test_a_test_past_its_time_limit_fails_without_holding_the_session(tmp_path):
                          capture_output=True, text=True, cwd=tmp_path)
     assert time.monotonic() - start < 30
     assert run.returncode == 1 and "ran past its limit of 1 s" in run.stdout, run.stdout[-2000:]
+
+
+def test_the_synthetic_shards_documents_are_as_long_as_89s_loader_allows(tmp_path):
+    # #89's loader holds at most (tokens // 300) documents a batch; FineWeb's average about 1,000 tokens
+    from benchmark_gpu import synthetic_shards
+    from benchmark_vs_reference import VAL_BATCH_89
+    files = synthetic_shards(tmp_path, 10, val_tokens=4 * VAL_BATCH_89 // 8)
+    tokens = np.fromfile(files["val_files"].replace("*", "000000"), dtype=np.uint16, offset=256 * 4)
+    starts = np.flatnonzero(tokens == train_gpt.EOT_TOKEN)
+    assert 900 < len(tokens) / len(starts) < 1100
+    batch = VAL_BATCH_89 // 8
+    assert max(np.count_nonzero((starts >= i) & (starts < i + batch)) for i in range(0, len(tokens), batch)) \
+        <= batch // 300
