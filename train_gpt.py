@@ -55,6 +55,10 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+# the flat collectives by torch 2.13's names; torch 2.11 (the lent GPU machines' own) has only the older ones
+all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
 class UserError(Exception):
     """A mistake in the run's inputs (flags, files, layout): reported as one sentence, no traceback."""
 
@@ -471,6 +475,7 @@ def banded_mask(input_seq: Tensor, window: int) -> Tensor:
     s = (t[:, :1] // C - 1) * C + torch.arange(2 * C, device=input_seq.device)
     return (t - s >= 0) & (t - s < window) & (s >= 0) & (docs[t] == docs[s.clamp(min=0)])
 
+FLEX_MIN_HEAD_DIM = 16  # FlexAttention's Triton kernels refuse narrower heads
 # always compiled: eager flex_attention ignores the block lists, scoring every pair of the sequence
 compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
 
@@ -1911,6 +1916,9 @@ def build_trainer(args: Hyperparameters, ctx: "ParallelContext", cuda_dtypes: bo
     zero-initialised layers start small and random, so that no gradient is zero, or mere rounding, from the first
     step on."""
     cuda_dtypes = ctx.device.type == "cuda" if cuda_dtypes is None else cuda_dtypes
+    need(ctx.device.type != "cuda" or args.head_dim >= FLEX_MIN_HEAD_DIM, f"{flag_value(args, 'head_dim')}: "
+         f"FlexAttention's CUDA kernels take heads of {FLEX_MIN_HEAD_DIM} dims or more; on a GPU give --head_dim "
+         f"{FLEX_MIN_HEAD_DIM} or more (and --model_dim = --num_heads x --head_dim)")
     torch.manual_seed(args.seed)
     model = build_model(args, torch.device("meta" if ctx.device.type == "meta" else "cpu"))
     for p in model.parameters() if nonzero_init else ():
@@ -3900,7 +3908,7 @@ class GradientBuckets:
             counts = torch.bincount(rows % W, minlength=W)
         every = counts.new_empty(W, W)
         count_comm("table_all_gather_single", every)
-        dist.all_gather_single(every.view(-1), counts, group=dp.group)
+        all_gather_single(every.view(-1), counts, group=dp.group)
         sent = torch.full((W, W), per_rank) if meta else every.cpu()  # rank i's rows that rank j sums
         summed = sent.sum(0).clamp(max=share)  # at most, each rank's
         row_bytes = nbytes(grad[0])  # (rows that cross between ranks, each with its index)
@@ -3918,7 +3926,7 @@ class GradientBuckets:
         kept = share_sum.ne(0).any(1).nonzero().squeeze(1) if not meta else summed_rows[:int(summed[dp.rank])]
         kept_counts = counts.new_empty(W)
         count_comm("table_all_gather_single", kept_counts)
-        dist.all_gather_single(kept_counts, counts.new_full((1,), len(kept)), group=dp.group)
+        all_gather_single(kept_counts, counts.new_full((1,), len(kept)), group=dp.group)
         kept_counts = summed.tolist() if meta else kept_counts.tolist()
         rows, values = kept * W + dp.rank, share_sum[kept]
         if keeper is not None:
@@ -3932,7 +3940,7 @@ class GradientBuckets:
             rows, values = (t.new_empty(W * most, *t.shape[1:]) for t in parts)
             count_comm("table_all_gather", rows, values)
             for whole, part in zip((rows, values), parts):
-                dist.all_gather_single(whole.view(-1), part.view(-1), group=dp.group)
+                all_gather_single(whole.view(-1), part.view(-1), group=dp.group)
         grad.zero_().index_add_(0, rows, values).div_(W)
 
     def _all_to_all(self, rows: Tensor, values: Tensor, send: list[int], receive: list[int]) -> tuple[Tensor, Tensor]:
@@ -3949,7 +3957,7 @@ class GradientBuckets:
             per_rank = rows_by_rank(grad, W).contiguous()
             mine = grad.new_empty(per_rank.shape[1:])
             count_comm("table_reduce_scatter_single", per_rank)
-            dist.reduce_scatter_single(mine.view(-1), per_rank.view(-1), op=dist.ReduceOp.AVG, group=self.dp.group)
+            reduce_scatter_single(mine.view(-1), per_rank.view(-1), op=dist.ReduceOp.AVG, group=self.dp.group)
             return mine
         for handle in self._reduce([grad], keeper, label="table_"):
             handle.wait()
@@ -4039,7 +4047,7 @@ class DataParallelMuon(Muon):
                 handle = None
                 if self.dp.size > 1:
                     count_comm("all_gather_single", update_buffer)
-                    handle = dist.all_gather_single(update_buffer, update, group=self.dp.group, async_op=True)
+                    handle = all_gather_single(update_buffer, update, group=self.dp.group, async_op=True)
                 else:
                     views[0].copy_(update)
                 pending = handle, params[base:base + self.dp.size]
@@ -4180,7 +4188,7 @@ class TableRows:
         """Async: a tensor shaped like this rank's rows from every rank."""
         gathered = t.new_empty(self.dp.size * t.numel())
         count_comm("all_gather_single", gathered)
-        return gathered, dist.all_gather_single(gathered, t.contiguous().view(-1), group=self.dp.group, async_op=True)
+        return gathered, all_gather_single(gathered, t.contiguous().view(-1), group=self.dp.group, async_op=True)
 
     def _in_table_order(self, gathered: Tensor) -> Tensor:
         return rows_in_table_order(gathered.view(self.dp.size, self.most, *self.table.shape[1:]), len(self.table))
@@ -4323,7 +4331,7 @@ def gather_sequence_shards(x: Tensor, tp: Axis, async_op: bool = False):
     """(..., T / tp, d) shards -> (..., T, d) in rank order along the sequence (dims before it have size 1)."""
     full = x.new_empty(*x.shape[:-2], tp.size * x.size(-2), x.size(-1))
     count_comm("all_gather_single", full)
-    handle = dist.all_gather_single(full.view(-1), x.contiguous().view(-1), group=tp.group, async_op=async_op)
+    handle = all_gather_single(full.view(-1), x.contiguous().view(-1), group=tp.group, async_op=async_op)
     return (full, handle) if async_op else full
 
 def reduce_scatter_sequence_shards(x: Tensor, tp: Axis) -> Tensor:
@@ -4331,7 +4339,7 @@ def reduce_scatter_sequence_shards(x: Tensor, tp: Axis) -> Tensor:
     x = x.contiguous()
     shard = x.new_empty(*x.shape[:-2], x.size(-2) // tp.size, x.size(-1))
     count_comm("reduce_scatter_single", x)
-    dist.reduce_scatter_single(shard.view(-1), x.view(-1), group=tp.group)
+    reduce_scatter_single(shard.view(-1), x.view(-1), group=tp.group)
     return shard
 
 def own_sequence_shard(x: Tensor, tp: Axis) -> Tensor:

@@ -1,5 +1,5 @@
-"""Benchmark (not a test) of the record config on the GPUs present: a short run after the compile warm-up, on the
-FineWeb shards or, where they are missing, on synthetic shards of the same format.
+"""Benchmark (not a test) of the record config on the GPUs present: a short run after a few untimed steps of the
+same shape (the compile), on the FineWeb shards or, where they are missing, on synthetic shards of the same format.
 
     torchrun --standalone --nproc_per_node=$(nvidia-smi -L | wc -l) tests/benchmark_gpu.py [--steps 30] [flags]
 
@@ -61,6 +61,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30, help="timed steps after the warm-up")
     parser.add_argument("--at_step", type=int, default=None, help="schedule step to time at (default: the middle)")
+    parser.add_argument("--untimed_steps", type=int, default=3,
+                        help="steps before the timed ones, at their shape (the compile; the trainer's own warm-up "
+                             "compiles every stage's shape, which a benchmark of one stage need not wait for)")
     ours, rest = parser.parse_known_args()
     train_gpt.keep_freed_memory_for_reuse()  # the trainer's allocator settings, before CUDA's first allocation
     args = train_gpt.parse_args(["--preset", "record", *rest])
@@ -73,7 +76,7 @@ def main():
         if not train_gpt.glob.glob(args.train_files):
             files = [None]
             if ctx.is_master:
-                files[0] = synthetic_shards(Path(scratch), (ours.steps + 2) * step_tokens + 1)
+                files[0] = synthetic_shards(Path(scratch), (ours.steps + ours.untimed_steps + 2) * step_tokens + 1)
             if dist.is_initialized():
                 dist.broadcast_object_list(files, 0)
             args.train_files, args.val_files = files[0]["train_files"], files[0]["val_files"]
@@ -82,13 +85,13 @@ def main():
             source = args.train_files
         trainer = train_gpt.build_trainer(args, ctx)
         batches = train_gpt.train_batches(trainer)
-        if args.compile and args.warmup_steps > 0:
+        if ours.untimed_steps:  # the compile, and the allocator's first blocks, at the timed steps' shape only
             started = time.perf_counter()
             if ctx.is_master:
-                print(f"compiling and warming up ({args.warmup_steps} steps at each sequence length)", flush=True)
-            train_gpt.warmup_and_restore(trainer, args.warmup_steps)
+                print(f"{ours.untimed_steps} untimed steps at step {at_step} (compile {args.compile})", flush=True)
+            time_steps(trainer, batches, at_step, ours.untimed_steps, ctx.device)
             if ctx.is_master:
-                print(f"warm-up: {time.perf_counter() - started:.0f} s", flush=True)
+                print(f"untimed steps: {time.perf_counter() - started:.0f} s", flush=True)
         phases = time_steps(trainer, batches, at_step, ours.steps, ctx.device)
     report(args, ctx, source, at_step, ours.steps, phases)
     if dist.is_initialized():

@@ -25,6 +25,7 @@ from test_muon import polar_express_by_svd
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CUDA = torch.device("cuda")
+CUDA_TINY = dict(head_dim=16, model_dim=64)  # the tiny preset with heads FlexAttention's CUDA kernels take
 
 
 def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
@@ -52,8 +53,15 @@ def test_flex_attention_equals_the_dense_twin_forward_and_backward(dtype, tolera
             out = attn(inputs, ve, twin)
             out.float().square().sum().backward()
             results.append([out, inputs.grad, *(p.grad for p in attn.parameters())])
-        for flex, dense in zip(*results):
-            assert dense.norm() > 0 and relative_error(flex, dense) < tolerance
+        names = ["output", "input's gradient", *(f"{name}'s gradient" for name, _ in attn.named_parameters())]
+        for name, flex, dense in zip(names, *results):
+            if window == 0 and name == "qk.weight's gradient":
+                # each token sees itself alone: softmax over one key has no gradient, and q's and k's are each
+                # kernel's rounding (an H100 under torch 2.11: norm 0.21 for the dense twin, 1.02 apart in norm)
+                scale = results[1][names.index("v.weight's gradient")].norm()
+                assert flex.norm() < 1e-4 * scale and dense.norm() < 1e-4 * scale, name
+                continue
+            assert dense.norm() > 0 and relative_error(flex, dense) < tolerance, name
 
 
 def test_fp8_op_on_cuda_equals_the_fp64_product_of_its_quantised_operands_eager_and_compiled():
@@ -173,7 +181,7 @@ def test_a_cuda_random_state_of_another_size_is_refused_by_name_before_step_1(tm
     """The CUDA twin of the CPU's (tests/test_faults.py: a CPU random state a byte short is refused on load): the
     GPU's generator state is held to this GPU's size when the checkpoint is restored."""
     files = write_synthetic_shards(tmp_path)
-    flags = tiny_flags(files, log_dir=tmp_path / "logs", run_id="rng", num_iterations=2, save_every=2,
+    flags = tiny_flags(files, **CUDA_TINY, log_dir=tmp_path / "logs", run_id="rng", num_iterations=2, save_every=2,
                        val_loss_every=0, compile="false")
     train_gpt.main(flags)
     state = torch.load(tmp_path / "logs" / "rng" / "step000002.pt", weights_only=True)
@@ -215,7 +223,7 @@ NCCL_LAYOUTS = ["dp2", "dp2_zero1", "dp2_zero2", "dp2_zero3", "tp2_sp", "pp2_afa
 @pytest.fixture(scope="module")
 def nccl_single(tmp_path_factory):
     files = write_synthetic_shards(tmp_path_factory.mktemp("nccl_shards"))
-    return files, train_gpt.train_steps(0, 1, tiny_flags(files), 3, "cuda")
+    return files, train_gpt.train_steps(0, 1, tiny_flags(files, **CUDA_TINY), 3, "cuda")
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank: two or more")
@@ -225,7 +233,8 @@ def test_layouts_over_nccl_train_the_one_process_model(nccl_single, name):
     # CPU check's (a layout that trains another model is off by a factor, or by 0.1 and more)
     files, single = nccl_single
     processes, layout = LAYOUTS[name]
-    ranks = run_on_ranks(train_gpt.train_steps, processes, tiny_flags(files, **layout), 3, "cuda", backend="nccl",
+    ranks = run_on_ranks(train_gpt.train_steps, processes, tiny_flags(files, **CUDA_TINY, **layout), 3, "cuda",
+                         backend="nccl",
                          timeout=900)
     worst, tensor = train_gpt.worst_difference(ranks[0]["state"], single["state"])
     assert worst < 2e-2, (tensor, worst)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import train_gpt
 from conftest import REPO_ROOT
@@ -206,6 +207,18 @@ def test_values_that_cannot_train_are_refused_at_parse_time(argv, words):
     with pytest.raises(train_gpt.UserError) as error:
         train_gpt.parse_args(["--preset", "tiny", *argv], cuda=False)
     assert words in str(error.value)
+
+
+def test_heads_too_narrow_for_flexattention_on_cuda_are_refused_by_name_before_the_model_is_built():
+    # FlexAttention's Triton kernels take 16 dims a head or more (an InductorError deep in the first compile else);
+    # refused as the trainer builds for a CUDA device, which this needs no GPU to reach
+    args = train_gpt.parse_args(tiny_flags(dict(train_files="unused", val_files="unused")), cuda=False)
+    with pytest.raises(train_gpt.UserError, match=r"--head_dim 8 \(the tiny preset's\): FlexAttention's CUDA kernels "
+                                                  r"take heads of 16 dims or more"):
+        train_gpt.build_trainer(args, train_gpt.build_parallel_context(0, 1, torch.device("cuda")))
+    wide = train_gpt.parse_args(tiny_flags(dict(train_files="unused", val_files="unused"), head_dim=16,
+                                           model_dim=64), cuda=False)
+    train_gpt.build_trainer(wide, train_gpt.build_parallel_context(0, 1, torch.device("cpu")))  # (CPU: no limit)
 
 
 def test_a_kill_switch_that_is_a_directory_is_refused(tmp_path):

@@ -13,6 +13,7 @@ from train_gpt import norm
 
 def tiny_model_with_every_weight_nonzero(mudd=True):
     args = train_gpt.parse_args(["--preset", "tiny", "--mudd", str(mudd)], cuda=False)
+    torch.manual_seed(0)  # the model drawn alike every run: a test that a change moves the logits must not draw
     model = train_gpt.build_model(args, torch.device("cpu"))
     draws = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -141,6 +142,7 @@ def logits_by_the_formulas(model, tokens, window, backout=True, attend_over=True
 
 @pytest.mark.parametrize("mudd", [True, False])
 def test_the_layer_stack_computes_the_formulas_of_record_89(mudd):
+    ROUNDING = 1e-5  # of the logits' spread
     args, model = tiny_model_with_every_weight_nonzero(mudd=mudd)
     assert model.skip == (1, 4) and model.attend_over == 3 and model.blocks[4].attn is None  # the tiny preset's
     assert list(model.gate_networks) == ["0", "2"]  # (its XSA layers 1 and 3, output gates 3 and 5)
@@ -160,8 +162,10 @@ def test_the_layer_stack_computes_the_formulas_of_record_89(mudd):
         for change in changes + [dict(attend_over=False), dict(smear=False), dict(value_gates=False), dict(xsa=False),
                                  dict(output_gates=False), dict(bigram=False), dict(composition=False)]:
             changed = logits_by_the_formulas(model, tokens, window, **change)
-            assert (changed - expected).abs().max() > 1e-3 * spread, change
-    assert (logits - expected).abs().max() <= 1e-5 * spread  # the same float32 ops: rounding only
+            # seen: ten times the rounding the comparison below allows (without MUDD, the attend-over layer moves
+            # the logits by ~1e-3 of their spread)
+            assert (changed - expected).abs().max() > 10 * ROUNDING * spread, change
+    assert (logits - expected).abs().max() <= ROUNDING * spread  # the same float32 ops: rounding only
 
 
 def test_each_learned_scale_starts_where_record_89_starts_it():
