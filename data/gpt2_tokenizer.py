@@ -5,64 +5,26 @@
 
 tiktoken downloads its ranks file on first use, which fails without internet. The same file (byte for byte,
 checked by SHA-256) ships inside the `openai-whisper` source archive on PyPI, so `--fetch` gets it from there.
-`get_gpt2_encoding()` uses, in order: the file named by $GPT2_TIKTOKEN_FILE, data/.cache/gpt2.tiktoken,
+The trainer's gpt2_encoding() uses, in order: the file named by $GPT2_TIKTOKEN_FILE, data/.cache/gpt2.tiktoken,
 tiktoken's own download.
 """
 import argparse
-import functools
-import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import tiktoken
-import tiktoken.load
-from tiktoken_ext import openai_public
+from data.common import UserError, read_sdist_members, run_script, sha256_bytes
+from train_gpt import GPT2_FETCH_COMMAND as FETCH_COMMAND
+from train_gpt import GPT2_RANKS as DEFAULT_RANKS_FILE
+from train_gpt import GPT2_RANKS_ENV as RANKS_ENV
+from train_gpt import GPT2_RANKS_SHA256 as RANKS_SHA256
+from train_gpt import gpt2_encoding as get_gpt2_encoding
+from train_gpt import gpt2_ranks_file as ranks_file
+from train_gpt import write_file_atomically
 
-from data.common import DATA_DIR, UserError, read_sdist_members, run_script, sha256_bytes
-from train_gpt import EOT_TOKEN, write_file_atomically
-
-RANKS_ENV = "GPT2_TIKTOKEN_FILE"
-DEFAULT_RANKS_FILE = DATA_DIR / ".cache" / "gpt2.tiktoken"
-RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"  # tiktoken's r50k_base == gpt2
 RANKS_SDIST = "openai-whisper==20250625"
 RANKS_IN_SDIST = "whisper/assets/gpt2.tiktoken"
-FETCH_COMMAND = "python data/gpt2_tokenizer.py --fetch"
-
-
-def ranks_file() -> Path | None:
-    """The local ranks file to use, or None to let tiktoken download it."""
-    named = os.environ.get(RANKS_ENV)
-    if named:
-        if not Path(named).is_file():
-            raise UserError(f"${RANKS_ENV} names {named}, which is not a file: point it at a gpt2.tiktoken ranks "
-                            f"file, or unset it and run `{FETCH_COMMAND}`")
-        return Path(named)
-    return DEFAULT_RANKS_FILE if DEFAULT_RANKS_FILE.is_file() else None
-
-
-@functools.cache
-def _encoding_from(path: Path | None) -> tiktoken.Encoding:
-    if path is None:
-        try:
-            return tiktoken.get_encoding("gpt2")
-        except (OSError, ValueError) as e:  # requests' errors are OSErrors; ValueError: hash mismatch
-            raise UserError(f"tiktoken could not download GPT-2's ranks ({type(e).__name__}): without internet, "
-                            f"run `{FETCH_COMMAND}` (gets them from PyPI) or set ${RANKS_ENV} to a gpt2.tiktoken "
-                            "file") from None
-    try:
-        ranks = tiktoken.load.load_tiktoken_bpe(str(path), expected_hash=RANKS_SHA256)
-    except ValueError:
-        raise UserError(f"{path} is not GPT-2's ranks file (its SHA-256 is not {RANKS_SHA256}): delete it and run "
-                        f"`{FETCH_COMMAND}`") from None
-    # The pattern comes from tiktoken itself, so it is the one tiktoken's own "gpt2" encoding uses.
-    return tiktoken.Encoding(name="gpt2", pat_str=openai_public.r50k_pat_str, mergeable_ranks=ranks,
-                             special_tokens={openai_public.ENDOFTEXT: EOT_TOKEN})
-
-
-def get_gpt2_encoding() -> tiktoken.Encoding:
-    return _encoding_from(ranks_file())
 
 
 def fetch_ranks(dest: Path = DEFAULT_RANKS_FILE) -> Path:

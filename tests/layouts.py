@@ -1,330 +1,283 @@
 """The layout tests' harness: a few training steps under any layout (train_gpt.train_steps, the same runs and
-comparison as `train_gpt.py --check_layout`), and the model edits a forker makes, applied by subclassing the
-model's classes."""
-import contextlib
-
-import torch
-import torch.nn.functional as F
-from torch import nn
+comparison as `train_gpt.py --check_layout`), and the edits a forker makes to train_gpt.py, made to its source as a
+fork's file has them: each fork is train_gpt.py with some lines changed, imported as a module of its own."""
+import linecache
+import sys
+import types
+from pathlib import Path
 
 import train_gpt
 from synthetic import tiny_flags
-from train_gpt import CastedLinear, norm
 
+# The forks: each a list of (lines of train_gpt.py, what the fork has there instead); each original found once.
+SHIFT = "torch.cat([torch.zeros_like({0}[:, :1]), {0}[:, :-1]], dim=1)"  # each position the previous one's vector
 
-def shift(x: torch.Tensor) -> torch.Tensor:
-    """Each position gets the previous position's vector (the first gets zeros): a token shift."""
-    return torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1)
+# a learned gate on attention's output
+ATTENTION_GATE = [("""        self.mlp = MLP(dim)
+""", """        self.mlp = MLP(dim)
+        self.attn_gate = nn.Parameter(torch.tensor(0.7)) if layer.attention else None
+"""), ("""        return self.attn(read, value_input, mask,""", """        return self.attn_gate * self.attn(read, value_input, mask,""")]
 
+# The edits the field's records make, in one model: natural ones (a gate on attention's output, a fourth value
+# embedding, a gated MLP, a learnable per-layer vector, a hashed token-pair embedding), the record history's (a token
+# shift of the embedding, a second head predicting the token after next, the embedding tied to the head as one
+# parameter, a learnable soft cap and a temperature the two heads share, a per-head temperature, a block's scalar read
+# by the GPT after the block ran) and the later records' kinds: code in GPT.forward itself (a scale on the stream
+# before the head; the rotaries stretched as the window grows, as dynamic YaRN does), a GPT vector whose entries
+# attention takes by keyword, a block returning a second stream, a bias per vocabulary entry
+FORKS = {"forks": [
+    ('''        value_embed=i in listed("value_embed_layers"), xsa''',
+     '''        value_embed=i in listed("value_embed_layers") or i == 0, xsa'''),
+    ('''        self.c_proj.weight.detach().zero_()
 
-# Issue's natural edits: a gate on the attention output, a 4th value embedding, a new linear layer in the MLP, a
-# learnable per-layer vector, and a bigram-hash embedding added to x0 (the field's record #62)
-
-class BlockWithAttentionGate(train_gpt.Block):
-    def __init__(self, *args):
-        super().__init__(*args)
-        self.attn_gate = nn.Parameter(torch.tensor(0.7)) if self.attn is not None else None
-
-    def attend(self, *args, **for_attention):
-        return self.attn_gate * super().attend(*args, **for_attention)
-
-
-class GatedMLP(train_gpt.MLP):
-    def __init__(self, dim):
-        super().__init__(dim)
+    def forward(self, x: Tensor) -> Tensor:
+        return self.c_proj(F.relu(self.c_fc(x)).square())  # ReLU^2''',
+     '''        self.c_proj.weight.detach().zero_()
         self.c_gate = CastedLinear(dim, 4 * dim)
 
-    def forward(self, x):
-        return self.c_proj(F.relu(self.c_fc(x)).square() * torch.sigmoid(self.c_gate(x)))
-
-
-class GPTWithNaturalEdits(train_gpt.GPT):
-    def __init__(self, vocab_size, num_layers, num_heads, head_dim, model_dim, *args, **kwargs):
-        kwargs["value_embed_layers"] = (*kwargs.get("value_embed_layers", ()), 0)  # a 4th, for layer 0
-        super().__init__(vocab_size, num_layers, num_heads, head_dim, model_dim, *args, **kwargs)
-        self.layer_gains = nn.Parameter(torch.linspace(0.8, 1.2, num_layers))
-        self.bigram = nn.Embedding(2**16, model_dim)
-
-    def embed_tokens(self, input_seq):
-        stream = super().embed_tokens(input_seq)
-        previous = torch.cat([input_seq.new_zeros(1), input_seq[:-1]])
-        x = norm(stream["x"] + 0.1 * self.bigram((input_seq * 31 + previous) % 2**16)[None])
-        return dict(stream, x=x, x0=x)
-
-    def run_block(self, i, stream, masks):
-        return super().run_block(i, dict(stream, x=stream["x"] * self.layer_gains[i]), masks)
-
-
-# The field's record history: a token shift ("smear") of the embedding, a second head for multi-token prediction,
-# tied input and output embeddings, a learnable soft cap, a per-head temperature, a GPT parameter read only in the
-# head, and a block's scalar read by the GPT after the block ran
-
-class HeadWithLearnedCap(train_gpt.LMHead):
-    """A learnable soft cap, and (a later kind) a bias per vocabulary entry."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def forward(self, x: Tensor) -> Tensor:
+        return self.c_proj(F.relu(self.c_fc(x)).square() * torch.sigmoid(self.c_gate(x)))'''),
+    ('''        self.sum_over_heads = SumOverHeads() if composed else None
+''', '''        self.sum_over_heads = SumOverHeads() if composed else None
+        self.head_temperature = nn.Parameter(torch.linspace(0.8, 1.2, num_heads))
+'''),
+    ('''                banded: Tensor | None = None) -> Tensor:
+''', '''                banded: Tensor | None = None, scale: Tensor | float = 1.0) -> Tensor:
+'''),
+    ('''        q, k, v = self.project(x)
+        B, T = q.size(0), q.size(1)  # B == 1: masks are per sequence
+        q, k = self.rotary(norm(q), norm(k), self.head_offsets)  # QK-norm, then rotate
+''', '''        q, k, v = self.project(x * scale)
+        B, T = q.size(0), q.size(1)  # B == 1: masks are per sequence
+        q, k = self.rotary(norm(q), norm(k), self.head_offsets)  # QK-norm, then rotate
+        q = q * self.head_temperature[:, None]
+'''),
+    *ATTENTION_GATE,
+    ('''        dense_value = None
+        if dense is not None:''', '''        block_input = x
+        dense_value = None
+        if dense is not None:'''),
+    ('''        residual, output = self.scales("mlp_scales", gates)
+        return residual * x + output * self.mlp(norm(x))''', '''        residual, output = self.scales("mlp_scales", gates)
+        out = residual * x + output * self.mlp(norm(x))
+        return out, out - block_input'''),
+    ('''        self.soft_cap = soft_cap
+        self.cross_entropy = CrossEntropy()
+''', '''        self.soft_cap = soft_cap
+        self.cross_entropy = CrossEntropy()
         self.cap = nn.Parameter(torch.tensor(23.0))
         self.logit_bias = nn.Parameter(torch.zeros(self.weight.size(0)))
-
-    def logits(self, x):
-        logits = CastedLinear.forward(self, x).float() + self.logit_bias
-        return self.cap * torch.sigmoid((logits + 5) / (7.5 * self.temperature))
-
-
-class AttentionWithHeadTemperature(train_gpt.CausalSelfAttention):
-    def __init__(self, dim, num_heads, head_dim, *args):
-        super().__init__(dim, num_heads, head_dim, *args)
-        self.head_temperature = nn.Parameter(torch.linspace(0.8, 1.2, num_heads))
-
-    def forward(self, x, ve, mask, xsa=None, output_gate=None, *composition):  # (a fork ignoring XSA and gates)
-        q, k, v = self.project(x)
-        B, T = q.size(0), q.size(1)
-        q, k = self.rotary(norm(q), norm(k), self.head_offsets)
-        q = q * self.head_temperature[:, None]
-        v = self.values(v, ve)
-        y = self.compose(self.attend(q, k, v, mask), q, k, v, *composition)
-        return self.c_proj(y.contiguous().view(B, T, -1))
-
-
-class GPTWithRecordEdits(train_gpt.GPT):
-    def __init__(self, vocab_size, num_layers, num_heads, head_dim, model_dim, *args, **kwargs):
-        super().__init__(vocab_size, num_layers, num_heads, head_dim, model_dim, *args, **kwargs)
+        self.temperature = 1.0
+'''),
+    ('''        return SoftCap.apply(super().forward(x).float(), *self.soft_cap)''',
+     '''        logits = super().forward(x).float() + self.logit_bias
+        return self.cap * torch.sigmoid((logits + 5) / (7.5 * self.temperature))'''),
+    ('''        self.rotary_windows = ()  # the long windows YaRN has stretched the rotary for (stretch_rotary)
+''', '''        self.rotary_windows = ()  # the long windows YaRN has stretched the rotary for (stretch_rotary)
+        self.layer_gains = nn.Parameter(torch.linspace(0.8, 1.2, c.num_layers))
+        self.pair_embed = nn.Embedding(2**16, c.model_dim)
         self.smear_gate = CastedLinear(12, 1)
-        padded = self.lm_head.weight.size(0)
-        self.embed = nn.Embedding(padded, model_dim)  # tied: one table of the head's (padded) size
+        self.embed = nn.Embedding(head_rows, c.model_dim)  # tied: one table of the head's (padded) size
         self.lm_head.weight = self.embed.weight
-        self.next_head = train_gpt.LMHead(model_dim, padded)
+        self.next_head = LMHead(c.model_dim, head_rows)
         self.next_head.weight.detach().zero_()  # a head starts at zero, as the GPT's own does
         self.head_temperature = nn.Parameter(torch.tensor(1.0))
         for head in (self.lm_head, self.next_head):
             head.temperature = self.head_temperature
-
-    def embed_tokens(self, input_seq):
-        stream = super().embed_tokens(input_seq)
-        x = stream["x"] + torch.sigmoid(self.smear_gate(stream["x"][..., :12])) * shift(stream["x"])
-        return dict(stream, x=x, x0=x)
-
-    def run_block(self, i, stream, masks):
-        stream = super().run_block(i, stream, masks)
-        if self.blocks[i].mlp_scales is None:  # (a dense layer's scales are per token)
-            return stream
-        return dict(stream, x=stream["x"] + 0.1 * self.blocks[i].mlp_scales.output * stream["x0"])
-
-    def head_loss(self, stream, target_seq):
-        loss = super().head_loss(stream, target_seq)
-        if self.training:  # the second head predicts the token after next
-            loss = loss + self.next_head(norm(stream["x"])[0, :-1], target_seq[1:])
-        return loss
-
-
-# A token shift inside a block: where sequence parallelism cuts the stream, so it must refuse it
-class BlockWithTokenShift(train_gpt.Block):
-    def __init__(self, *args):
-        super().__init__(*args)
-        self.shift_gain = nn.Parameter(torch.tensor(0.5))
-
-    def forward(self, x, *args, **kwargs):
-        return super().forward(x + self.shift_gain * shift(x), *args, **kwargs)
-
-
-class AttentionWithUnplacedMatrix(train_gpt.CausalSelfAttention):
-    """A weight matrix inside attention, on its heads' output, that neither reads the region's input nor writes its
-    output: no tensor-parallel rule places it."""
-
-    def __init__(self, dim, *args):
-        super().__init__(dim, *args)
-        self.mix = CastedLinear(dim, dim)
-
-    def forward(self, x, ve, mask, xsa=None, output_gate=None, *composition):
-        q, k, v = self.project(x)
-        B, T = q.size(0), q.size(1)
-        q, k = self.rotary(norm(q), norm(k), self.head_offsets)
-        v = self.values(v, ve)
-        y = self.compose(self.attend(q, k, v, mask), q, k, v, *composition)
-        return self.c_proj(self.mix(y.contiguous().view(B, T, -1)))
-
-
-# The kinds of edit the field's later records make, for the layouts' rules to carry: code in GPT.forward itself (a
-# scale on the stream before the head; the rotaries stretched as the window grows, as dynamic YaRN does), a GPT's
-# per-layer vector whose entries attention uses, a block returning a second stream, a bias per vocabulary entry
-
-def stretch_rotary(rotary: train_gpt.Rotary, factor: float) -> None:
-    """The rotary's frequencies divided by factor: positions stretched, as dynamic YaRN does when the window grows."""
-    half = rotary.angular_freq.numel()
-    frequencies = (1 / 1024) ** torch.linspace(0, 1, steps=half // 2)
-    rotary.angular_freq.copy_(torch.cat([frequencies, frequencies.new_zeros(half // 2)]) / factor)
-
-
-class AttentionWithInputScale(AttentionWithHeadTemperature):
-    def forward(self, x, ve, mask, *gates, scale=1.0):
-        return super().forward(x * scale, ve, mask, *gates)
-
-
-class BlockWithSecondStream(BlockWithAttentionGate):
-    """Returns its update beside the residual: a second stream, which the GPT sums over the layers."""
-
-    def forward(self, x, *args, **kwargs):
-        out = super().forward(x, *args, **kwargs)
-        return out, out - x
-
-
-class GPTStretchingRotary(train_gpt.GPT):
-    """Step-dependent code in GPT.forward itself: the rotaries stretched whenever the window changes."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.rotary_window = train_gpt.ATTENTION_BLOCK_SIZE  # the long window, in tokens, they are stretched for
-
-    def stretch_rotaries(self, windows):
-        long = int(windows[1])  # (short, long) tokens
-        if long != self.rotary_window:
-            for module in self.modules():
-                if isinstance(module, train_gpt.Rotary):
-                    stretch_rotary(module, long / train_gpt.ATTENTION_BLOCK_SIZE)
-            self.rotary_window = long
-
-    def forward(self, input_seq, target_seq, window, stream=None, layers=None):
-        self.stretch_rotaries(window)
-        return super().forward(input_seq, target_seq, window, stream, layers)
-
-
-class GPTWithLaterKinds(GPTStretchingRotary):
-    def __init__(self, vocab_size, num_layers, *args, **kwargs):
-        super().__init__(vocab_size, num_layers, *args, **kwargs)
         self.out_scale = nn.Parameter(torch.tensor(1.5))
-        self.attention_scales = nn.Parameter(torch.linspace(0.8, 1.2, num_layers))
+        self.attention_scales = nn.Parameter(torch.linspace(0.8, 1.2, c.num_layers))
+        self.rotary_window = ATTENTION_BLOCK_SIZE  # the long window the rotaries are stretched for, in tokens
+'''),
+    ('''        masks = self.attention_masks(input_seq, windows)
+        if stream is None:  # the embedding''', '''        masks = self.attention_masks(input_seq, windows)
+        if int(windows[1]) != self.rotary_window:  # the rotaries stretched as the long window grows
+            for rotary in (m for m in self.modules() if isinstance(m, Rotary)):
+                quarter = rotary.angular_freq.numel() // 2
+                turns = (1 / 1024) ** torch.linspace(0, 1, steps=quarter)
+                stretched = turns * ATTENTION_BLOCK_SIZE / int(windows[1])
+                rotary.angular_freq.copy_(torch.cat([stretched, stretched.new_zeros(quarter)]))
+            self.rotary_window = int(windows[1])
+        if stream is None:  # the embedding'''),
+    ('''            x = norm((x if self.smear is None else self.smear(x))[None])  # (1, T, D)
+            s = Stream(x=x, x0=x, ve={int(i): table(input_seq) for i, table in self.value_embeds.items()}, gates={})''',
+     f'''            x = norm((x if self.smear is None else self.smear(x))[None])  # (1, T, D)
+            x = x + torch.sigmoid(self.smear_gate(x[..., :12])) * {SHIFT.format("x")}
+            previous = torch.cat([input_seq.new_zeros(1), input_seq[:-1]])
+            x = norm(x + 0.1 * self.pair_embed((input_seq * 31 + previous) % 2**16)[None])
+            s = Stream(x=x, x0=x, ve={{int(i): table(input_seq) for i, table in self.value_embeds.items()}}, gates={{}},
+                       updates=torch.zeros_like(x))'''),
+    ('''            block, layer = self.blocks[i], c.layers[i]
+''', '''            block, layer = self.blocks[i], c.layers[i]
+            s.x = s.x * self.layer_gains[i]
+'''),
+    ('''            s.x = block(s.x, x0=''', '''            s.x, update = block(s.x, x0='''),
+    ('''                        banded=masks["banded"] if layer.composed else None)
+''', '''                        banded=masks["banded"] if layer.composed else None,
+                        **(dict(scale=self.attention_scales[i]) if block.attn is not None else {}))
+            s.updates = s.updates + update
+            if block.mlp_scales is not None:  # (a dense layer's scales are per token)
+                s.x = s.x + 0.1 * block.mlp_scales.output * s.x0
+'''),
+    ('''        s = self.stream_leaves(s)
+        x = s.x
+''', '''        s = self.stream_leaves(s)
+        x = s.x * self.out_scale + 0.1 * s.updates
+'''),
+    ('''            return self.lm_head(norm(x)[0], self.training_targets(target_seq), self.loss_weights)''',
+     '''            return self.lm_head(norm(x)[0], self.training_targets(target_seq), self.loss_weights) + \\
+                self.next_head(norm(x)[0, :-1], target_seq[1:])'''),
+]}
 
-    def forward(self, input_seq, target_seq, window, stream=None, layers=None):
-        self.stretch_rotaries(window)
-        masks = self.attention_masks(input_seq, window)
-        if stream is None:
-            stream = self.stream_enters(self.embed_tokens(input_seq))
-        layers = range(len(self.blocks)) if layers is None else layers
-        for i in layers:
-            stream = self.run_block(i, stream, masks)
-        if layers.stop < len(self.blocks):
-            return stream
-        stream = dict(stream, x=stream["x"] * self.out_scale)  # the scale before the head
-        return self.head_loss(self.stream_leaves(stream), target_seq)
-
-    def embed_tokens(self, input_seq):
-        stream = super().embed_tokens(input_seq)
-        return dict(stream, updates=torch.zeros_like(stream["x"]))
-
-    def run_block(self, i, stream, masks):
-        for_attention = dict(scale=self.attention_scales[i]) if self.blocks[i].attn is not None else {}
-        stream = self.enter_block(i, stream)
-        x, update = self.blocks[i](**self.block_inputs(i, stream, masks), **for_attention)
-        return self.keep_output(i, dict(stream, x=x, updates=stream["updates"] + update))
-
-    def head_loss(self, stream, target_seq):
-        return super().head_loss(dict(stream, x=stream["x"] + 0.1 * stream["updates"]), target_seq)
-
-
-class GPTWithAllEdits(GPTWithRecordEdits, GPTWithNaturalEdits, GPTWithLaterKinds):
-    """Every set of edits in one model (each class's embed_tokens, run_block and head_loss call the next one's; the
-    later kinds' run_block is the last, handing each block what its attention takes and taking a second stream)."""
-
-
-# Edits a layout refuses by name: heads that attend in pairs (under tensor parallelism, a pair split over ranks), and
-# every layer's q, k, v matrices in one bank parameter of the GPT (tensor parallelism has no rule to split it)
-
-def attend_in_pairs(attention: train_gpt.CausalSelfAttention, q, k, v, ve, mask) -> torch.Tensor:
-    """Attention's forward from its (B, T, H, D) q, k, v, heads j and j + H/2 attending as one head of twice the
-    width: their queries, keys and values concatenated."""
-    B, T = q.size(0), q.size(1)
-    q, k = attention.rotary(norm(q), norm(k))
-    v = attention.values(v, ve)
-    pairs = [torch.cat(t.chunk(2, dim=2), dim=-1).transpose(1, 2) for t in (q, k, v)]  # (B, H/2, T, 2D)
-    y = train_gpt.attention(*pairs, mask, attention.rotary.attention_scale).transpose(1, 2)
-    return attention.c_proj(torch.cat(y.chunk(2, dim=-1), dim=2).reshape(B, T, -1))
-
-
-class AttentionInPairs(train_gpt.CausalSelfAttention):
-    def __init__(self, dim, num_heads, head_dim, key_offset, zero_out, *kinds):  # (its own pairs, in every layer)
-        super().__init__(dim, num_heads, head_dim, key_offset, zero_out)
-
-    def forward(self, x, ve, mask, *gates):  # (a fork ignoring XSA, output gates and DC-MHA)
-        return attend_in_pairs(self, *self.project(x), ve, mask)
-
-
-class AttentionInPairsFromBank(train_gpt.CausalSelfAttention):
-    """Heads attending in pairs, their q, k, v matrices handed in from the GPT's bank instead of held."""
-
-    def __init__(self, dim, num_heads, head_dim, key_offset, zero_out, *kinds):  # (its own pairs, in every layer)
-        super().__init__(dim, num_heads, head_dim, key_offset, zero_out)
+# heads j and j + H/2 attending as one head of twice the width, their queries, keys and values concatenated (a fork
+# ignoring XSA, output gates and DC-MHA); the tiny preset's own paired heads off
+PAIRS = '''        q, k = self.rotary(norm(q), norm(k))  # heads j and j + H/2 as one head of twice the width
+        pairs = [torch.cat(t.chunk(2, dim=2), dim=-1).transpose(1, 2) for t in (q, k, self.values(v, ve))]
+        y = attention(*pairs, mask, self.rotary.attention_scale).transpose(1, 2)
+        return self.c_proj(torch.cat(y.chunk(2, dim=-1), dim=2).reshape(B, T, -1))
+'''
+NO_PAIRED_HEADS = ('''                 paired_head_layers="2,5", dc_layers="3",''', '''                 paired_head_layers="", dc_layers="3",''')
+FORKS["heads_in_pairs"] = [NO_PAIRED_HEADS, ('''        B, T = q.size(0), q.size(1)  # B == 1: masks are per sequence
+''', '''        B, T = q.size(0), q.size(1)  # B == 1: masks are per sequence
+''' + PAIRS)]
+# the same, every layer's q, k, v matrices in one bank parameter of the GPT, handed to attention by keyword, and a
+# gate on attention's output
+FORKS["bank_in_pairs"] = [NO_PAIRED_HEADS, *ATTENTION_GATE, ('''        self.sum_over_heads = SumOverHeads() if composed else None
+''', '''        self.sum_over_heads = SumOverHeads() if composed else None
         del self.qk, self.v
-
-    def forward(self, x, ve, mask, *gates, qkv=None):
-        q, k, v = F.linear(x, qkv.flatten(end_dim=-2)).view(*x.shape[:2], 3, -1, self.head_dim).unbind(2)
-        return attend_in_pairs(self, q, k, v, ve, mask)
-
-
-class GPTWithQKVBank(train_gpt.GPT):
-    def __init__(self, vocab_size, num_layers, num_heads, head_dim, model_dim, *args, **kwargs):
-        super().__init__(vocab_size, num_layers, num_heads, head_dim, model_dim, *args, **kwargs)
-        bound = 3 ** 0.5 * 0.5 * model_dim ** -0.5
-        shape = (num_layers, 3, num_heads * head_dim, model_dim)  # a matrix of each kind for each layer
-        self.qkv_bank = nn.Parameter(torch.empty(shape).uniform_(-bound, bound))
-
-    def run_block(self, i, stream, masks):
-        for_attention = dict(qkv=self.qkv_bank[i]) if self.blocks[i].attn is not None else {}
-        stream = self.enter_block(i, stream)
-        return self.keep_output(i, dict(stream, x=self.blocks[i](**self.block_inputs(i, stream, masks),
-                                                                 **for_attention)))
-
-
-# edit name -> the train_gpt classes it replaces by subclasses
-# A value embedding handed to attention ungated (#23's form): a stream tensor only attention reads, whole under
+'''), ('''                banded: Tensor | None = None) -> Tensor:
+''', '''                banded: Tensor | None = None, qkv: Tensor | None = None) -> Tensor:
+'''), ('''        q, k, v = self.project(x)
+        B, T = q.size(0), q.size(1)  # B == 1: masks are per sequence
+''', '''        q, k, v = F.linear(x, qkv.flatten(end_dim=-2)).view(*x.shape[:2], 3, -1, self.head_dim).unbind(2)
+        B, T = q.size(0), q.size(1)  # B == 1: masks are per sequence
+''' + PAIRS), ('''        self.rotary_windows = ()  # the long windows YaRN has stretched the rotary for (stretch_rotary)
+''', '''        self.rotary_windows = ()  # the long windows YaRN has stretched the rotary for (stretch_rotary)
+        bound = 3 ** 0.5 * 0.5 * c.model_dim ** -0.5  # a matrix of each kind for each layer
+        self.qkv_bank = nn.Parameter(torch.empty(c.num_layers, 3, c.num_heads * c.head_dim, c.model_dim).uniform_(
+            -bound, bound))
+'''), ('''                        banded=masks["banded"] if layer.composed else None)
+''', '''                        banded=masks["banded"] if layer.composed else None,
+                        **(dict(qkv=self.qkv_bank[i]) if block.attn is not None else {}))
+''')]
+# a token shift inside each block: where sequence parallelism cuts the stream, so it must refuse it
+FORKS["token_shift_in_a_block"] = [('''        self.mlp = MLP(dim)
+''', '''        self.mlp = MLP(dim)
+        self.shift_gain = nn.Parameter(torch.tensor(0.5))
+'''), ('''        dense_value = None
+        if dense is not None:''', f'''        x = x + self.shift_gain * {SHIFT.format("x")}
+        dense_value = None
+        if dense is not None:''')]
+# a weight matrix inside attention, on its heads' output, that neither reads the region's input nor writes its
+# output: no tensor-parallel rule places it
+FORKS["unplaced_matrix_in_attention"] = [('''        self.sum_over_heads = SumOverHeads() if composed else None
+''', '''        self.sum_over_heads = SumOverHeads() if composed else None
+        self.mix = CastedLinear(dim, dim)
+'''), ('''        return self.c_proj(y.contiguous().view(B, T, -1))''',
+       '''        return self.c_proj(self.mix(y.contiguous().view(B, T, -1)))''')]
+# a value embedding handed to attention ungated (#23's form): a stream tensor only attention reads, whole under
 # sequence parallelism, entering beside the input as each rank's heads' part
-class BlockWithUngatedValueEmbeds(train_gpt.Block):
-    def __init__(self, *args):
-        super().__init__(*args)
-        self.value_gate = None
-
-    def value_input(self, read, ve, gates, dense_value):
+FORKS["ungated_value_embeds"] = [
+    ('''        self.value_gate = Gate(2 * VALUE_GATE_CHANNELS, num_heads) if layer.value_embed and not dense_sources else None''',
+     '''        self.value_gate = None'''),
+    ('''        if ve is None:
+            return dense_value
+''', '''        if ve is None:
+            return dense_value
         return ve if dense_value is None else ve + dense_value
+''')]
+# a table looked up inside attention (learned positions added to its input): tensor parallelism refuses it
+FORKS["embedding_inside_attention"] = [('''        self.sum_over_heads = SumOverHeads() if composed else None
+''', '''        self.sum_over_heads = SumOverHeads() if composed else None
+        self.positions = nn.Embedding(256, dim)  # (the tests' longest sequence)
+'''), ('''        q, k, v = self.project(x)
+        B, T''', '''        q, k, v = self.project(x + self.positions(torch.arange(x.size(1))))
+        B, T''')]
+# a per-head gate of attention's output, made in the block from its input and handed to attention by keyword
+FORKS["per_head_gate_by_keyword"] = [('''        self.mlp = MLP(dim)
+''', '''        self.mlp = MLP(dim)
+        self.head_gate = Gate(8, num_heads) if layer.attention else None
+'''), ('''                         gates.get("dc_weight"), banded, **for_attention)''',
+       '''                         gates.get("dc_weight"), banded, head_gate=torch.sigmoid(self.head_gate(read) + 1),
+                         **for_attention)'''), ('''                banded: Tensor | None = None) -> Tensor:
+''', '''                banded: Tensor | None = None, head_gate: Tensor | None = None) -> Tensor:
+'''), ('''        if output_gate is not None:
+            y = y * output_gate.type_as(y)[..., None]
+''', '''        if output_gate is not None:
+            y = y * output_gate.type_as(y)[..., None]
+        y = y * head_gate.type_as(y)[..., None]
+''')]
+# a fixed offset per vocabulary entry held by the head as a buffer: tensor parallelism splits it with the head's rows
+FORKS["vocabulary_buffer_in_the_head"] = [('''        self.soft_cap = soft_cap
+        self.cross_entropy = CrossEntropy()
+''', '''        self.soft_cap = soft_cap
+        self.cross_entropy = CrossEntropy()
+        self.logit_offsets = nn.Buffer(torch.linspace(-1, 1, self.weight.size(0)), persistent=False)
+'''), ('''        return SoftCap.apply(super().forward(x).float(), *self.soft_cap)''',
+       '''        return SoftCap.apply(super().forward(x).float() + self.logit_offsets, *self.soft_cap)''')]
+# a head scoring only some rows of its weight in training, picked by token (a sampled softmax's shape, #92's): the
+# rows of the step's targets and 64 more; tensor parallelism keeps such a head whole
+FORKS["head_picking_its_rows"] = [('''    def summed_loss(self, x: Tensor, targets: Tensor, weights: Tensor | None = None) -> Tensor:
+        return self.cross_entropy(self.logits(x), targets, weights)''', '''    def summed_loss(self, x: Tensor, targets: Tensor, weights: Tensor | None = None) -> Tensor:
+        if not self.training:
+            return self.cross_entropy(self.logits(x), targets, weights)
+        rows = torch.cat([targets[targets >= 0], torch.arange(64, device=x.device)]).unique()  # (sorted)
+        logits = SoftCap.apply(F.linear(x, self.weight[rows].type_as(x)).float(), *self.soft_cap)
+        picked = torch.where(targets >= 0, torch.searchsorted(rows, targets.clamp_min(0)), -1)
+        return self.cross_entropy(logits, picked, weights)''')]
+# a second, slower momentum kept by Muon beside its own, its update the mean of the two's
+FORKS["muon_with_a_second_momentum"] = [('''        buf = state["momentum_buffer"]
+        buf.lerp_(grad, 1 - group["momentum"])
+''', '''        buf = state["momentum_buffer"]
+        buf.lerp_(grad, 1 - group["momentum"])
+        slow = state.setdefault("slow_momentum", torch.zeros_like(grad))
+        slow.lerp_(grad, 0.01)
+        grad = grad.add(slow)
+''')]
+# a second gated skip, from layer 0's output into the last layer's input, as the README's forking section writes it:
+# its gate where the model's parameters are made, the state where layer 0 makes it, the join where the last layer
+# uses it
+FORKS["skip_from_the_first_layer_into_the_last"] = [
+    ("""        self.backout = nn.Parameter(torch.tensor(-0.5)) if c.attend_over is not None and not c.mudd else None
+""", """        self.backout = nn.Parameter(torch.tensor(-0.5)) if c.attend_over is not None and not c.mudd else None
+        self.first_skip_gate = nn.Parameter(torch.tensor(SKIP_GATE_START))
+"""),
+    ("""            dense = i == c.dense_layer""", """            if i == c.num_layers - 1:
+                s.x = s.x + torch.sigmoid(self.first_skip_gate) * s.first_output
+            dense = i == c.dense_layer"""),
+    ("""            if c.skip is not None and i == c.skip[0]:  # the skip leaves
+                s.skip = s.x
+""", """            if c.skip is not None and i == c.skip[0]:  # the skip leaves
+                s.skip = s.x
+            if i == 0:
+                s.first_output = s.x
+""")]
+# code in GPT.forward outside its three parts (a shift after the embedding's branch): every part applies it
+FORKS["code_between_the_parts"] = [('''        for i in range(c.num_layers) if layers is None else layers:
+''', '''        s.x = s.x + 0.5
+        for i in range(c.num_layers) if layers is None else layers:
+''')]
 
 
-# A table looked up inside attention (learned positions added to the queries): tensor parallelism refuses it
-class AttentionWithPositionTable(train_gpt.CausalSelfAttention):
-    POSITIONS = 256  # (the tests' longest sequence)
-
-    def __init__(self, dim, num_heads, head_dim, *args):
-        super().__init__(dim, num_heads, head_dim, *args)
-        self.positions = nn.Embedding(self.POSITIONS, dim)
-
-    def forward(self, x, ve, mask, *gates):
-        return super().forward(x + self.positions(torch.arange(x.size(1))), ve, mask, *gates)
+def forked_source(edits: list[tuple[str, str]]) -> str:
+    """train_gpt.py with each edit made: its original lines replaced by the fork's."""
+    source = Path(train_gpt.__file__).read_text()
+    for original, forked in edits:
+        assert source.count(original) == 1, f"a fork's edit finds its lines {source.count(original)} times:\n{original}"
+        source = source.replace(original, forked)
+    return source
 
 
-MODEL_EDITS = {
-    "forks": dict(GPT=GPTWithAllEdits, Block=BlockWithSecondStream, MLP=GatedMLP, LMHead=HeadWithLearnedCap,
-                  CausalSelfAttention=AttentionWithInputScale),
-    "heads_in_pairs": dict(CausalSelfAttention=AttentionInPairs),
-    "bank_in_pairs": dict(GPT=GPTWithQKVBank, Block=BlockWithAttentionGate,
-                          CausalSelfAttention=AttentionInPairsFromBank),
-    "token_shift_in_a_block": dict(Block=BlockWithTokenShift),
-    "unplaced_matrix_in_attention": dict(CausalSelfAttention=AttentionWithUnplacedMatrix),
-    "ungated_value_embeds": dict(Block=BlockWithUngatedValueEmbeds),
-    "embedding_inside_attention": dict(CausalSelfAttention=AttentionWithPositionTable),
-}
-
-
-@contextlib.contextmanager
-def model_edit(name):
-    """train_gpt's model classes replaced by the named edit's subclasses (the model is built from these names, as in
-    a fork that edited the file); put back afterwards."""
-    replaced = MODEL_EDITS[name] if name else {}
-    saved = {attr: getattr(train_gpt, attr) for attr in replaced}
-    for attr, cls in replaced.items():
-        setattr(train_gpt, attr, cls)
-    try:
-        yield
-    finally:
-        for attr, cls in saved.items():
-            setattr(train_gpt, attr, cls)
+def fork(name: str) -> types.ModuleType:
+    """The named fork of train_gpt.py, imported as train_gpt_<name> (its ops and types registered under that name)."""
+    module_name = f"train_gpt_{name}"
+    if module_name not in sys.modules:
+        module = types.ModuleType(module_name)
+        module.__file__ = train_gpt.__file__
+        sys.modules[module_name] = module  # (before it runs: its dataclasses look themselves up there)
+        source, file = forked_source(FORKS[name]), f"<{module_name}>"
+        linecache.cache[file] = (len(source), None, source.splitlines(keepends=True), file)  # (for tracebacks)
+        exec(compile(source, file, "exec"), module.__dict__)
+    return sys.modules[module_name]
 
 
 # the layout tests' steps: the tiny preset on a 3-step schedule, so that they cross a change of the learning rate and
@@ -335,18 +288,18 @@ LAYOUT_TEST_FLAGS = dict(num_iterations=3, train_seq_len="256,128,128,128",  # (
 
 
 def edited_train_steps(rank, world_size, edit, flags, steps, jitter=0.0):
-    """train_gpt.train_steps on the model as edited."""
-    with model_edit(edit):
-        return train_gpt.train_steps(rank, world_size, flags, steps, "cpu", jitter)
+    """train_steps of the named fork (None: of train_gpt itself)."""
+    return (fork(edit) if edit else train_gpt).train_steps(rank, world_size, flags, steps, "cpu", jitter)
 
 
 def assert_trains_like_one_process(ranks, single, floors, exact=False):
-    """Every rank's losses, and every parameter and optimizer state after the last step (gathered on rank 0), equal
-    the one-process run's as --check_layout compares them (within NOISE_MULTIPLE times the noise floors, measured by
-    the jittered one-process run: train_gpt.noise_floors), and bit-identical when exact. Adam's moments and Muon's
-    momentum carry every step's gradients, and each compared one is asserted non-zero."""
+    """Every rank's losses, its final validation loss, and every parameter and optimizer state after the last step
+    (gathered on rank 0), equal the one-process run's as --check_layout compares them (within NOISE_MULTIPLE times the
+    noise floors, measured by the jittered one-process run: train_gpt.noise_floors), and bit-identical when exact.
+    Adam's moments and Muon's momentum carry every step's gradients, and each compared one is asserted non-zero."""
     for name, value in train_gpt.flat_state(single["state"]).items():
-        assert name.endswith("/step") or torch.as_tensor(value).norm() > 0, f"{name} is zero: the comparison is empty"
+        assert name.endswith("/step") or train_gpt.torch.as_tensor(value).norm() > 0, \
+            f"{name} is zero: the comparison is empty"
     ok, how_far = train_gpt.trains_like_one_process(ranks, single, floors)
     assert ok, how_far
     assert not exact or train_gpt.worst_difference(ranks[0]["state"], single["state"])[0] == 0, how_far
@@ -371,7 +324,6 @@ def assert_sends_what_the_plan_says(sent, planned):
     assert {op: n for op, n in sent.items() if not op.startswith("table_")} == \
         {op: n for op, n in planned.items() if not op.startswith("table_")}, (sent, planned)
     assert 0 < tables(sent) <= tables(planned) or tables(sent) == tables(planned) == 0, (sent, planned)
-
 
 
 def train_step(trainer, batches, step):

@@ -15,6 +15,7 @@ import train_gpt
 from conftest import REPO_ROOT
 from train_gpt import forward_backward
 from train_gpt import run_on_ranks
+from layouts import fork
 from synthetic import tiny_flags
 
 STEPS = 8
@@ -468,3 +469,26 @@ def test_read_a_step_late_divergence_stops_at_the_diverged_step_before_saving_th
     assert str(diverged.value).startswith("training diverged at step 3: ")
     # step 4 ran (it was queued when step 3 was read), but its checkpoint was never written
     assert sorted(p.name for p in (tmp_path / "logs" / "nan").iterdir()) == ["step000002.pt"]
+
+
+def test_a_state_a_fork_adds_to_muon_is_saved_restored_and_required_as_muon_keeps_it(tmp_path, files):
+    # what a checkpoint must hold of each optimizer is what it keeps (found by one step of it on the meta device),
+    # not a list of names: a fork's second momentum is saved, resumed from, and missing from a checkpoint refused
+    module = fork("muon_with_a_second_momentum")
+    flags = tiny_flags(files, log_dir=tmp_path / "logs", run_id="slow", num_iterations=4, save_every=2,
+                       val_loss_every=0)
+    module.main(flags)
+    states = {"momentum_buffer", "second_moment", "slow_momentum"}
+    for step in (2, 4):
+        assert checkpoint(tmp_path, "slow", step)["muon"] and all(
+            set(entry) == states for entry in checkpoint(tmp_path, "slow", step)["muon"].values())
+    assert any(entry["slow_momentum"].norm() > 0 for entry in checkpoint(tmp_path, "slow", 4)["muon"].values())
+    state = checkpoint(tmp_path, "slow", 2)
+    name = next(iter(state["muon"]))
+    del state["muon"][name]["slow_momentum"]
+    torch.save(state, tmp_path / "without.pt")
+    with pytest.raises(module.UserError, match=rf"has no Muon state for {re.escape(name)}\.slow_momentum: it is "
+                                               r"incomplete"):
+        module.main([*flags, f"--resume={tmp_path / 'without.pt'}", "--run_id=without"])
+    module.main([*flags, f"--resume={tmp_path / 'logs' / 'slow' / 'step000002.pt'}", "--run_id=again"])
+    assert_states_equal(checkpoint(tmp_path, "again", 4), checkpoint(tmp_path, "slow", 4))  # (an exact resume)

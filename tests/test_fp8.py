@@ -73,8 +73,8 @@ def test_casted_linear_uses_fp8_only_in_training():
 
 
 def test_lm_head_carries_record_89s_scales():
-    model = train_gpt.GPT(vocab_size=300, num_layers=6, num_heads=1, head_dim=16, model_dim=64,
-                          window_pattern="LSSSSL")
+    model = train_gpt.GPT(train_gpt.ModelConfig(vocab_size=300, model_dim=64, num_heads=1, head_dim=16,
+                                                layers=(train_gpt.LayerConfig(),) * 6, fp8_head=True))
     head = model.lm_head
     assert head.use_fp8 and head.weight.shape == (384, 64)  # vocab padded to a multiple of 128
     assert (head.x_s, head.w_s, head.grad_s) == (100 / 448, 1.6 / 448, 0.75 / 448)

@@ -1,9 +1,11 @@
 """Every parallel layout trains the one-process model and holds and sends what --plan predicts, also for a model a
 fork has edited (tests/layouts.py) without touching any parallel code; what a layout cannot train is refused by
 name before the first step; and --check_layout says so for a fork's own file."""
+import difflib
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,8 +13,8 @@ from torch import nn
 
 import train_gpt
 from conftest import REPO_ROOT
-from layouts import LAYOUT_TEST_FLAGS, assert_holds_and_sends_what_the_plan_predicts, assert_trains_like_one_process, \
-    model_edit
+from layouts import FORKS, LAYOUT_TEST_FLAGS, assert_holds_and_sends_what_the_plan_predicts, \
+    assert_trains_like_one_process, fork, forked_source
 from synthetic import tiny_flags
 from train_gpt import LAYOUTS
 
@@ -36,14 +38,14 @@ def test_each_layout_trains_the_one_process_model_holding_and_sending_what_the_p
 
 @pytest.mark.parametrize("name", FORK_LAYOUTS)
 def test_a_forked_model_trains_the_one_process_model_under_the_fork_layouts_untouched(layout_runs, name):
-    # the edits of tests/layouts.py: an attention-output gate, a 4th value embedding, a gated MLP, a per-layer vector
-    # on the GPT, a bigram-hash embedding, a token shift of the embedding, a second head, tied embeddings, a learnable
-    # soft cap, a per-head temperature, a GPT parameter read in the heads, a block's scalar read by the GPT; and the
-    # later kinds, each with a test of its own below
+    # the edits of tests/layouts.py's "forks": an attention-output gate, a 4th value embedding, a gated MLP, a
+    # per-layer vector on the GPT, a hashed token-pair embedding, a token shift of the embedding, a second head, tied
+    # embeddings, a learnable soft cap, a per-head temperature, a GPT parameter read in the heads, a block's scalar
+    # read by the GPT; and the later kinds, each with a test of its own below
     processes, layout = LAYOUTS[name]
     single = layout_runs("one process", "forks")
     edited = {"blocks.0.attn_gate", "value_embeds.0.weight", "blocks.0.mlp.c_gate.weight", "layer_gains",
-              "bigram.weight", "smear_gate.weight", "next_head.weight", "lm_head.cap", "head_temperature",
+              "pair_embed.weight", "smear_gate.weight", "next_head.weight", "lm_head.cap", "head_temperature",
               "blocks.0.attn.head_temperature", "out_scale", "attention_scales", "lm_head.logit_bias"}
     assert edited <= single["state"]["model"].keys() and "lm_head.weight" not in single["state"]["model"]  # (tied)
     assert_trains_like_one_process(layout_runs(name, "forks"), single, layout_runs.floors("forks"))
@@ -58,7 +60,7 @@ def assert_the_edit_trains_under(layout_runs, edit, name, tensors):
     assert_trains_like_one_process(layout_runs(name, edit), single, layout_runs.floors(edit))
 
 
-# The later records' kinds of edit (tests/layouts.py: GPTWithLaterKinds, in the forked model): kind -> a tensor it adds
+# The later records' kinds of edit (tests/layouts.py, in the "forks" model): kind -> a tensor it adds
 LATER_KINDS = {
     # a scale on the stream before the head, and the rotaries stretched as the window grows (dynamic YaRN's kind),
     # written in GPT.forward itself: every layout runs GPT.forward, a pipeline stage over its own layers
@@ -85,8 +87,26 @@ def test_an_ungated_value_embedding_enters_attention_whole_and_trains_under_tens
     assert_the_edit_trains_under(layout_runs, "ungated_value_embeds", name, ["value_embeds.1.weight"])
 
 
+@pytest.mark.parametrize("name", ["tp2", "tp2_sp"])
+def test_a_per_head_tensor_handed_to_attention_by_keyword_enters_as_each_ranks_heads_part(layout_runs, name):
+    # cut as one handed by position is (under --sp, of the gathered sequence): each rank's heads take their gates
+    assert_the_edit_trains_under(layout_runs, "per_head_gate_by_keyword", name, ["blocks.0.head_gate.weight"])
+
+
+def test_a_heads_buffer_of_a_value_per_vocabulary_entry_is_split_with_its_rows(layout_runs):
+    # the validation after the steps, whose logits are split by vocabulary, adds each rank's part of the buffer
+    assert_the_edit_trains_under(layout_runs, "vocabulary_buffer_in_the_head", "tp2", ["lm_head.weight"])
+
+
+@pytest.mark.parametrize("name", ["tp2", "dp2_tp2_zero3"])
+def test_a_head_picking_rows_of_its_own_weight_by_token_stays_whole_under_tensor_parallelism(layout_runs, name):
+    # a sampled softmax's candidates are anywhere in the vocabulary: the head, and the embedding tied to it, stay
+    # whole on every rank, which computes its loss in full
+    assert_the_edit_trains_under(layout_runs, "head_picking_its_rows", name, ["lm_head.weight", "embed.weight"])
+
+
 def test_an_embedding_looked_up_inside_attention_is_refused_by_tensor_parallelism(layout_files):
-    with pytest.raises(train_gpt.UserError, match=r"tensor parallelism: the embedding blocks\.0\.attn\.positions is "
+    with pytest.raises(fork("embedding_inside_attention").UserError, match=r"tensor parallelism: the embedding blocks\.0\.attn\.positions is "
                                                   r"looked up inside blocks\.0\.attn, .* look it up outside"):
         build_edited(layout_files, "embedding_inside_attention", tp=2)
 
@@ -99,7 +119,7 @@ def test_a_bank_of_every_layers_qkv_matrices_trains_under_data_zero_and_pipeline
 
 
 def test_a_bank_of_matrices_is_refused_by_tensor_parallelism_saying_what_to_change(layout_files):
-    with pytest.raises(train_gpt.UserError, match=r"tensor parallelism: qkv_bank is a matrix \(of shape "
+    with pytest.raises(fork("bank_in_pairs").UserError, match=r"tensor parallelism: qkv_bank is a matrix \(of shape "
                                                   r"\(6, 3, 32, 32\)\) that blocks\.0\.attn uses .* hold each "
                                                   r"layer's matrices in a CastedLinear inside the region .* or train "
                                                   r"without --tp"):
@@ -114,20 +134,21 @@ def test_heads_attending_in_pairs_train_under_data_zero_and_pipeline_layouts(lay
 def test_heads_attending_in_pairs_are_refused_by_tensor_parallelism_naming_the_tp_that_works(layout_files):
     # the fork pairs heads j and j + 2 of the tiny model's 4 and gives no runs to cut alike (head_groups), so ranks
     # holding consecutive heads split every pair: no --tp above 1 keeps them apart
-    with pytest.raises(train_gpt.UserError, match=r"tensor parallelism: blocks\.0\.attn does not split into 2 "
+    with pytest.raises(fork("heads_in_pairs").UserError, match=r"tensor parallelism: blocks\.0\.attn does not split into 2 "
                                                   r"ranks' shares of its heads .* no --tp above 1 keeps it apart"):
         build_edited(layout_files, "heads_in_pairs", tp=2)
 
 
 def build_edited(files, edit, **layout):
-    """Build the edited model under a layout as rank 0 of its processes, with no process group: a refusal comes
-    before any collective."""
-    args = train_gpt.parse_args(tiny_flags(files, **LAYOUT_TEST_FLAGS, **layout), cuda=False)
-    with model_edit(edit):
-        model = train_gpt.build_model(args, train_gpt.torch.device("cpu"))
-        trace = train_gpt.ModelTrace(model, 128).run()
-        train_gpt.tensor_parallelize(model, train_gpt.Axis(0, args.tp, None, tuple(range(args.tp))), args, trace)
+    """Build the edited model (a fork's, or train_gpt's) under a layout as rank 0 of its processes, with no process
+    group: a refusal comes before any collective."""
+    module = fork(edit) if edit else train_gpt
+    args = module.parse_args(tiny_flags(files, **LAYOUT_TEST_FLAGS, **layout), cuda=False)
+    model = module.build_model(args, torch.device("cpu"))
+    trace = module.ModelTrace(model, 128).run()
+    module.tensor_parallelize(model, module.Axis(0, args.tp, None, tuple(range(args.tp))), args, trace)
     return model
+
 
 
 def test_tensor_and_sequence_parallelism_replace_no_method_of_the_model_and_set_no_attribute_on_it(layout_files):
@@ -142,15 +163,15 @@ def test_tensor_and_sequence_parallelism_replace_no_method_of_the_model_and_set_
 
 
 def test_a_weight_matrix_inside_attention_that_no_rule_places_is_refused_saying_what_to_declare(layout_files):
-    with pytest.raises(train_gpt.UserError, match=r"blocks\.0\.attn\.mix\.weight is a weight matrix in the tensor-"
+    with pytest.raises(fork("unplaced_matrix_in_attention").UserError, match=r"blocks\.0\.attn\.mix\.weight is a weight matrix in the tensor-"
                                                   r"parallel region blocks\.0\.attn that no rule places .* "
-                                                  r"TENSOR_PARALLEL_PLAN\[\(AttentionWithUnplacedMatrix, 'mix'\)\]"):
+                                                  r"TENSOR_PARALLEL_PLAN\[\(CausalSelfAttention, 'mix'\)\]"):
         build_edited(layout_files, "unplaced_matrix_in_attention", tp=2)
 
 
 def test_sequence_parallelism_refuses_a_token_shift_inside_a_block_by_name(layout_files):
     build_edited(layout_files, "token_shift_in_a_block", tp=2)  # without --sp nothing is cut: it trains
-    with pytest.raises(train_gpt.UserError, match=r"sequence parallelism: layer 0 mixes positions outside attention "
+    with pytest.raises(fork("token_shift_in_a_block").UserError, match=r"sequence parallelism: layer 0 mixes positions outside attention "
                                                   r"and the MLP"):
         build_edited(layout_files, "token_shift_in_a_block", tp=2, sp=True)
 
@@ -168,74 +189,77 @@ def test_a_matrix_no_module_kind_claims_is_muons_when_of_the_stream_width_and_re
         train_gpt.optimizer_param_groups(model, vocab_size=50257, model_dim=32)
 
 
-def test_code_between_gpt_forwards_steps_that_runs_once_per_part_is_refused_naming_gpt_forward(layout_files):
-    class GPTShiftingEveryPart(train_gpt.GPT):  # a shift put after the embedding's branch: every part applies it
-        def forward(self, input_seq, target_seq, window, stream=None, layers=None):
-            if stream is None:
-                stream = self.stream_enters(self.embed_tokens(input_seq))
-            stream = dict(stream, x=stream["x"] + 0.5)
-            return super().forward(input_seq, target_seq, window, stream, layers)
-    args = train_gpt.parse_args(tiny_flags(layout_files, **LAYOUT_TEST_FLAGS), cuda=False)
-    model = GPTShiftingEveryPart(args.vocab_size, args.num_layers, args.num_heads, args.head_dim, args.model_dim,
-                                args.window_pattern)
-    with pytest.raises(train_gpt.UserError, match=r"GPT\.forward run in the parts the layouts run it in .* Put code "
-                                                  r"that changes the stream in the embedding's branch"):
-        train_gpt.ModelTrace(model, 128).run()
+def test_code_between_gpt_forwards_parts_that_runs_once_per_part_is_refused_naming_gpt_forward(layout_files):
+    # a shift put after the embedding's branch: every part applies it
+    module = fork("code_between_the_parts")
+    args = module.parse_args(tiny_flags(layout_files, **LAYOUT_TEST_FLAGS), cuda=False)
+    with pytest.raises(module.UserError, match=r"GPT\.forward run in the parts the layouts run it in .* Put code "
+                                               r"that changes the stream in the embedding's branch"):
+        module.ModelTrace(module.build_model(args, torch.device("cpu")), 128).run()
 
 
 def test_tied_embeddings_are_one_parameter_in_one_optimizer_group(layout_files):
-    args = train_gpt.parse_args(tiny_flags(layout_files), cuda=False)
-    with model_edit("forks"):
-        model = train_gpt.build_model(args, train_gpt.torch.device("cpu"))
-    groups = train_gpt.optimizer_param_groups(model, args.vocab_size, args.model_dim)
+    module = fork("forks")
+    args = module.parse_args(tiny_flags(layout_files), cuda=False)
+    model = module.build_model(args, torch.device("cpu"))
+    groups = module.optimizer_param_groups(model, args.vocab_size, args.model_dim)
     assert model.embed.weight is model.lm_head.weight
     assert sum(name in ("embed.weight", "lm_head.weight") for group in groups.values() for name in group) == 1
     assert "embed.weight" in groups["head"]  # the head's rule comes first
-    assert "bigram.weight" in groups["embed"]  # an embedding whatever its name
+    assert "pair_embed.weight" in groups["embed"]  # an embedding whatever its name
     assert "lm_head.cap" in groups["scalar"]  # a scalar of the head is a scalar
     assert "next_head.weight" in groups["head"]  # a head whatever its name
 
 
-FORK = """
-import sys
-sys.path[:0] = [{tests!r}, {root!r}]
-import train_gpt
-from layouts import BlockWithTokenShift, GPTStretchingRotary
-train_gpt.Block = BlockWithTokenShift  # the fork's edits: a token shift inside each block,
-train_gpt.GPT = GPTStretchingRotary  # and the rotaries stretched in GPT.forward when the window grows
-train_gpt.refuse_sequence_mixing = lambda *args: None  # a rule switched off
-
-
-def steps_of_gpt_forward(self, inputs, targets, window, stream):  # a pipeline stage skipping GPT.forward's own code
-    model = self.model
-    masks = model.attention_masks(inputs, window)
-    stream = model.embed_tokens(inputs) if self.first else stream
-    for i in self.layers:
-        stream = model.run_block(i, stream, masks)
-    return model.head_loss(stream, targets) if self.last else stream
-train_gpt.PipelineStage.forward = steps_of_gpt_forward
-
-if __name__ == "__main__":
-    try:
-        train_gpt.main(["--check_layout", "dp2,tp2_sp,pp2_1f1b"])
-    except train_gpt.RunEnded as e:
-        print(e, file=sys.stderr)
-        sys.exit(e.exit_status)
-"""
+# A fork's file as a user runs --check_layout on it: a token shift inside each block with sequence parallelism's
+# rule against it switched off, and the rotaries stretched as the window grows, written (by mistake) in GPT.forward's
+# embedding branch, which only the first pipeline stage runs
+FORK_WITH_RULES_OFF = FORKS["token_shift_in_a_block"] + [
+    ("""    whole = {id(t) for i, t in enumerate(pytree.tree_leaves(trace.streams[0])) if i not in cut}
+""", """    return
+    whole = {id(t) for i, t in enumerate(pytree.tree_leaves(trace.streams[0])) if i not in cut}
+"""),
+    ("""        if stream is None:  # the embedding
+""", """        if stream is None:  # the embedding
+            if int(windows[1]) != getattr(self, "rotary_window", ATTENTION_BLOCK_SIZE):
+                for rotary in (m for m in self.modules() if isinstance(m, Rotary)):
+                    rotary.angular_freq.div_(int(windows[1]) / getattr(self, "rotary_window", ATTENTION_BLOCK_SIZE))
+                self.rotary_window = int(windows[1])
+""")]
 
 
 def test_check_layout_finds_a_layout_that_mixes_positions_or_skips_gpt_forward_with_its_rule_switched_off(tmp_path):
-    # the fork's file as --check_layout runs it: its schedule crosses a change of the window (below), so a pipeline
-    # that skips the stretch GPT.forward makes then trains another model
-    fork = tmp_path / "fork.py"
-    fork.write_text(FORK.format(tests=str(REPO_ROOT / "tests"), root=str(REPO_ROOT)))
-    done = subprocess.run([sys.executable, str(fork)], capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    # its schedule crosses a change of the window (below), so the second pipeline stage, which never stretches its
+    # rotaries, trains another model
+    forked = tmp_path / "fork.py"
+    forked.write_text(forked_source(FORK_WITH_RULES_OFF))
+    done = subprocess.run([sys.executable, str(forked), "--check_layout", "dp2,tp2_sp,pp2_1f1b"], capture_output=True,
+                          text=True, timeout=300, cwd=REPO_ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
     lines = done.stdout.splitlines()
     assert done.returncode == 1, done.stdout + done.stderr
     assert any(line.startswith("dp2 ") and " OK " in line for line in lines), done.stdout
     assert any(line.startswith("tp2_sp ") and " DIFFERS " in line for line in lines), done.stdout
     assert any(line.startswith("pp2_1f1b ") and " DIFFERS " in line for line in lines), done.stdout
+
+
+def test_a_second_gated_skip_as_the_readme_writes_it_adds_lines_in_three_places_and_passes_check_layout(tmp_path):
+    # the forking section's example: lines added where the gate is made, where layer 0 leaves its output on the
+    # stream and where the last layer takes it in, and nothing else; --check_layout on the fork's file trains it
+    # under a pipeline (the state crosses the stages), ZeRO 3 and sequence parallelism like one process
+    edits = FORKS["skip_from_the_first_layer_into_the_last"]
+    original, forked = Path(train_gpt.__file__).read_text(), forked_source(edits)
+    diff = [line for line in difflib.unified_diff(original.splitlines(), forked.splitlines(), lineterm="", n=0)
+            if not line.startswith(("---", "+++"))]
+    assert sum(line.startswith("@@") for line in diff) == 3 and not any(line.startswith("-") for line in diff)
+    readme = (REPO_ROOT / "README.md").read_text()
+    added = [line[1:] for line in diff if line.startswith("+")]
+    assert len(added) == 5 and all(line in readme for line in added), [line for line in added if line not in readme]
+    (tmp_path / "fork.py").write_text(forked)
+    done = subprocess.run([sys.executable, str(tmp_path / "fork.py"), "--check_layout", "dp2_zero3,tp2_sp,pp2_1f1b"],
+                          capture_output=True, text=True, timeout=600, cwd=REPO_ROOT,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert sum(" OK " in line for line in done.stdout.splitlines()) == 3, done.stdout
 
 
 @pytest.mark.parametrize("flags", [train_gpt.LAYOUT_CHECK_FLAGS, LAYOUT_TEST_FLAGS])

@@ -44,8 +44,7 @@ def coefficients_by_the_formula(network, x):
     them (MUDD's: its dense layer's, or the head's)."""
     flat = (F.gelu(x @ network.hidden.weight.T) @ network.out.weight.T + network.bias) * network.scale
     parts = iter(flat.split([w for widths in network.widths.values() for w in widths.values()], dim=-1))
-    return {int(layer) if layer.isdigit() else layer: {name: next(parts) for name in widths}
-            for layer, widths in network.widths.items()}
+    return {layer: {name: next(parts) for name in widths} for layer, widths in network.widths.items()}
 
 
 def lanes_by_the_formula(lanes, ve, head_dim):
@@ -92,7 +91,8 @@ def logits_by_the_formulas(model, tokens, window, backout=True, attend_over=True
     embed = norm((smeared_by_the_formula(model, embeddings) if smear else embeddings)[None])
     x, x0, outputs, coefficients = embed, embed, {}, {}
     pairs = bigram_by_the_formula(model, tokens[:-1]) if bigram else torch.zeros_like(x)
-    (skip_from, skip_to), over = model.skip, model.attend_over
+    c = model.config
+    (skip_from, skip_to), over = c.skip, c.attend_over
     for i, block in enumerate(model.blocks):
         for network in (networks[str(i)] for networks in (model.gate_networks, model.dense_networks)
                         if str(i) in networks):
@@ -105,7 +105,7 @@ def logits_by_the_formulas(model, tokens, window, backout=True, attend_over=True
             x = x + gates["bigram"] * pairs
             outputs[-1] = x
         dense_value = None
-        if i == model.dense_layer:
+        if i == c.dense_layer:
             states = [outputs[-1], outputs[over], x]
             dense_value = sum(gates["dense_value"][..., k, None] * state for k, state in enumerate(states))
             x = x + sum(gates["dense"][..., k, None] * state for k, state in enumerate(states)) * dense
@@ -119,11 +119,11 @@ def logits_by_the_formulas(model, tokens, window, backout=True, attend_over=True
                 ve = dense_value if ve is None else ve + dense_value
             dc = [torch.nn.functional.rms_norm(gates["dc_mix"], (gates["dc_mix"].size(-1),), eps=1e-6),
                   gates["dc_weight"], masks["banded"]] if "dc_mix" in gates and composition else []
-            out = block.attn(read, ve, masks[model.mask_keys[i]], gates.get("xsa") if xsa else None,
-                             gates.get("output_gate") if output_gates else None, *dc)
+            out = block.attn(read, ve, masks[c.layers[i].window, 1 + c.layers[i].paired],
+                             gates.get("xsa") if xsa else None, gates.get("output_gate") if output_gates else None, *dc)
             residual, output = gates["attn_scales"].split(1, -1) if "attn_scales" in gates else \
                 (block.attn_scales.residual, block.attn_scales.output)
-            x = residual * x + output * out + gates["x0"] * (outputs[-1] if i == model.dense_layer else x0)
+            x = residual * x + output * out + gates["x0"] * (outputs[-1] if i == c.dense_layer else x0)
             if i > 0:
                 x = x + gates["bigram"] * pairs
         residual, output = gates["mlp_scales"].split(1, -1) if "mlp_scales" in gates else \
@@ -132,7 +132,7 @@ def logits_by_the_formulas(model, tokens, window, backout=True, attend_over=True
         outputs[i] = x
     if backout and model.backout is not None:
         x = x + model.backout * outputs[over]
-    if model.head_sources and dense_head:
+    if c.mudd and dense_head:
         coefs = coefficients_by_the_formula(model.dense_networks["head"], x)["head"]
         ve = model.value_embeds[str(min(map(int, model.value_embeds)))](tokens[:-1])[None]
         states = [outputs[-1], outputs[over], outputs[len(model.blocks) - 2], ve, outputs[skip_from]]
@@ -144,7 +144,7 @@ def logits_by_the_formulas(model, tokens, window, backout=True, attend_over=True
 def test_the_layer_stack_computes_the_formulas_of_record_89(mudd):
     ROUNDING = 1e-5  # of the logits' spread
     args, model = tiny_model_with_every_weight_nonzero(mudd=mudd)
-    assert model.skip == (1, 4) and model.attend_over == 3 and model.blocks[4].attn is None  # the tiny preset's
+    assert model.config.skip == (1, 4) and model.config.attend_over == 3 and model.blocks[4].attn is None  # tiny
     assert list(model.gate_networks) == ["0", "2"]  # (its XSA layers 1 and 3, output gates 3 and 5)
     assert list(model.dense_networks) == (["5", "head"] if mudd else [])
     tokens = torch.randint(0, args.vocab_size, (train_gpt.context_length(args) + 1,),
@@ -176,12 +176,12 @@ def test_each_learned_scale_starts_where_record_89_starts_it():
     # zero)
     tokens = torch.randint(0, args.vocab_size, (train_gpt.context_length(args),),
                            generator=torch.Generator().manual_seed(4))
-    stream = model.embed_tokens(tokens)
-    first = model.gate_networks["0"](stream["x"])
-    assert first.keys() == {"0", "1"} and first["0"].keys() == {"x0", "bigram"}
-    assert first["1"].keys() == {"x0", "bigram", "xsa"}
-    later = model.gate_networks["2"](torch.randn_like(stream["x"]))
-    assert later.keys() == {"2", "3", "4", "5"} and later["4"].keys() == {"skip"}
+    x = model(tokens, None, train_gpt.window_tensor((128, 128), torch.device("cpu")), layers=range(0)).x  # embedded
+    first = model.gate_networks["0"](x)
+    assert first.keys() == {0, 1} and first[0].keys() == {"x0", "bigram"}
+    assert first[1].keys() == {"x0", "bigram", "xsa"}
+    later = model.gate_networks["2"](torch.randn_like(x))
+    assert later.keys() == {2, 3, 4, 5} and later[4].keys() == {"skip"}
     starts = dict(x0=0.0, bigram=0.05, skip=0.5, xsa=0.0, output_gate=0.25, dc_mix=1.0, dc_weight=0.0)
     for coefficients in (*first.values(), *later.values()):
         for name, value in coefficients.items():
@@ -212,17 +212,17 @@ def test_each_learned_scale_starts_where_record_89_starts_it():
     # gate 2 per half of the heads, its scales sqrt(1.1) and 1, x0's share 0 and the bigram's 0.05; the head's at 0
     # but -0.5 for the attended layer's output (the backout, which it replaces)
     assert model.backout is None and model.blocks[-1].attn_scales is None and model.blocks[-1].mlp_scales is None
-    x = torch.randn_like(stream["x"])
-    dense = model.dense_networks["5"](x)["5"]
+    x = torch.randn_like(x)
+    dense = model.dense_networks["5"](x)[5]
     starts = dict(dense_value=[0.0] * 3, dense=[0.0] * 3, value_gate=[2.0, 2.0], attn_scales=[1.1 ** 0.5, 1.0],
                   x0=[0.0], bigram=[0.05], mlp_scales=[1.1 ** 0.5, 1.0])
     assert list(dense) == list(starts)  # (#89's order)
     for name, values in starts.items():
         assert torch.allclose(dense[name], torch.tensor(values).expand_as(dense[name]), rtol=1e-6, atol=0), name
     head = model.dense_networks["head"](x)["head"]
-    assert list(head) == ["layer-1", "layer3", "layer4", "ve1", "layer1"]
+    assert list(head) == ["first_input", "attended", "penultimate", "value_embed", "skip"]  # (#89's order)
     for name, value in head.items():
-        assert torch.allclose(value, torch.full_like(value, -0.5 if name == "layer3" else 0.0), rtol=1e-6, atol=0)
+        assert torch.allclose(value, torch.full_like(value, -0.5 if name == "attended" else 0.0), rtol=1e-6, atol=0)
     # the smear: off (its scale 0), its gate at zero (so at sigmoid(0) = 1/2 once the scale moves)
     assert model.smear.scale.item() == 0.0 and not model.smear.gate.weight.any()
     # the value embeddings: one table per listed layer, 0.01 randn; each gate at 2 sigmoid(0) = 1; v at 0.5
@@ -270,26 +270,38 @@ def test_gates_go_to_adam_at_their_own_share_of_the_gates_lr():
 
 
 @pytest.mark.parametrize("mudd", [False, True])
-def test_the_stream_carries_a_layers_output_only_while_a_later_layer_or_the_head_reads_it(mudd):
+def test_what_a_later_part_reads_of_the_stream_is_found_on_the_traced_forward(mudd):
+    # the tiny preset, by hand: layer 1's output (s.skip) until the skip into layer 4 takes it, layer 3's
+    # (s.attended) to the end (attended over by layer 5, taken back out before the head); x0 until the last layer with
+    # attention reads it; the value embeddings of layers 1, 2 and 5 until they feed them; the gate coefficients of
+    # the layers still to come (network 0 serves 0-1, network 2 serves 2-5); the bigram embedding, which every layer
+    # with attention takes
     args = train_gpt.parse_args(["--preset", "tiny", "--mudd", str(mudd)], cuda=False)
-    model = train_gpt.build_model(args, torch.device("cpu"))
-    tokens = torch.full((train_gpt.context_length(args),), train_gpt.EOT_TOKEN)
-    masks = model.attention_masks(tokens, train_gpt.window_tensor((128, 128), torch.device("cpu")))
-    stream, carried = model.embed_tokens(tokens), []
-    for i in range(len(model.blocks)):
-        stream = model.run_block(i, stream, masks)
-        carried.append({key for key in stream if key.startswith("layer")} | set(stream["ve"]))
-    # the tiny preset: layer 1's output until the skip into layer 4 takes it, layer 3's (attended over by layer 5,
-    # taken back out before the head) to the end; the value embeddings of layers 1, 2 and 5 until they feed them
+    trace = train_gpt.ModelTrace(train_gpt.build_model(args, torch.device("cpu")), 256).run()
+    live = [sorted(train_gpt.pytree.keystr(path) for path in trace.live_after(b)) for b in range(1, 6)]
+    gates = {1: [".gates[1]['bigram']", ".gates[1]['x0']", ".gates[1]['xsa']"],
+             3: [f".gates[3]['{name}']" for name in ("bigram", "dc_mix", "dc_weight", "output_gate", "x0", "xsa")]}
     if not mudd:
-        assert carried == [{"1", "2", "5"}, {"layer1", "2", "5"}, {"layer1", "5"}, {"layer1", "layer3", "5"},
-                           {"layer3", "5"}, {"layer3"}]
-    else:  # and to the end, for MUDD's head: the first layer's input (layer 5 reads it too), layer 1's output (the
-        # skip's source), layer 4's (layer 5's input) and layer 1's value embedding
-        assert carried == [{"layer-1", "1", "2", "5"}, {"layer-1", "layer1", "1", "2", "5"},
-                           {"layer-1", "layer1", "1", "5"}, {"layer-1", "layer1", "layer3", "1", "5"},
-                           {"layer-1", "layer1", "layer3", "layer4", "1", "5"},
-                           {"layer-1", "layer1", "layer3", "layer4", "1"}]
+        expected = [[".bigram", *gates[1], ".ve[1]", ".ve[2]", ".ve[5]", ".x", ".x0"],
+                    [".bigram", ".skip", ".ve[2]", ".ve[5]", ".x", ".x0"],
+                    [".bigram", *gates[3], ".gates[4]['skip']", ".gates[5]['bigram']", ".gates[5]['output_gate']",
+                     ".gates[5]['x0']", ".skip", ".ve[5]", ".x", ".x0"],
+                    [".attended", ".bigram", ".gates[4]['skip']", ".gates[5]['bigram']", ".gates[5]['output_gate']",
+                     ".gates[5]['x0']", ".skip", ".ve[5]", ".x", ".x0"],
+                    [".attended", ".bigram", ".gates[5]['bigram']", ".gates[5]['output_gate']", ".gates[5]['x0']",
+                     ".ve[5]", ".x", ".x0"]]
+    else:  # and to the end, for MUDD's dense layer 5 or its head: the first layer's input, layer 1's output (the
+        # skip's source), layer 4's and layer 1's value embedding; x0 no longer after layer 3 (layer 4 has no
+        # attention, and the dense layer re-adds the first layer's input instead), and layer 5's shares its own
+        expected = [[".bigram", ".first_input", *gates[1], ".ve[1]", ".ve[2]", ".ve[5]", ".x", ".x0"],
+                    [".bigram", ".first_input", ".skip", ".ve[1]", ".ve[2]", ".ve[5]", ".x", ".x0"],
+                    [".bigram", ".first_input", *gates[3], ".gates[4]['skip']", ".gates[5]['output_gate']", ".skip",
+                     ".ve[1]", ".ve[5]", ".x", ".x0"],
+                    [".attended", ".bigram", ".first_input", ".gates[4]['skip']", ".gates[5]['output_gate']", ".skip",
+                     ".ve[1]", ".ve[5]", ".x"],
+                    [".attended", ".bigram", ".first_input", ".gates[5]['output_gate']", ".penultimate", ".skip",
+                     ".ve[1]", ".ve[5]", ".x"]]
+    assert live == [sorted(paths) for paths in expected]
 
 
 def test_without_the_skip_and_the_attended_layer_the_model_has_neither_and_its_blocks_read_their_own_stream():
@@ -299,14 +311,11 @@ def test_without_the_skip_and_the_attended_layer_the_model_has_neither_and_its_b
     assert model.backout is None and all(block.skip_gate is None for block in model.blocks)
     tokens = torch.randint(0, args.vocab_size, (train_gpt.context_length(args) + 1,),
                            generator=torch.Generator().manual_seed(3))
-    masks = model.attention_masks(tokens[:-1], train_gpt.window_tensor((128, 128), torch.device("cpu")))
-    stream = model.embed_tokens(tokens[:-1])
+    window = train_gpt.window_tensor((128, 128), torch.device("cpu"))
     for i in range(len(model.blocks)):
-        inputs = model.block_inputs(i, stream, masks)
-        assert inputs["skip"] is None and inputs["attend_over"] is None
-        stream = model.run_block(i, stream, masks)
-    assert set(stream) == {"x", "x0", "ve", "gates", "bigram"}
-    model(tokens[:-1], tokens[1:], train_gpt.window_tensor((128, 128), torch.device("cpu"))).backward()
+        assert set(vars(model(tokens[:-1], tokens[1:], window, layers=range(i)))) == {"x", "x0", "ve", "gates",
+                                                                                       "bigram"}
+    model(tokens[:-1], tokens[1:], window).backward()
     assert model.lm_head.weight.grad.abs().sum() > 0  # (the head starts at zero: only its gradient is non-zero)
 
 
@@ -427,7 +436,9 @@ def test_xsa_and_the_output_gate_change_each_heads_output_by_their_formulas():
 
 def test_a_dense_layers_value_gate_gives_each_half_of_the_heads_its_lane():
     # #89's six heads: heads 0-2 take the first lane, 3-5 the second, by hand; the dense mix is added after
-    block = train_gpt.Block(48, 6, 8, True, False, takes_value_embed=True, dense_sources=2)
+    config = train_gpt.ModelConfig(vocab_size=512, model_dim=48, num_heads=6, head_dim=8,
+                                   layers=(train_gpt.LayerConfig(value_embed=True),), mudd=True)
+    block = train_gpt.Block(config, 0)  # (the last layer: MUDD's dense one)
     assert block.value_gate is None and block.dense_coefficients["value_gate"] == (2, 2.0)
     draws = torch.Generator().manual_seed(5)
     ve, lanes, mix = (torch.randn(shape, generator=draws) for shape in ((7, 48), (1, 7, 2), (1, 7, 48)))
@@ -453,8 +464,9 @@ def test_the_record_gate_networks_serve_record_89s_layers():
                             8: shares, 9: shares, 10: dict(output_gate=6, dc_mix=6, dc_weight=6)}}
     assert [network.bias.numel() for network in model.gate_networks.values()] == [26, 41]
     assert [network.bias.numel() for network in model.dense_networks.values()] == [14, 5]  # #89's mudd_b2 rows
-    assert list(model.dense_networks) == ["10", "head"] and model.dense_sources == (-1, 7)
-    assert model.head_sources == ("layer-1", "layer7", "layer9", "ve1", "layer3")
+    assert list(model.dense_networks) == ["10", "head"]
+    assert list(model.dense_networks["head"].widths["head"]) == ["first_input", "attended", "penultimate",
+                                                                 "value_embed", "skip"]
     networks = [*model.gate_networks.values(), *model.dense_networks.values()]
     assert all(network.hidden.weight.shape == (64, 768) for network in networks)
     assert model.bigram.table.weight.shape == (377280, 768)  # #89's 50304 x 15 / 2 rows

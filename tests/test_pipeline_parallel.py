@@ -38,42 +38,45 @@ def stream_structures(rank, world_size, files, layout):
     return trainer.layout.pipeline.stream_specs
 
 
-def test_what_crosses_each_boundary_is_what_the_one_process_forward_holds_there(files):
-    # 3 stages of 2 blocks: x, x0, the value embeddings of the layers still to come (the tiny model's feed layers 1,
-    # 2 and 5: layers 2 and 5's after stage 0, layer 5's after stage 1) and layer 1's, which MUDD's head reads, and
-    # the states read later (its skip from layer 1 into layer 4, and layer 3's output, which layer 5 attends over;
-    # both, and the first layer's input, MUDD's dense layer 5 or head reads): the first layer's input and layer 1's
-    # output after stage 0, those and layer 3's after stage 1, and the gate coefficients of the layers still to come
-    # (its networks at layers 0 and 2 serve 0-1 and 2-5: none after stage 0, layers 4 and 5's after stage 1), and the
-    # bigram embedding, which every layer with attention takes
+# the tiny preset's stream at the boundaries of 3 stages of 2 blocks, by hand: what a later stage reads of it. After
+# stage 0: x, x0, the bigram embedding (every layer with attention takes it), the first layer's input (MUDD's dense
+# layer 5 and head read it), layer 1's output (the skip into layer 4, MUDD's head), the value embeddings of layers 2
+# and 5 and of layer 1 (MUDD's head); no gate coefficient (network 0's serve layers 0-1, network 2 runs at layer 2).
+# After stage 1: x0 no longer (layer 4 has no attention, the dense layer 5 re-adds the first layer's input), layer
+# 3's output (attended over by layer 5, read by MUDD's), layer 2's value embedding no longer, and the coefficients
+# network 2 gave layers 4 and 5
+SENT = {2: {".x", ".x0", ".bigram", ".first_input", ".skip", ".ve[1]", ".ve[2]", ".ve[5]"},
+        4: {".x", ".bigram", ".first_input", ".skip", ".attended", ".ve[1]", ".ve[5]", ".gates[4]['skip']",
+            ".gates[5]['output_gate']"}}
+
+
+def test_what_crosses_each_boundary_is_what_the_later_stages_read_of_the_one_process_stream(files):
+    # the one-process forward run to each boundary holds the stream; a stage sends each tensor of it that a later
+    # stage reads, and an empty one of its dtype for every other (so code that only names it runs as it did), the
+    # residual and layer 1's output (one tensor there) once
     layout = dict(pp=3)
     specs = {}
     for rank_specs in run_on_ranks(stream_structures, 3, files, layout):
         specs.update(rank_specs)
+    assert len(specs) == 4  # two boundaries, in training and in evaluation
     args = train_gpt.parse_args(tiny_flags(files, **layout), cuda=False)
     model = train_gpt.build_model(args, torch.device("cpu"))
+    window = train_gpt.window_tensor((train_gpt.ATTENTION_BLOCK_SIZE,) * 2, torch.device("cpu"))
     for training, seq_len in ((True, train_gpt.batch_shape(0, args)[0]), (False, args.val_seq_len)):
         model.train(training)
         tokens = torch.full((seq_len,), train_gpt.EOT_TOKEN)
-        with torch.set_grad_enabled(training):
-            masks = model.attention_masks(tokens, train_gpt.window_tensor((train_gpt.ATTENTION_BLOCK_SIZE, train_gpt.ATTENTION_BLOCK_SIZE), torch.device("cpu")))
-            stream = model.embed_tokens(tokens)
-            for layer in range(6):
-                stream = model.run_block(layer, stream, masks)
-                if layer + 1 in (2, 4):
-                    kept = {"layer-1", "layer1"} if layer + 1 == 2 else {"layer-1", "layer1", "layer3"}
-                    assert set(stream) == {"x", "x0", "ve", "gates", "bigram"} | kept
-                    assert set(stream["ve"]) == ({"1", "2", "5"} if layer + 1 == 2 else {"1", "5"})
-                    assert set(stream["gates"]) == (set() if layer + 1 == 2 else {"4", "5"})
-                    # the kept output is the residual itself: one tensor, sent once
-                    assert stream[f"layer{layer}"] is stream["x"]
-                    leaves, spec = torch.utils._pytree.tree_flatten(stream)
-                    distinct = list({id(t): t for t in leaves}.values())
-                    assert len(distinct) == len(leaves) - 1
-                    assert specs[layer + 1, seq_len, training] == (
-                        torch.utils._pytree.treespec_dumps(spec), [[id(d) for d in distinct].index(id(t)) for t in leaves],
-                        [(tuple(t.shape), t.dtype) for t in distinct])
-    assert len(specs) == 4  # two boundaries, in training and in evaluation
+        for boundary, sent in SENT.items():
+            with torch.set_grad_enabled(training):
+                stream = model(tokens, None, window, layers=range(boundary))
+            spec, places, shapes = specs[boundary, seq_len, training]
+            leaves, structure = train_gpt.pytree.tree_flatten_with_path(stream)
+            assert spec == train_gpt.pytree.treespec_dumps(structure)
+            received = [shapes[i] for i in places]
+            assert {train_gpt.pytree.keystr(path) for (path, _), (shape, _) in zip(leaves, received) if shape != (0,)} == sent
+            for (path, t), (shape, dtype) in zip(leaves, received):
+                assert dtype == t.dtype and shape in (tuple(t.shape), (0,)), train_gpt.pytree.keystr(path)
+            # the residual is the last layer's output: there the skip's source, then the attended one (one tensor)
+            assert (stream.skip if boundary == 2 else stream.attended) is stream.x and len(shapes) == len(leaves) - 1
 
 
 def test_the_plan_counts_what_the_tie_sends_between_stages(files):

@@ -1,11 +1,15 @@
 """Text from a checkpoint (--sample) and during training (--sample_every), through the training model's own forward;
 bad sampling input refused by name."""
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import train_gpt
+from conftest import REPO_ROOT
 from synthetic import tiny_flags
 from train_gpt import run_on_ranks
 
@@ -160,3 +164,28 @@ def test_sample_every_prints_samples_at_validation_and_changes_no_loss(files, tm
     out = capsys.readouterr().out
     assert logs[0] == logs[1]
     assert [int(step) for step in re.findall(r"^sample: step:(\d+) '", out, re.M)] == [0, 2, 4]
+
+
+RUN_AS_A_SCRIPT = """import runpy, sys
+sys.argv = ["train_gpt.py", *sys.argv[1:]]
+try:
+    runpy.run_path("train_gpt.py", run_name="__main__")
+finally:
+    print("imported:", sorted(name for name in sys.modules if name == "train_gpt" or name.split(".")[0] == "data"))
+"""
+
+
+def test_sampling_with_the_prefix_loss_runs_the_trainer_once_as_a_script(tmp_path, files, gpt2_ranks):
+    # the prefix loss and the sampler read GPT-2's ranks from the trainer itself: python train_gpt.py imports nothing
+    # of data/ (whose scripts import the trainer), so the file never runs a second time as another module
+    logs = tmp_path / "logs"
+    flags = tiny_flags(files, log_dir=logs, run_id="prefix", num_iterations=1, save_every=1, val_loss_every=0,
+                       prefix_loss=True)
+    done = subprocess.run([sys.executable, "-c", RUN_AS_A_SCRIPT, *flags], capture_output=True, text=True,
+                          cwd=REPO_ROOT, env=dict(os.environ, GPT2_TIKTOKEN_FILE=str(gpt2_ranks)))
+    assert done.returncode == 0 and done.stdout.splitlines()[-1] == "imported: []", done.stdout[-2000:] + done.stderr
+    done = subprocess.run([sys.executable, "-c", RUN_AS_A_SCRIPT, f"--sample={logs / 'prefix' / 'step000001.pt'}",
+                           "--max_new_tokens=8", "--prompt=Hello"], capture_output=True, text=True, cwd=REPO_ROOT,
+                          env=dict(os.environ, GPT2_TIKTOKEN_FILE=str(gpt2_ranks)))
+    assert done.returncode == 0 and "Hello" in done.stdout, done.stdout[-2000:] + done.stderr
+    assert done.stdout.splitlines()[-1] == "imported: []", done.stdout[-2000:]

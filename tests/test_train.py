@@ -235,8 +235,9 @@ def test_warmup_leaves_no_trace(tmp_path):
 
 def test_evaluation_runs_the_head_in_slices_and_averages_over_every_token():
     torch.manual_seed(0)
-    model = train_gpt.GPT(vocab_size=50257, num_layers=4, num_heads=2, head_dim=16, model_dim=32,
-                          window_pattern="LSSL", fp8_head=False).eval()
+    layers = tuple(train_gpt.LayerConfig(window=window) for window in "LSSL")
+    model = train_gpt.GPT(train_gpt.ModelConfig(vocab_size=50257, model_dim=32, num_heads=2, head_dim=16,
+                                                layers=layers)).eval()
     torch.nn.init.normal_(model.lm_head.weight)  # the zero-initialised head gives every token the same loss
     tokens = torch.randint(0, 50257, (257,))
     tokens[[0, 90, 200]] = train_gpt.EOT_TOKEN

@@ -35,10 +35,11 @@ def test_zero_on_two_ranks_splits_what_each_rank_holds(layout_runs, layout_files
     assert shared_out == 4 and padding > 0
     # after the step's reduction each rank keeps the gradients of the parameters it updates: one copy in all
     assert sum(rank["gradients"] for rank in held) == full["gradients"] + padding
-    if zero >= 3:  # one copy of the parameters across the ranks between uses, and more while a step runs (those of
-        # the GPT itself, in no unit that ZeRO 3 gathers, would be whole on each rank: the tiny model has none, its
-        # backout one of MUDD's head coefficients)
-        assert sum(rank["parameters"] for rank in held) == full["parameters"] + padding
+    if zero >= 3:  # one copy of the parameters across the ranks between uses, and more while a step runs (those
+        # read outside the unit holding them are whole on each rank: the tiny model's one is layer 4's skip gate,
+        # which GPT.forward reads where the skip joins; its backout is one of MUDD's head coefficients)
+        whole = train_gpt.build_model(args, torch.device("meta")).blocks[4].skip_gate.numel() * 4
+        assert sum(rank["parameters"] for rank in held) == full["parameters"] + padding + whole
         assert all(rank["parameters"] < rank["peak_parameters"] < full["parameters"] for rank in held)
     # one copy of the optimizer states (Adam's two moments of the padding, and a step count a table on each rank)
     assert sum(rank["optimizer_states"] for rank in held) == full["optimizer_states"] + 2 * padding + shared_out * 4
