@@ -158,16 +158,17 @@ def missing_inputs(torch, head_cpu: Path) -> dict[str, str]:
     return missing
 
 
-def shards(scratch: Path) -> tuple[Path, str]:
+def shards(scratch: Path, scale: float = 1.0) -> tuple[Path, str]:
     """The folder of FineWeb-named shards both benchmarks read: data/fineweb10B's, else synthetic ones in scratch,
-    sized for the longer of the two runs (#89 in its last stage, plus its validation)."""
+    sized for the longer of the two runs (#89 in its last stage, plus its validation), times scale."""
     if sorted(FINEWEB.glob("fineweb_train_*.bin")) and sorted(FINEWEB.glob("fineweb_val_*.bin")):
         return FINEWEB, f"FineWeb ({FINEWEB})"
     from benchmark_gpu import synthetic_shards
     from benchmark_vs_reference import STEP_TOKENS_89, VAL_BATCH_89
     folder = scratch / "fineweb10B"
     folder.mkdir(parents=True, exist_ok=True)
-    files = synthetic_shards(folder, (REFERENCE_STEPS + 50) * STEP_TOKENS_89 + 1, val_tokens=20 * VAL_BATCH_89 // 8)
+    files = synthetic_shards(folder, int(scale * (REFERENCE_STEPS + 50) * STEP_TOKENS_89) + 1,
+                             val_tokens=int(scale * 20 * VAL_BATCH_89 // 8))
     for name in ("train_files", "val_files"):
         for path in map(Path, sorted(folder.glob(Path(files[name]).name))):
             path.rename(folder / path.name.replace("synthetic_", "fineweb_"))
@@ -258,16 +259,16 @@ def main(argv=None) -> int:
     no_gpu = ("dry run (--dry_run)" if torch.cuda.is_available()
               else f"no CUDA: torch {torch.__version__} sees no GPU")
     with tempfile.TemporaryDirectory(prefix="gpu_session_") as scratch:
-        data, source = shards(Path(scratch))
+        data, source = shards(Path(scratch), 1.0 if cuda else 0.01)  # (no GPU: the format, not the size)
         lines.append(f"data: {source}")
         print(lines[-1], flush=True)
         checks = planned_checks(flags, data, head_cpu, torch.cuda.device_count())
-        if not cuda:  # the benchmark's own code, rehearsed on this CPU at the tiny preset's size
+        if not cuda and "benchmark" in only:  # the benchmark's own code, rehearsed on this CPU at the tiny size
             checks.append(Check("CPU rehearsal", [sys.executable, "tests/benchmark_gpu.py", "--preset", "tiny",
                                                   "--steps", "2", "--untimed_steps", "1"],
                                 r"^(benchmark:|ms per step)", budget_s=120))
         for check in checks:
-            if check.name not in only | {"CPU rehearsal"}:
+            if check.name not in only | {"CPU rehearsal"}:  # (the rehearsal: only with the benchmark)
                 check.reason = "not asked for (--only)"
             elif check.name in missing:
                 check.reason = missing[check.name]

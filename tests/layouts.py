@@ -24,7 +24,8 @@ ATTENTION_GATE = [("""        self.mlp = MLP(dim)
 # parameter, a learnable soft cap and a temperature the two heads share, a per-head temperature, a block's scalar read
 # by the GPT after the block ran) and the later records' kinds: code in GPT.forward itself (a scale on the stream
 # before the head; the rotaries stretched as the window grows, as dynamic YaRN does), a GPT vector whose entries
-# attention takes by keyword, a block returning a second stream, a bias per vocabulary entry
+# attention takes by keyword, a per-head gate made in the block and handed to attention by keyword, a block returning
+# a second stream, a bias per vocabulary entry and a fixed offset per vocabulary entry held as the head's buffer
 FORKS = {"forks": [
     ('''        value_embed=i in listed("value_embed_layers"), xsa''',
      '''        value_embed=i in listed("value_embed_layers") or i == 0, xsa'''),
@@ -42,7 +43,14 @@ FORKS = {"forks": [
         self.head_temperature = nn.Parameter(torch.linspace(0.8, 1.2, num_heads))
 '''),
     ('''                banded: Tensor | None = None) -> Tensor:
-''', '''                banded: Tensor | None = None, scale: Tensor | float = 1.0) -> Tensor:
+''', '''                banded: Tensor | None = None, scale: Tensor | float = 1.0,
+                head_gate: Tensor | None = None) -> Tensor:
+'''),
+    ('''        if output_gate is not None:
+            y = y * output_gate.type_as(y)[..., None]
+''', '''        if output_gate is not None:
+            y = y * output_gate.type_as(y)[..., None]
+        y = y * head_gate.type_as(y)[..., None]
 '''),
     ('''        q, k, v = self.project(x)
         B, T = q.size(0), q.size(1)  # B == 1: masks are per sequence
@@ -53,7 +61,13 @@ FORKS = {"forks": [
         q = q * self.head_temperature[:, None]
 '''),
     *ATTENTION_GATE,
-    ('''        dense_value = None
+    ('''        self.mlp = MLP(dim)
+''', '''        self.mlp = MLP(dim)
+        self.head_gate = Gate(8, num_heads) if layer.attention else None
+'''),
+    ('''                         gates.get("dc_weight"), banded, **for_attention)''',
+     '''                         gates.get("dc_weight"), banded, head_gate=torch.sigmoid(self.head_gate(read) + 1),
+                         **for_attention)'''),    ('''        dense_value = None
         if dense is not None:''', '''        block_input = x
         dense_value = None
         if dense is not None:'''),
@@ -67,10 +81,11 @@ FORKS = {"forks": [
         self.cross_entropy = CrossEntropy()
         self.cap = nn.Parameter(torch.tensor(23.0))
         self.logit_bias = nn.Parameter(torch.zeros(self.weight.size(0)))
+        self.logit_offsets = nn.Buffer(torch.linspace(-1, 1, self.weight.size(0)), persistent=False)
         self.temperature = 1.0
 '''),
     ('''        return SoftCap.apply(super().forward(x).float(), *self.soft_cap)''',
-     '''        logits = super().forward(x).float() + self.logit_bias
+     '''        logits = super().forward(x).float() + self.logit_bias + self.logit_offsets
         return self.cap * torch.sigmoid((logits + 5) / (7.5 * self.temperature))'''),
     ('''        self.rotary_windows = ()  # the long windows YaRN has stretched the rotary for (stretch_rotary)
 ''', '''        self.rotary_windows = ()  # the long windows YaRN has stretched the rotary for (stretch_rotary)
@@ -192,28 +207,6 @@ FORKS["embedding_inside_attention"] = [('''        self.sum_over_heads = SumOver
 '''), ('''        q, k, v = self.project(x)
         B, T''', '''        q, k, v = self.project(x + self.positions(torch.arange(x.size(1))))
         B, T''')]
-# a per-head gate of attention's output, made in the block from its input and handed to attention by keyword
-FORKS["per_head_gate_by_keyword"] = [('''        self.mlp = MLP(dim)
-''', '''        self.mlp = MLP(dim)
-        self.head_gate = Gate(8, num_heads) if layer.attention else None
-'''), ('''                         gates.get("dc_weight"), banded, **for_attention)''',
-       '''                         gates.get("dc_weight"), banded, head_gate=torch.sigmoid(self.head_gate(read) + 1),
-                         **for_attention)'''), ('''                banded: Tensor | None = None) -> Tensor:
-''', '''                banded: Tensor | None = None, head_gate: Tensor | None = None) -> Tensor:
-'''), ('''        if output_gate is not None:
-            y = y * output_gate.type_as(y)[..., None]
-''', '''        if output_gate is not None:
-            y = y * output_gate.type_as(y)[..., None]
-        y = y * head_gate.type_as(y)[..., None]
-''')]
-# a fixed offset per vocabulary entry held by the head as a buffer: tensor parallelism splits it with the head's rows
-FORKS["vocabulary_buffer_in_the_head"] = [('''        self.soft_cap = soft_cap
-        self.cross_entropy = CrossEntropy()
-''', '''        self.soft_cap = soft_cap
-        self.cross_entropy = CrossEntropy()
-        self.logit_offsets = nn.Buffer(torch.linspace(-1, 1, self.weight.size(0)), persistent=False)
-'''), ('''        return SoftCap.apply(super().forward(x).float(), *self.soft_cap)''',
-       '''        return SoftCap.apply(super().forward(x).float() + self.logit_offsets, *self.soft_cap)''')]
 # a head scoring only some rows of its weight in training, picked by token (a sampled softmax's shape, #92's): the
 # rows of the step's targets and 64 more; tensor parallelism keeps such a head whole
 FORKS["head_picking_its_rows"] = [('''    def summed_loss(self, x: Tensor, targets: Tensor, weights: Tensor | None = None) -> Tensor:
