@@ -171,7 +171,8 @@ def _fp8_mm_backward(ctx, grad_out: Tensor, *_unused_grads):
 fp8_mm.register_autograd(_fp8_mm_backward, setup_context=_fp8_mm_setup_context)
 
 # ----------------------------------------------------------------------------------------------------
-# Optimizers: NorMuon for hidden matrices (Polar Express orthogonalisation, normalised per neuron), Adam for the rest
+# Optimizers: NorMuon (#89) or ANVIL (#92) for hidden matrices, quintic orthogonalisation normalised per neuron; Adam
+# for the rest
 
 # Polar Express (Amsel et al. 2025): a different odd quintic a x + b x^3 + c x^5 at each of 5 iterations, fitted (safety
 # factor 2e-2, cushion 2) to carry every singular value in (0, 1] close to 1; one fixed quintic gets less far
@@ -182,20 +183,33 @@ POLAR_EXPRESS_COEFFICIENTS = (
     (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
     (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
 )
+# ANVIL's (#92): six quintics after a 5e-2 margin, gentler first maps whose slopes at zero multiply to 643
+ANVIL_COEFFICIENTS = (
+    (3.923798038567, -6.095026865488, 3.905234618423),
+    (3.278126713798, -3.328923386476, 0.989127286973),
+    (3.505298394150, -5.137358782410, 1.968325560615),
+    (2.815058591845, -3.685181239622, 1.417196497642),
+    (2.245503932403, -2.443826979899, 0.963091710461),
+    (2.256537145403, -2.166840097229, 0.929501253245),
+)
 
-def polar_express(G: Tensor, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+def polar_express(G: Tensor, dtype: torch.dtype = torch.bfloat16, coefficients: tuple = POLAR_EXPRESS_COEFFICIENTS,
+                  margin: float = 2e-2) -> Tensor:
     """Approximately orthogonalise G (batched over leading dims): U S' V^T, S' within about [0.86, 1.14] for a random
     matrix. Each iteration maps every singular value s to a s + b s^3 + c s^5 and keeps the singular vectors."""
     X = G.to(dtype)
     tall = G.size(-2) > G.size(-1)
     if tall:  # iterate on the wide orientation so X @ X.mT is the smaller Gram matrix
         X = X.mT
-    X = X / (X.norm(dim=(-2, -1), keepdim=True) * (1 + 2e-2) + 1e-6)  # Frobenius >= spectral norm: all s <= 1
-    for a, b, c in POLAR_EXPRESS_COEFFICIENTS:
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) * (1 + margin) + 1e-6)  # Frobenius >= spectral norm: all s <= 1
+    for a, b, c in coefficients:
         A = X @ X.mT
         B = b * A + c * A @ A
         X = a * X + B @ X
     return X.mT if tall else X
+
+def anvil_quintics(G: Tensor, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    return polar_express(G, dtype, ANVIL_COEFFICIENTS, margin=5e-2)
 
 def normalize_per_neuron(update: Tensor, second_moment: Tensor, beta2: float) -> Tensor:
     """NorMuon (Li et al. 2025): each row of an orthogonalised update (each column of a wide one) divided by the root
@@ -208,37 +222,55 @@ def normalize_per_neuron(update: Tensor, second_moment: Tensor, beta2: float) ->
     return (normalized * (norm(v) / norm(normalized).clamp_min(1e-10))).to(update.dtype)
 
 class Muon(torch.optim.Optimizer):
-    """NorMuon, of the Muon family (MomentUm Orthogonalized by Newton-Schulz), for hidden matrices: SGD's Nesterov
-    momentum, orthogonalised by Polar Express and normalised per neuron, with cautious weight decay. A bank of
-    matrices (a parameter of three or more dimensions) is treated matrix by matrix; a group's `block_rows` cuts each
-    matrix into blocks of that many rows, each orthogonalised and normalised on its own (#80: attention's q and k per
-    pair of heads). `width`: the stream's, for #89's step sizes (None: each matrix's shorter side)."""
+    """The Muon family (MomentUm Orthogonalized by Newton-Schulz) for hidden matrices: SGD's Nesterov momentum,
+    orthogonalised by quintics and normalised per neuron, with cautious weight decay. NorMuon (#89): one momentum,
+    Polar Express, decay where the update pulls towards zero. ANVIL (#92; slow_momentum its rail's decay): a slow
+    momentum beside the fast one, the Nesterov step taking their blend (a group's `blend` on the fast, whose decay is
+    its `fast_momentum`, or else the Nesterov momentum), ANVIL's quintics, and decay where the slow momentum pulls
+    towards zero. A bank of matrices (a parameter of three or more dimensions) is treated matrix by matrix; a group's
+    `block_rows` cuts each matrix into blocks of that many rows, each orthogonalised and normalised on its own (#80:
+    attention's q and k per pair of heads). `width`: the stream's, for #89's step sizes (None: each matrix's shorter
+    side)."""
 
     def __init__(self, params, lr=0.023, momentum=0.95, beta2=0.9, weight_decay=1.2, shape_rule="89",
-                 orthogonalize=polar_express, dtype=torch.bfloat16, width=None):
-        super().__init__(params, dict(lr=lr, momentum=momentum, beta2=beta2, weight_decay=weight_decay,
-                                      shape_rule=shape_rule, width=width, block_rows=None))
-        self.orthogonalize, self.dtype = orthogonalize, dtype
+                 orthogonalize=polar_express, dtype=torch.bfloat16, width=None, slow_momentum=0.0):
+        super().__init__(params, dict(lr=lr, momentum=momentum, fast_momentum=None, blend=1.0, beta2=beta2,
+                                      weight_decay=weight_decay, shape_rule=shape_rule, width=width, block_rows=None))
+        self.orthogonalize, self.dtype, self.slow_momentum = orthogonalize, dtype, slow_momentum
 
     @torch.no_grad()
     def step(self):
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:  # (none: another rank's to update)
-                    self.apply_update(p, self.update_of(p, p.grad, group), group, p.shape)
+                    update = self.update_of(p, p.grad, group)
+                    self.apply_update(p, update, self.decays(p, update), group, p.shape)
 
     def update_of(self, p: Tensor, grad: Tensor, group: dict) -> Tensor:
-        """The update of matrix p, whose gradient this is: its Nesterov momentum, orthogonalised and normalised per
-        neuron (grad is used up)."""
+        """The update of matrix p, whose gradient this is: its Nesterov momentum (of the blended rails), orthogonalised
+        and normalised per neuron (grad is used up)."""
         state = self.state[p]
         if not state:
             state["momentum_buffer"] = torch.zeros_like(grad)
+            if self.slow_momentum:
+                state["slow_momentum_buffer"] = torch.zeros_like(grad)
             state["second_moment"] = grad.new_zeros(Muon.second_moment_shape(grad.shape, group["block_rows"]),
                                                     dtype=torch.float32)
         buf = state["momentum_buffer"]
-        buf.lerp_(grad, 1 - group["momentum"])
+        buf.lerp_(grad, 1 - (group["momentum"] if group["fast_momentum"] is None else group["fast_momentum"]))
+        if self.slow_momentum:
+            slow = state["slow_momentum_buffer"].lerp_(grad, 1 - self.slow_momentum)
+            buf = buf if group["blend"] == 1 else slow.lerp(buf, group["blend"])
         update = self.orthogonalize(Muon.matrices(grad.lerp_(buf, group["momentum"]), group), dtype=self.dtype)
         return normalize_per_neuron(update, state["second_moment"], group["beta2"]).view_as(grad)
+
+    def decays(self, p: Tensor, update: Tensor) -> Tensor:
+        """Where cautious weight decay (Chen et al. 2025) acts on p (update: its part): where p's step pulls it
+        towards zero, by the update's sign (NorMuon) or by its slow momentum's (ANVIL)."""
+        return (self.slow_momentum_of(p) if self.slow_momentum else update).view_as(p) * p >= 0
+
+    def slow_momentum_of(self, p: Tensor) -> Tensor:
+        return self.state[p]["slow_momentum_buffer"]
 
     @staticmethod
     def matrices(t: Tensor, group: dict) -> Tensor:
@@ -254,13 +286,12 @@ class Muon(torch.optim.Optimizer):
         return (*lead, rows, 1) if rows >= cols else (*lead, 1, cols)
 
     @staticmethod
-    def apply_update(p: Tensor, update: Tensor, group: dict, shape: tuple) -> None:
-        """p (or its slice of a matrix of this shape) takes the step, and cautious weight decay (Chen et al. 2025):
-        decay only where the update already pulls p towards zero. Decay weight_decay x lr per unit step size, so that
-        it scales with lr squared."""
+    def apply_update(p: Tensor, update: Tensor, decays: Tensor, group: dict, shape: tuple) -> None:
+        """p (or its slice of a matrix of this shape) takes the step, and cautious weight decay where `decays`.
+        Decay weight_decay x lr per unit step size, so that it scales with lr squared."""
         update = update.view_as(p)
-        decay = (update * p >= 0) * p
-        p.sub_(update.to(p.dtype) + decay * (group["weight_decay"] * group["lr"]), alpha=Muon.step_size(group, shape))
+        p.sub_(update.to(p.dtype) + decays * p * (group["weight_decay"] * group["lr"]),
+               alpha=Muon.step_size(group, shape))
 
     @staticmethod
     def step_size(group: dict, shape: tuple) -> float:
@@ -1363,8 +1394,15 @@ class Hyperparameters:
     lr_muon: float = flag(0.023, "Muon lr of the hidden matrices")
     muon_weight_decay: float = flag(1.2, "Muon's cautious weight decay, per unit lr squared")
     muon_beta2: float = flag(0.9, "decay of Muon's running mean square of each neuron's update (NorMuon)")
-    muon_momentum_warmup_steps: int = flag(300, "steps over which Muon's momentum rises from 0.85 to 0.95")
+    muon_momentum_peak: float = flag(0.95, "Muon's momentum after its warm-up (#92's ANVIL: 0.93)")
+    muon_momentum_warmup_steps: int = flag(300, "steps over which Muon's momentum rises from 0.85 to its peak")
     muon_momentum_cooldown_steps: int = flag(50, "final steps over which Muon's momentum falls back to 0.85")
+    matrix_optimizer: str = flag("normuon", "the hidden matrices' optimizer: NorMuon (#89) or ANVIL (#92: a slow "
+                                 "momentum beside the fast one, six quintics, decay where the slow one pulls towards "
+                                 "zero; #92 gives it --muon_weight_decay 2.25 --muon_momentum_peak 0.93 "
+                                 "--muon_momentum_warmup_steps 240)", choices=("normuon", "anvil"))
+    anvil_blend_step: int = flag(514, "with ANVIL: the step from which its fast momentum's decay stays at 0.85 and "
+                                      "its Nesterov step takes a blend of the two momenta (#92's 514)")
     seed: int = flag(0, "seed of the model's initialisation")
     train_files: str = flag("data/fineweb10B/fineweb_train_*.bin", "glob pattern of the training shards", "data")
     train_seq_len: str = flag("16384,32768,49152,49152", "tokens per micro-batch (one sequence, a multiple of 128) in "
@@ -1577,6 +1615,7 @@ def check_hyperparameters(args: Hyperparameters) -> None:
     need(1 <= final_window(args) < 2**31, f"--final_window_blocks {args.final_window_blocks:g} must be a token or more "
          f"({ATTENTION_BLOCK_SIZE}-token blocks) and below 2**31 tokens")
     need(args.muon_beta2 < 1, f"--muon_beta2 must be in [0, 1), got {args.muon_beta2}")
+    need(args.muon_momentum_peak < 1, f"--muon_momentum_peak must be in [0, 1), got {args.muon_momentum_peak}")
     need(EOT_TOKEN < args.vocab_size <= 2**16, f"--vocab_size {args.vocab_size} must be above {EOT_TOKEN}, the "
          "end-of-text token that starts every document, and fit the uint16 token shards")
     for name in STAGE_FLAGS:
@@ -1771,10 +1810,18 @@ def loss_weights(step: int, args: Hyperparameters) -> list[float]:
     return weights + ([prefix[0] + (prefix[1] - prefix[0]) * t] if args.prefix_loss else [])
 
 def muon_momentum(step: int, args: Hyperparameters) -> float:
-    """0.85, rising linearly to 0.95 over the warm-up steps, and falling back to 0.85 over the cooldown steps."""
+    """0.85, rising linearly to the peak over the warm-up steps, and falling back to 0.85 over the cooldown steps."""
     warmup, cooldown = args.muon_momentum_warmup_steps, args.muon_momentum_cooldown_steps
     frac = min(step / warmup if warmup else 1, (args.num_iterations - step) / cooldown if cooldown else 1, 1)
-    return (1 - frac) * 0.85 + frac * 0.95
+    return (1 - frac) * 0.85 + frac * args.muon_momentum_peak
+
+# ANVIL's rails (#92): the slow one's decay; from --anvil_blend_step, the fast one's, and its weight in their blend
+ANVIL_SLOW_MOMENTUM, ANVIL_FAST_MOMENTUM, ANVIL_BLEND = 0.98, 0.85, 0.4385
+
+def anvil_rails(step: int, args: Hyperparameters) -> dict:
+    """ANVIL's fast momentum's decay (None: the Nesterov momentum's) and its weight in the blend of the rails."""
+    late = step >= args.anvil_blend_step
+    return dict(fast_momentum=ANVIL_FAST_MOMENTUM if late else None, blend=ANVIL_BLEND if late else 1.0)
 
 def adam_steps(step: int, args: Hyperparameters) -> bool:
     """Whether Adam steps after step `step` (from 0): on the last of every adam_every steps, the gradients summed
@@ -1796,6 +1843,8 @@ def set_schedules(optimizers: list[torch.optim.Optimizer], step: int, args: Hype
             group["lr"] = group["initial_lr"] * multiplier
     for group in optimizers[1].param_groups:
         group["momentum"] = muon_momentum(step, args)
+        if args.matrix_optimizer == "anvil":
+            group.update(anvil_rails(step, args))
 
 # ----------------------------------------------------------------------------------------------------
 # Training: the model and optimizers this rank trains, one step, evaluation, and the loop
@@ -1907,13 +1956,16 @@ def build_optimizers(model: nn.Module, groups: dict[str, list[str]], args: Hyper
     adam = Adam([dict(params=[p for p in held[kind] if lr_scale[p] == scale], lr=lrs[kind] * scale, **recipes[kind])
                  for kind in lrs for scale in sorted({lr_scale[p] for p in held[kind]})],
                 fused=device.type != "meta")  # (stages lack some kinds; meta: the plan)
-    orthogonalize = torch.compile(polar_express) if device.type == "cuda" else polar_express
+    anvil = args.matrix_optimizer == "anvil"
+    orthogonalize = anvil_quintics if anvil else polar_express
+    orthogonalize = torch.compile(orthogonalize) if device.type == "cuda" else orthogonalize
     block_rows = held_attribute(model, "muon_block_rows", None)
     muon = Muon([dict(params=[p for p in held["muon"] if block_rows[p] == rows], block_rows=rows)
                  for rows in sorted({block_rows[p] for p in held["muon"]}, key=lambda rows: rows or 0)],
                 lr=args.lr_muon, momentum=0.95, beta2=args.muon_beta2, width=args.model_dim,
                 weight_decay=args.muon_weight_decay, shape_rule=args.optimizer_recipe, orthogonalize=orthogonalize,
-                dtype=torch.bfloat16 if cuda_dtypes else torch.float32)  # (bf16 matmuls are slow on a CPU)
+                dtype=torch.bfloat16 if cuda_dtypes else torch.float32,  # (bf16 matmuls are slow on a CPU)
+                slow_momentum=ANVIL_SLOW_MOMENTUM if anvil else 0.0)
     for opt in (adam, muon):
         for group in opt.param_groups:
             group["initial_lr"] = group["lr"]
@@ -2386,6 +2438,9 @@ def restore_checkpoint(state: dict, path: Path, trainer: "Trainer") -> None:
             "is not one of Adam's parameters" if name not in state["adam"] else None
         need(wrong is None, f"checkpoint {path} holds a gradient for {name} {shape(grad)}, which {wrong}: it is "
              "damaged or of another model; resume from another one")
+    saved_with, running = state["hyperparameters"].get("matrix_optimizer", "normuon"), trainer.args.matrix_optimizer
+    need(saved_with == running, f"checkpoint {path} was trained with --matrix_optimizer {saved_with}, whose state "
+         f"--matrix_optimizer {running} does not keep: resume with --matrix_optimizer {saved_with}")
     adam_owners, muon_owners = optimizer_state_owners(trainer)
     names = {p: name for name, p in model.named_parameters()}
     for opt, owners, saved in ((adam, adam_owners, state["adam"]), (muon, muon_owners, state["muon"])):
@@ -4071,6 +4126,23 @@ class GradientBuckets:
                 p.grad = total.to(p.dtype) if holder else None
         self.holding = bool(held)
 
+def packed_bits_size(numel: int, dtype: torch.dtype) -> int:
+    """Elements of dtype that hold numel bits, eight a byte."""
+    return -(-numel // (8 * dtype.itemsize))
+
+def packed_bits(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """A bool tensor's bits, eight a byte (the first in the lowest bit), as elements of dtype: to travel in one
+    buffer with values of that dtype."""
+    bits = mask.new_zeros(8 * dtype.itemsize * packed_bits_size(mask.numel(), dtype), dtype=torch.uint8)
+    bits[:mask.numel()] = mask.flatten()
+    powers = torch.arange(8, dtype=torch.uint8, device=mask.device)
+    return (bits.view(-1, 8) << powers).sum(1, dtype=torch.uint8).view(dtype)
+
+def unpacked_bits(packed: Tensor, numel: int) -> Tensor:
+    """packed_bits' mask, flat, of numel bits."""
+    powers = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    return ((packed.contiguous().view(torch.uint8).unsqueeze(1) >> powers) & 1).flatten()[:numel].bool()
+
 def muon_owners(params: list[Tensor], world_size: int) -> dict[Tensor, int]:
     """The data-parallel rank that orthogonalises each of Muon's matrices: r, r+W, ... of each size."""
     return {p: i % world_size for size in sorted({p.numel() for p in params}, reverse=True)
@@ -4080,19 +4152,24 @@ class DataParallelMuon(Muon):
     """Muon's work shared over the data-parallel ranks, as the record does it: rank r orthogonalises matrices r, r+W,
     ... of each size (it alone keeps their momentum), and the updates travel by async all-gather while the next are
     computed; under ZeRO 3 (exchange_updates false) each owner applies its own. Orthogonalising needs whole matrices:
-    a tensor-parallel slice's gradient is gathered whole, and each rank applies its own slice of the update."""
+    a tensor-parallel slice's gradient is gathered whole, and each rank applies its own slice of the update. Where
+    the decay follows a momentum only the owner keeps (ANVIL's), its mask travels with the update, a bit a weight."""
 
     def __init__(self, muon: Muon, dp: Axis, exchange_updates: bool):
         super().__init__([dict(group) for group in muon.param_groups], orthogonalize=muon.orthogonalize,
-                         dtype=muon.dtype)
+                         dtype=muon.dtype, slow_momentum=muon.slow_momentum)
         self.dp, self.exchange_updates = dp, exchange_updates
         params = [p for group in self.param_groups for p in group["params"]]
         self.group_of = {p: group for group in self.param_groups for p in group["params"]}
         sizes = sorted({p.numel() for p in params}, reverse=True)
         self.by_size = [[p for p in params if p.numel() == size] for size in sizes]
         # flat gather targets (gloo needs 1-D), kept outside param_groups so state_dict() never copies them
-        self.update_buffers = [torch.empty(dp.size * size, dtype=self.dtype, device=params[0].device)
+        self.update_buffers = [torch.empty(dp.size * self._sent_size(size), dtype=self.dtype, device=params[0].device)
                                for size in sizes]
+
+    def _sent_size(self, numel: int) -> int:
+        """Elements an owner sends for a matrix (or slice) of numel: its update, and the decay mask's bits."""
+        return numel + (packed_bits_size(numel, self.dtype) if self.slow_momentum else 0)
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)  # (which replaces the groups: the schedules set the new ones)
@@ -4108,9 +4185,15 @@ class DataParallelMuon(Muon):
                 update = self._own_update(mine) if mine is not None else None
                 if not self.exchange_updates:
                     if mine is not None:
-                        self._apply(None, [mine], [update])
+                        self.apply_update(mine, update, self.decays(mine, update), self.group_of[mine],
+                                          full_shape(mine))
                     continue
-                update = update.flatten() if mine is not None else views[self.dp.rank]  # (none left: a placeholder)
+                if mine is None:  # (none left: a placeholder)
+                    update = views[self.dp.rank]
+                elif self.slow_momentum:
+                    update = torch.cat([update.flatten(), packed_bits(self.decays(mine, update), self.dtype)])
+                else:
+                    update = update.flatten()
                 if pending is not None:
                     self._apply(*pending, views)
                 handle = None
@@ -4123,17 +4206,24 @@ class DataParallelMuon(Muon):
             if pending is not None:
                 self._apply(*pending, views)
 
+    def slow_momentum_of(self, p: Tensor) -> Tensor:
+        return own_slice(p, super().slow_momentum_of(p))  # (kept whole by p's owner alone)
+
     def _own_update(self, p: Tensor) -> Tensor:
         if p.grad is None:
             raise RuntimeError(f"Muon parameter of shape {tuple(p.shape)} has no gradient")
         update = self.update_of(p, whole(p, p.grad), self.group_of[p])
         return own_slice(p, update)
 
-    def _apply(self, handle, chunk: list[Tensor], updates) -> None:
+    def _apply(self, handle, chunk: list[Tensor], sent) -> None:
         if handle is not None:
             handle.wait()
-        for p, update in zip(chunk, updates):
-            self.apply_update(p, update, self.group_of[p], full_shape(p))  # (a slice: the whole's step size)
+        for p, message in zip(chunk, sent):
+            update = message[:p.numel()]
+            decays = (unpacked_bits(message[p.numel():], p.numel()).view_as(p) if self.slow_momentum else
+                      self.decays(p, update))
+            self.apply_update(p, update, decays, self.group_of[p], full_shape(p))  # (a slice: the whole's step size)
+
 
 # ----------------------------------------------------------------------------------------------------
 # ZeRO (Rajbhandari et al. 2020): optimizer states, gradients and parameters sharded over data-parallel ranks

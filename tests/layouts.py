@@ -219,9 +219,9 @@ FORKS["head_picking_its_rows"] = [('''    def summed_loss(self, x: Tensor, targe
         return self.cross_entropy(logits, picked, weights)''')]
 # a second, slower momentum kept by Muon beside its own, its update the mean of the two's
 FORKS["muon_with_a_second_momentum"] = [('''        buf = state["momentum_buffer"]
-        buf.lerp_(grad, 1 - group["momentum"])
+        buf.lerp_(grad, 1 - (group["momentum"] if group["fast_momentum"] is None else group["fast_momentum"]))
 ''', '''        buf = state["momentum_buffer"]
-        buf.lerp_(grad, 1 - group["momentum"])
+        buf.lerp_(grad, 1 - (group["momentum"] if group["fast_momentum"] is None else group["fast_momentum"]))
         slow = state.setdefault("slow_momentum", torch.zeros_like(grad))
         slow.lerp_(grad, 0.01)
         grad = grad.add(slow)

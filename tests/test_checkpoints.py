@@ -95,9 +95,11 @@ def assert_holds_adam_gradients(state: dict, held: bool):
 # saved at step 4, after Adam's step (the tiny preset's adam_every 2); at step 3, with Adam's gradients of step 3
 # held for step 4's; each in the second of the tiny run's stages (steps 3 and 4: a rotary that YaRN stretched)
 # the second: a staged batch, saved as its second stage (steps 3 and 4 of 8) starts: 256-token sequences of documents
-# cut at 256 after 128-token ones cut at 64, and the head and the embedding, one table until then, untied on step 3
+# cut at 256 after 128-token ones cut at 64, and the head and the embedding, one table until then, untied on step 3;
+# the matrices under ANVIL, its rails blended from step 2 (its slow momentum saved, its decay mask sent)
 @pytest.mark.parametrize("world_size, saved_at, staged", [
-    (1, 4, {}), (2, 3, dict(train_seq_len="128,256,128,256", doc_max_tokens="64,256,256,256", tied_stages=1))])
+    (1, 4, {}), (2, 3, dict(train_seq_len="128,256,128,256", doc_max_tokens="64,256,256,256", tied_stages=1,
+                            matrix_optimizer="anvil", anvil_blend_step=2))])
 def test_resumed_run_ends_bit_identical_to_the_uninterrupted_one(tmp_path, files, world_size, saved_at, staged):
     full_log = run(tmp_path, files, world_size, "full", save_every=saved_at, **staged)
     path = tmp_path / "logs" / "full" / f"step{saved_at:06d}.pt"
@@ -164,8 +166,11 @@ def test_a_checkpoint_resumes_under_another_world_size(tmp_path, files, saved_on
         assert_resumed_within_rounding(resumed, reference, (checkpoint(tmp_path, "saved", STEPS), reference))
 
 
-@pytest.mark.parametrize("saved, resumed, saved_at", [(dict(zero=3), dict(pp=2), 4), (dict(tp=2), dict(zero=1), 3),
-                                                      (dict(pp=2), dict(zero=2), 5)])  # (5: the tables have moved)
+# (5: the tables have moved; ANVIL: its slow momentum whole on the owner of a tensor-parallel slice, then of a matrix)
+ANVIL = dict(matrix_optimizer="anvil", anvil_blend_step=2)
+@pytest.mark.parametrize("saved, resumed, saved_at", [(dict(zero=3), dict(pp=2), 4),
+                                                      (dict(tp=2, **ANVIL), dict(zero=1, **ANVIL), 3),
+                                                      (dict(pp=2), dict(zero=2), 5)])
 def test_a_checkpoint_resumes_under_another_layout(tmp_path, files, saved, resumed, saved_at):
     # sharded optimizer state, tensor-parallel slices and pipeline stages are gathered into full tensors on save,
     # and cut the new layout's way on load; so are the gradients held for Adam's next step (saved at step 3 or 5)
@@ -492,3 +497,16 @@ def test_a_state_a_fork_adds_to_muon_is_saved_restored_and_required_as_muon_keep
         module.main([*flags, f"--resume={tmp_path / 'without.pt'}", "--run_id=without"])
     module.main([*flags, f"--resume={tmp_path / 'logs' / 'slow' / 'step000002.pt'}", "--run_id=again"])
     assert_states_equal(checkpoint(tmp_path, "again", 4), checkpoint(tmp_path, "slow", 4))  # (an exact resume)
+
+
+def test_a_checkpoint_of_one_matrix_optimizer_is_refused_by_name_under_the_other(tmp_path, files):
+    # NorMuon keeps no slow momentum, ANVIL needs one: the flag is named, not the state
+    flags = tiny_flags(files, log_dir=tmp_path / "logs", run_id="anvil", num_iterations=2, save_every=2,
+                       val_loss_every=0, matrix_optimizer="anvil")
+    train_gpt.main(flags)
+    saved = tmp_path / "logs" / "anvil" / "step000002.pt"
+    assert all("slow_momentum_buffer" in entry for entry in checkpoint(tmp_path, "anvil", 2)["muon"].values())
+    with pytest.raises(train_gpt.UserError, match=r"was trained with --matrix_optimizer anvil, whose state "
+                                                  r"--matrix_optimizer normuon does not keep: resume with "
+                                                  r"--matrix_optimizer anvil$"):
+        train_gpt.main([*flags, f"--resume={saved}", "--run_id=normuon", "--matrix_optimizer=normuon"])
