@@ -662,25 +662,51 @@ def bigram_rows(tokens: Tensor, rows: int) -> Tensor:
     hashed = torch.bitwise_xor(36313 * tokens, 27191 * previous) % last
     return torch.cat([tokens.new_full((1,), last), hashed[1:]])
 
+def trigram_rows(tokens: Tensor, rows: int) -> Tensor:
+    """#92's hash of each position's (two before, previous, own) token triple into the first rows - 1 rows, in int32
+    arithmetic that wraps; the first two positions take the last row."""
+    last, tokens = rows - 1, tokens.to(torch.int32)
+    hashed = (17351 * tokens[2:]) ^ (60961 * tokens[1:-1]) ^ (45259 * tokens[:-2])
+    return torch.cat([tokens.new_full((min(2, len(tokens)),), last), hashed % last])
+
+def ngram_sign_rows(tokens: Tensor, multipliers: tuple[int, ...], rows: int) -> Tensor:
+    """#92's row of the sign table for each position's n-gram (the first n - 1 positions: row 0): the xor of its
+    tokens, oldest first, each times its multiplier in int32 arithmetic that wraps, masked to `rows` (a power of 2)."""
+    tokens, n = tokens.to(torch.int32), len(multipliers)
+    hashed = functools.reduce(torch.bitwise_xor, (m * tokens[i:len(tokens) - n + 1 + i]
+                                                  for i, m in enumerate(multipliers)))
+    return torch.cat([tokens.new_zeros(min(n - 1, len(tokens))), hashed & (rows - 1)])
+
 class BigramHashEmbedding(nn.Module):
     """A zero-initialised table of embeddings for each token's pair with the one before, hashed into its rows, each
     lookup times a fixed random sign vector of the pair's (from a table of 8192), so that pairs sharing a row
-    cancel more than they add (#62, #83; the signs by @trianxy). The signs are a constant of the hash, the same in
-    every run: drawn from their own seed, so that no checkpoint needs them."""
+    cancel more than they add (#62, #83; the signs by @trianxy). With trigrams (#92's n-gram table), the table's
+    second half holds each token's triple with the two before, each order's signs come from a hash of its own, and
+    the two signed rows are summed. The signs are a constant of the hash, the same in every run: drawn from their
+    own seed, so that no checkpoint needs them."""
     SIGN_ROWS = 8192
+    SIGN_MULTIPLIERS = {2: (30011, 48271), 3: (26801, 39779, 58699)}  # #92's, by order
 
-    def __init__(self, rows: int, dim: int):
+    def __init__(self, rows: int, dim: int, trigrams: bool = False):
         super().__init__()
         self.table = nn.Embedding(rows, dim)
         self.table.weight.detach().zero_()
+        self.trigrams = trigrams
         draws = torch.Generator().manual_seed(self.SIGN_ROWS)
         self.signs = nn.Buffer(torch.randn(self.SIGN_ROWS, dim, generator=draws).sign(), persistent=False)
 
     def forward(self, input_seq: Tensor) -> Tensor:  # (T,) tokens -> (1, T, D)
         tokens = input_seq.to(torch.int32)
-        sign_rows = torch.cat([tokens.new_zeros(1), torch.bitwise_xor(tokens[:-1], tokens[1:]) % self.SIGN_ROWS])
-        found = self.table(bigram_rows(tokens, self.table.num_embeddings))
-        return (found * self.signs[sign_rows].type_as(found))[None]
+        if not self.trigrams:  # #89's: the pair's signs by (previous xor own)
+            sign_rows = torch.cat([tokens.new_zeros(1), torch.bitwise_xor(tokens[:-1], tokens[1:]) % self.SIGN_ROWS])
+            found = self.table(bigram_rows(tokens, self.table.num_embeddings))
+            return (found * self.signs[sign_rows].type_as(found))[None]
+        half = self.table.num_embeddings // 2
+        pairs = self.table(bigram_rows(tokens, half))
+        triples = self.table(half + trigram_rows(tokens, half))
+        signs = [self.signs[ngram_sign_rows(tokens, self.SIGN_MULTIPLIERS[n], self.SIGN_ROWS)].type_as(pairs)
+                 for n in (2, 3)]
+        return (pairs * signs[0] + triples * signs[1])[None]
 
 class GateNetwork(nn.Module):
     """Per-token coefficients for the layers it serves, read off the stream entering the first of them:
@@ -757,6 +783,7 @@ class ModelConfig:
     attend_over: int | None = None  # the layers after it attend over its output, and the head takes it back out
     mudd: bool = False  # MUDD's dense last layer and head (#40, #81, #85, as #89 trims it)
     bigram_rows: int = 0  # rows of the bigram hash embedding (0: none)
+    trigrams: bool = False  # its second half holds triples (#92's n-gram table)
     smear: bool = False  # each token's embedding takes in a gated share of the previous token's (#89)
     mtp: bool = False  # training also predicts the MTP_TOKENS - 1 tokens after the next (#53)
     prefix_loss: bool = False  # training also predicts the next token's prefix token (#88)
@@ -1021,7 +1048,7 @@ class GPT(nn.Module):
                                            for i, layer in enumerate(c.layers) if layer.value_embed})
         for value_embed in self.value_embeds.values():  # small: #89's 0.01 randn (@photomz)
             value_embed.weight.detach().mul_(0.01)
-        self.bigram = BigramHashEmbedding(c.bigram_rows, c.model_dim) if c.bigram_rows else None
+        self.bigram = BigramHashEmbedding(c.bigram_rows, c.model_dim, c.trigrams) if c.bigram_rows else None
         self.blocks = nn.ModuleList([Block(c, i) for i in range(c.num_layers)])
         # a gate network serves its layer and those up to the next one's
         starts = [i for i, layer in enumerate(c.layers) if layer.gate_network] + [c.num_layers]
@@ -1353,6 +1380,9 @@ class Hyperparameters:
                                    "down to 0 by two thirds (#88)")
     bigram_rows: int = flag(50304 * 15 // 2, "rows of the bigram hash embedding (#62, #83), into which each token's "
                                              "pair with the one before is hashed (0: none)")
+    trigrams: bool = flag(False, "the bigram table's second half holds each token's triple with the two before, "
+                                 "hashed and signed by #92's hashes, the two signed rows summed (#92's n-gram table: "
+                                 "84,602,880 rows)")
     smear: bool = flag(True, "each token's embedding takes in a gated share of the previous token's (#89)")
     mudd: bool = flag(True, "#89's dynamic dense connections (MUDD, #40, #81, #85): the last layer's input and values "
                             "take in per-token shares of the first layer's input and the attended layer's output, "
@@ -1445,8 +1475,8 @@ class Hyperparameters:
                             choices=("afab", "1f1b"))
     zero: int = flag(0, "ZeRO stage over the data-parallel ranks: 1 shards optimizer states, 2 also gradients, "
                         "3 also parameters", choices=(0, 1, 2, 3))
-    check_layout: str = flag("", "train the tiny model for 3 steps under one process and under each layout (a "
-                                 "comma-separated list, or all) and compare; no training")
+    check_layout: str = flag("", "train the tiny model (with the other flags given) for 3 steps under one process "
+                                 "and under each layout (a comma-separated list, or all) and compare; no training")
     sample: str = flag("", "a checkpoint to print text from (no training), with the flags below and --seed", "sample")
     prompt: str = flag("", "text the samples continue (empty: the start of a document)")
     max_new_tokens: int = flag(100, "tokens to generate per sample")
@@ -1668,6 +1698,8 @@ def check_hyperparameters(args: Hyperparameters) -> None:
          f"--vocab_size {args.vocab_size} is smaller than GPT-2's 50257: use --prefix_loss false")
     need(args.bigram_rows != 1, "--bigram_rows 1: the hash takes every row but the last, which the first position "
          "takes: use 2 or more, or 0 for none")
+    need(not args.trigrams or args.bigram_rows >= 4 and args.bigram_rows % 2 == 0, f"--trigrams true splits "
+         f"{flag_value(args, 'bigram_rows')} into halves of 2 rows or more: give an even number of 4 or more")
     need(args.model_dim >= 12 or not args.smear and not layer_indices(args, "value_embed_layers"),
          f"--model_dim {args.model_dim}: the smear's gate reads 12 channels and a value embedding's gate 6 of it: "
          "use a width of 12 or more, or --smear false and --value_embed_layers ''")
@@ -1866,9 +1898,9 @@ def model_config(args: Hyperparameters) -> ModelConfig:
     return ModelConfig(vocab_size=args.vocab_size, model_dim=args.model_dim, num_heads=args.num_heads,
                        head_dim=args.head_dim, layers=layers, skip=layer_indices(args, "skip_layers") or None,
                        attend_over=next(iter(layer_indices(args, "attend_over_layer")), None), mudd=args.mudd,
-                       bigram_rows=args.bigram_rows, smear=args.smear, mtp=args.mtp, prefix_loss=args.prefix_loss,
-                       fp8_head=args.fp8_head, tied_embed=args.tied_stages > 0, zero_attention_out=args.zero_attn_out,
-                       soft_cap=soft_cap_terms(args))
+                       bigram_rows=args.bigram_rows, trigrams=args.trigrams, smear=args.smear, mtp=args.mtp,
+                       prefix_loss=args.prefix_loss, fp8_head=args.fp8_head, tied_embed=args.tied_stages > 0,
+                       zero_attention_out=args.zero_attn_out, soft_cap=soft_cap_terms(args))
 
 def build_model(args: Hyperparameters, device: torch.device, cuda_dtypes: bool | None = None) -> GPT:
     """The one-process model, the same on every rank: built on the CPU from the seed (on meta for the plan), then
@@ -5476,10 +5508,11 @@ def check_layouts(args: Hyperparameters) -> None:
     unknown = sorted(set(names) - set(LAYOUTS))
     need(not unknown, f"--check_layout {args.check_layout!r}: no layout {unknown[0] if unknown else ''!r}; name some "
          f"of {', '.join(LAYOUTS)}, or all")
-    flags = dict(LAYOUT_CHECK_FLAGS)
+    flags = dict(LAYOUT_CHECK_FLAGS)  # and the flags given with it, such as a recipe's parts to check
     for key in ("train_files", "val_files"):
         pattern = PRESETS["tiny"][key]
         flags[key] = pattern if glob.glob(pattern) else str(Path(__file__).parent / pattern)
+    flags.update({name: getattr(args, name) for name in sorted(getattr(args, "given", ())) if name != "check_layout"})
     argv = [f"--{k}={v}" for k, v in flags.items()]
     print(f"checking {len(names)} layouts: the tiny model, 3 steps and a validation, against one process", flush=True)
     # the processes fork from this one, which has trained nothing: they run this file's model as it stands

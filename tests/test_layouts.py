@@ -265,3 +265,16 @@ def test_the_layout_checks_steps_cross_a_change_of_sequences_window_learning_rat
     assert len({train_gpt.window_tokens(step, args) for step in steps}) > 1
     assert len({train_gpt.lr_multiplier(step, args) for step in steps}) > 1
     assert len({train_gpt.muon_momentum(step, args) for step in steps}) > 1
+
+
+def test_check_layout_trains_the_tiny_model_with_the_flags_given_beside_it(monkeypatch):
+    # a recipe's part behind a flag (#92's optimizer, its n-gram table) is checked as given, over the check's own
+    trained = []
+    def record(fn, world_size, argv, *rest, **kwargs):
+        trained.append(train_gpt.parse_args(argv, cuda=False))
+        raise train_gpt.UserError("recorded")
+    monkeypatch.setattr(train_gpt, "run_on_ranks", record)
+    with pytest.raises(train_gpt.UserError, match="recorded"):
+        train_gpt.main(["--check_layout", "dp2", "--matrix_optimizer", "anvil", "--trigrams", "true"])
+    args = trained[0]
+    assert (args.preset, args.num_iterations, args.matrix_optimizer, args.trigrams) == ("tiny", 3, "anvil", True)

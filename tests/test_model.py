@@ -479,6 +479,42 @@ def test_the_bigram_hash_is_record_89s_in_wrapping_int32():
     assert int32(27191 * 377279) != 27191 * 377279  # (what the record's second position wraps)
 
 
+def trigram_rows_by_hand(tokens, rows):
+    """#92's hash in Python integers: (17351 t_j xor 60961 t_(j-1) xor 45259 t_(j-2)) mod (rows - 1), in int32; the
+    first two positions take the last row."""
+    tokens, last = [int(t) for t in tokens], rows - 1
+    return [last, last][:len(tokens)] + [(int32(17351 * t) ^ int32(60961 * p) ^ int32(45259 * q)) % last
+                                         for q, p, t in zip(tokens, tokens[1:], tokens[2:])]
+
+
+def test_the_trigram_hash_is_record_92s_in_wrapping_int32():
+    tokens = torch.tensor([50256, 7, 50303, 0, 1, 50256, 31000, 31000])
+    for rows in (42_301_440, 4096, 2):  # the record's half of its table, the tiny preset's, the fewest
+        assert train_gpt.trigram_rows(tokens, rows).tolist() == trigram_rows_by_hand(tokens, rows)
+        assert train_gpt.trigram_rows(tokens[:1], rows).tolist() == [rows - 1]
+    assert int32(60961 * 50303) != 60961 * 50303  # (what the record's products wrap)
+
+
+def test_92s_ngram_table_sums_each_positions_signed_pair_and_triple_rows():
+    half = 4096
+    table = train_gpt.BigramHashEmbedding(2 * half, 16, trigrams=True)
+    torch.nn.init.normal_(table.table.weight.detach(), generator=torch.Generator().manual_seed(0))
+    tokens = [50256, 7, 50303, 0, 1, 50256, 31000, 31000, 12]
+    pair_rows = bigram_rows_by_hand(tokens, half)
+    triple_rows = [half + row for row in trigram_rows_by_hand(tokens, half)]
+    pair_signs = [0] + [(int32(30011 * p) ^ int32(48271 * t)) & 8191 for p, t in zip(tokens, tokens[1:])]
+    triple_signs = [0, 0] + [(int32(26801 * q) ^ int32(39779 * p) ^ int32(58699 * t)) & 8191
+                             for q, p, t in zip(tokens, tokens[1:], tokens[2:])]
+    weight, signs = table.table.weight.detach(), table.signs
+    expected = torch.stack([weight[a] * signs[b] + weight[c] * signs[d]
+                            for a, b, c, d in zip(pair_rows, pair_signs, triple_rows, triple_signs)])
+    with torch.no_grad():
+        got = table(torch.tensor(tokens))[0]
+    assert torch.equal(got, expected)
+    assert len(set(triple_signs[2:])) > 1 and min(triple_rows) >= half  # (signs differ; triples in the second half)
+    assert not torch.equal(got, weight[pair_rows] * signs[pair_signs])  # (the triples count)
+
+
 def prefix_tokens_by_sorting(ranks, vocab_size):
     """Each token's longest proper prefix that is a token, another way: in sorted byte order every token follows its
     prefixes, so a stack of the tokens the current one extends holds its longest prefix on top."""
