@@ -1646,6 +1646,9 @@ def check_hyperparameters(args: Hyperparameters) -> None:
          f"({ATTENTION_BLOCK_SIZE}-token blocks) and below 2**31 tokens")
     need(args.muon_beta2 < 1, f"--muon_beta2 must be in [0, 1), got {args.muon_beta2}")
     need(args.muon_momentum_peak < 1, f"--muon_momentum_peak must be in [0, 1), got {args.muon_momentum_peak}")
+    need(next_adam_step(0, args) < args.num_iterations, f"{flag_value(args, 'adam_every')}: Adam steps first after "
+         f"step {args.adam_every}, past the run's {flag_value(args, 'num_iterations')} steps, so the head, the "
+         "embeddings, the gates and the scalars would never train: give --adam_every at most --num_iterations")
     need(EOT_TOKEN < args.vocab_size <= 2**16, f"--vocab_size {args.vocab_size} must be above {EOT_TOKEN}, the "
          "end-of-text token that starts every document, and fit the uint16 token shards")
     for name in STAGE_FLAGS:
@@ -1860,13 +1863,18 @@ def adam_steps(step: int, args: Hyperparameters) -> bool:
     (#89's odd steps; as there, a last step that ends no such run of steps is Muon's alone: #89's 1,285th)."""
     return (step + 1) % args.adam_every == 0
 
+def next_adam_step(step: int, args: Hyperparameters) -> int:
+    """The first step from `step` on on which Adam steps (past the run's end where none is left): arithmetic, so
+    that a plan costs the same for any --num_iterations and --adam_every."""
+    return step + (-(step + 1)) % args.adam_every
+
 def last_tied_step(args: Hyperparameters) -> int:
     """The last step on which the head and the token embedding are one table (-1: none): the first on which Adam
     steps from the start of the stage after --tied_stages thirds (#89's: the third stage's first odd step)."""
     if not args.tied_stages:
         return -1
     start = stage_starts(args)[args.tied_stages]
-    return next((s for s in range(start, args.num_iterations) if adam_steps(s, args)), args.num_iterations)
+    return min(next_adam_step(start, args), args.num_iterations)
 
 def set_schedules(optimizers: list[torch.optim.Optimizer], step: int, args: Hyperparameters) -> None:
     multiplier = lr_multiplier(step, args)
@@ -5276,8 +5284,8 @@ def accounted_steps(args: Hyperparameters) -> list[int]:
     step (as #89's last) has none there."""
     firsts = first_step_of_seq_len(args)
     first = firsts[max(firsts)]
-    held = [s for s in range(first, min(first + args.adam_every, args.num_iterations)) if not adam_steps(s, args)][:1]
-    steps = held + [s for s in range(held[0] if held else first, args.num_iterations) if adam_steps(s, args)][:1]
+    held = [s for s in (first, first + 1) if s < args.num_iterations and not adam_steps(s, args)][:1]
+    steps = held + [s for s in [next_adam_step(held[0] if held else first, args)] if s < args.num_iterations]
     untie = last_tied_step(args)
     return sorted({*steps, untie}) if 0 <= untie < args.num_iterations and args.pp > 1 else steps
 

@@ -85,7 +85,7 @@ def run_two_at_a_time(runs: list[tuple[list[str], Path]]) -> None:
 def head_state(path: Path) -> tuple[dict[str, torch.Tensor], set[str]]:
     """A saved head_cpu state's model tensors, the parameters as fp32 (NorMuon's bf16 banks joined with their 16-bit
     mantissas), and the names of the parameters (the rest are buffers: FP8 scales, the bigram signs, rotary tables)."""
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    state = head_weights.load_tensors(path)
     tensors = head_weights.fp32_masters(state)
     parameters = set(state["optimizer"])
     return {name: t.float() if name in parameters else t for name, t in tensors.items()}, parameters
@@ -298,4 +298,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except train_gpt.UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

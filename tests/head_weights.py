@@ -56,6 +56,7 @@ import argparse
 import glob
 import json
 import math
+import pickle
 import subprocess
 import sys
 import tempfile
@@ -338,6 +339,21 @@ def run_head(out: Path, name: str, flags: list[str], steps: int) -> None:
             sys.exit(f"head_cpu failed: {out / f'{name}.log'}")
 
 
+def load_tensors(path: Path) -> dict:
+    """A file of tensors in plain containers (head_cpu's states, this module's fp32 forward), loaded with torch's
+    weights_only unpickler: a file holding anything else (a crafted pickle runs code when unpickled in full) is
+    refused by name."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
+        raise train_gpt.UserError(f"{path} is not a file of tensors in plain containers ({type(e).__name__}: "
+                                  f"{' '.join(str(e).split())[:200]}): delete it, or give another --out") from None
+    if not isinstance(state, dict):
+        raise train_gpt.UserError(f"{path} holds a {type(state).__name__}, not a dict of tensors: delete it, or give "
+                                  "another --out")
+    return state
+
+
 def fp32_masters(state: dict) -> dict[str, Tensor]:
     """A head_cpu state's weights with NorMuon's banks as fp32 masters (bf16 high half + the 16-bit mantissa)."""
     masters = dict(state["model"])
@@ -353,7 +369,7 @@ def compare(state_path: Path, losses_path: Path) -> None:
     """This file's next-token loss on the batches of the step after a head_cpu state, against the one head_cpu
     recorded for that step: #89's bf16 weights (what its forward reads) or the fp32 masters, this file's FP8 head or
     not."""
-    state = torch.load(state_path, map_location="cpu", weights_only=False)
+    state = load_tensors(state_path)
     config, step, h = state["config"], state["step"] + 1, state["model"]
     recorded = json.loads(losses_path.read_text())["steps"][step - 1]
     assert recorded["step"] == step
@@ -454,13 +470,13 @@ def head_forward_fp32(state_path: str, step: int, out_path: str) -> None:
 def compare_fp32(state_path: Path, out: Path) -> None:
     """#89's forward in fp32 (head_forward_fp32) against this file's (fp32, no FP8 head, #89's bf16 cast of its
     residual and output scales), per token and sublayer by sublayer."""
-    state = torch.load(state_path, map_location="cpu", weights_only=False)
+    state = load_tensors(state_path)
     config, step = state["config"], state["step"] + 1
     theirs_path = out / f"head_fp32_step{step}.pt"
     if not theirs_path.exists():
         subprocess.run([sys.executable, __file__, "--head_fp32", str(state_path), str(step), str(theirs_path)],
                        cwd=REPO_ROOT, check=True, stdout=subprocess.DEVNULL)
-    theirs = torch.load(theirs_path)
+    theirs = load_tensors(theirs_path)
     args = port_hyperparameters(config)
     args.fp8_head = False
     model = train_gpt.build_model(args, torch.device("cpu"))
@@ -523,4 +539,8 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except train_gpt.UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -122,7 +122,8 @@ def test_a_validation_shard_smaller_than_val_tokens_is_refused_with_what_fits(tm
     words = refused(flags(files, tmp_path, val_tokens=8192, val_seq_len=128, val_loss_every=0), "--val_tokens 8192",
                     "needs 8193 tokens in one shard", "whose largest holds 6000", "use --val_tokens 5888 or less")
     assert not (tmp_path / "logs" / "run.txt").exists(), words
-    train_gpt.main(flags(files, tmp_path, val_tokens=5888, val_seq_len=128, num_iterations=1))  # and that fits
+    train_gpt.main(flags(files, tmp_path, val_tokens=5888, val_seq_len=128, num_iterations=1,
+                         adam_every=1))  # and that fits
 
 
 @pytest.mark.parametrize("doc_max_tokens", [0, 256])
@@ -335,3 +336,52 @@ def test_refusals_exit_2_with_one_error_line(tmp_path, files):
     out = trainer(*flags(files, tmp_path, num_iterations=500), cwd=tmp_path)
     _, err = out.communicate(timeout=120)
     assert out.returncode == 2 and err.startswith("error: --train_files") and "Traceback" not in err
+
+
+class Payload:
+    """What a crafted pickle holds: unpickled in full, it runs code (here: writes a file)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return exec, (f"open({str(self.marker)!r}, 'w').write('ran')",)
+
+
+def load_head_state(path):
+    import benchmark_vs_head  # (tests/: imports head_weights, which reads ../shared/head_cpu only when run)
+    return benchmark_vs_head.head_state(path)
+
+
+def load_head_tensors(path):
+    import head_weights
+    return head_weights.load_tensors(path)
+
+
+# every torch.load of the repository: the trainer's checkpoints, head_cpu's states and the fp32 forward's file (by
+# head_weights.py and benchmark_vs_head.py)
+@pytest.mark.parametrize("load", [train_gpt.load_checkpoint, load_head_tensors, load_head_state])
+def test_a_crafted_pickle_is_refused_by_every_loader_without_running_its_code(tmp_path, load):
+    marker, crafted = tmp_path / "ran.txt", tmp_path / "head_step1.pt"
+    torch.save({"format": train_gpt.CHECKPOINT_FORMAT, "model": Payload(marker), "step": 1}, crafted)
+    with pytest.raises(train_gpt.UserError, match=rf"{crafted}"):
+        load(crafted)
+    assert not marker.exists()
+    torch.load(crafted, weights_only=False)  # (what the file does when loaded in full: the test's premise)
+    assert marker.read_text() == "ran"
+
+
+def test_head_weights_refuses_a_crafted_state_in_its_out_folder_in_one_line_running_no_code(tmp_path, gpt2_ranks):
+    # the reported case: `tests/head_weights.py --out DIR` reuses the states it finds in DIR
+    import head_weights
+    if not (head_weights.HEAD_CPU / "run_head_cpu.py").is_file():
+        pytest.skip(f"{head_weights.HEAD_CPU} is missing")
+    marker, out = tmp_path / "ran.txt", tmp_path / "out"
+    out.mkdir()
+    (out / "head_step1.json").write_text("{}")  # (head_cpu's run counts as done: its state is read next)
+    torch.save({"model": Payload(marker)}, out / "head_step1.pt")
+    done = subprocess.run([sys.executable, "tests/head_weights.py", "--out", str(out), "--no_fp32"], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and not marker.exists(), (done.returncode, done.stderr[-2000:])
+    assert done.stderr.startswith(f"error: {out / 'head_step1.pt'} is not a file of tensors in plain containers")
+    assert len(done.stderr.strip().splitlines()) == 1

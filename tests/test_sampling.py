@@ -180,8 +180,8 @@ def test_sampling_with_the_prefix_loss_runs_the_trainer_once_as_a_script(tmp_pat
     # of data/ (whose scripts import the trainer), so the file never runs a second time as another module
     monkeypatch.setenv("GPT2_TIKTOKEN_FILE", str(gpt2_ranks))
     logs = tmp_path / "logs"
-    train_gpt.main(tiny_flags(files, log_dir=logs, run_id="prefix", num_iterations=1, save_every=1, val_loss_every=0,
-                              prefix_loss=True))
+    train_gpt.main(tiny_flags(files, log_dir=logs, run_id="prefix", num_iterations=1, adam_every=1, save_every=1,
+                              val_loss_every=0, prefix_loss=True))
     done = subprocess.run([sys.executable, "-c", RUN_AS_A_SCRIPT, f"--sample={logs / 'prefix' / 'step000001.pt'}",
                            "--max_new_tokens=8", "--prompt=Hello"], capture_output=True, text=True, cwd=REPO_ROOT)
     assert done.returncode == 0 and "Hello" in done.stdout, done.stdout[-2000:] + done.stderr

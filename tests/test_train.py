@@ -48,6 +48,8 @@ def test_flags_override_preset_values():
     (["--window_blocks", "1:3,3:7"], "--window_blocks '1:3,3:7': expected four pairs short:long"),
     (["--window_blocks", "1:1,1:2,2:x,2:2"], "--window_blocks '1:1,1:2,2:x,2:2': expected four pairs"),
     (["--extension_steps", "20"], "--extension_steps 20 must be below --num_iterations 20 (the tiny preset's)"),
+    (["--adam_every", "1000", "--num_iterations", "3"], "--adam_every 1000: Adam steps first after step 1000, past "
+     "the run's --num_iterations 3 steps, so the head, the embeddings, the gates and the scalars would never train"),
 ])
 def test_bad_flag_values_are_refused_by_name(flags, words):
     with pytest.raises(train_gpt.UserError, match=re.escape(words)):
@@ -364,3 +366,31 @@ def test_float64_sums_take_sparse_embedding_gradients_only_in_an_eager_model(tmp
     args, trainer = build(write_synthetic_shards(tmp_path), compile=compiled)
     embeddings = [m for m in trainer.model.modules() if isinstance(m, torch.nn.Embedding)]
     assert args.fp64_grad_sum and embeddings and all(m.sparse is not compiled for m in embeddings)
+
+
+def test_the_plans_steps_and_the_untie_are_found_by_arithmetic_as_a_walk_over_the_steps_finds_them():
+    # a walk over every step (the reference) on short runs; then a run of 2 billion steps with Adam stepping once at
+    # its end, which a walk would take minutes and gigabytes for (--plan, and so every CUDA start, pays it)
+    def walked(args):
+        firsts = train_gpt.first_step_of_seq_len(args)
+        first = firsts[max(firsts)]
+        held = [s for s in range(first, args.num_iterations) if not train_gpt.adam_steps(s, args)][:1]
+        stepping = [s for s in range(held[0] if held else first, args.num_iterations)
+                    if train_gpt.adam_steps(s, args)][:1]
+        start = train_gpt.stage_starts(args)[args.tied_stages]
+        untie = next((s for s in range(start, args.num_iterations) if train_gpt.adam_steps(s, args)),
+                     args.num_iterations) if args.tied_stages else -1
+        return held + stepping, untie
+    cases = 0
+    for num_iterations in (1, 2, 3, 7, 10, 31):
+        for adam_every in (1, 2, 3, 5, 40):
+            for tied_stages in (0, 1, 2, 3):
+                args = train_gpt.Hyperparameters(num_iterations=num_iterations, extension_steps=num_iterations // 5,
+                                                 adam_every=adam_every, tied_stages=tied_stages)
+                steps, untie = walked(args)
+                assert (train_gpt.accounted_steps(args), train_gpt.last_tied_step(args)) == (steps, untie), args
+                cases += len(steps) == 2
+    assert cases > 20  # (most hold a step and then step)
+    huge = train_gpt.Hyperparameters(num_iterations=2_000_000_000, adam_every=2_000_000_000, extension_steps=0)
+    assert train_gpt.accounted_steps(huge) == [1_333_333_333, 1_999_999_999]
+    assert train_gpt.last_tied_step(huge) == 1_999_999_999
