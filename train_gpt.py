@@ -3057,6 +3057,19 @@ def check_room_for_the_run(args: Hyperparameters, start_step: int) -> None:
 def parameter_count(args: Hyperparameters) -> int:
     return sum(p.numel() for p in build_model(args, torch.device("meta")).parameters())
 
+# the flags that size the model's tensors, by the start of their names: what a message about the model's size names
+SIZE_FLAGS = {"bigram.": "--bigram_rows", "value_embeds.": "--value_embed_layers and --vocab_size",
+              "embed.": "--vocab_size and --model_dim", "lm_head.": "--vocab_size and --model_dim",
+              "blocks.": "--num_layers and --model_dim"}
+
+def largest_parameter(args: Hyperparameters) -> str:
+    """The model's largest parameter, its share of them all and the flags that size it, for a message."""
+    params = dict(build_model(args, torch.device("meta")).named_parameters())
+    name = max(params, key=lambda n: params[n].numel())
+    share = params[name].numel() / sum(p.numel() for p in params.values())
+    flags = next((flags for start, flags in SIZE_FLAGS.items() if name.startswith(start)), "the model's flags")
+    return f"{share:.0%} of them in {name} {tuple(params[name].shape)}, sized by {flags}"
+
 def check_host_memory(args: Hyperparameters, device: torch.device) -> None:
     """Every process builds the fp32 model on the CPU first, and on the CPU trains it there: 16 bytes a parameter."""
     if not args.memory_check:
@@ -3068,10 +3081,11 @@ def check_host_memory(args: Hyperparameters, device: torch.device) -> None:
         return  # (not Linux: unchecked)
     params, processes = parameter_count(args), launch_variable("LOCAL_WORLD_SIZE", 1, 1)
     needed = params * (16 if device.type == "cpu" else 4) * processes
-    need(needed <= available, f"the model's {params:,} parameters (--model_dim {args.model_dim}, --num_layers "
-         f"{args.num_layers}, --vocab_size {args.vocab_size}) need at least {needed / 2**30:.1f} GiB of this machine's "
-         f"memory for {processes} process(es), and {available / 2**30:.1f} GiB are available: make the model "
-         "smaller; --memory_check false runs it anyway")
+    if needed > available:  # (the message builds the model once more, on meta: only when it is refused)
+        raise UserError(f"the model's {params:,} parameters ({largest_parameter(args)}) need at least "
+                        f"{needed / 2**30:.1f} GiB of this machine's memory for {processes} process(es), and "
+                        f"{available / 2**30:.1f} GiB are available: make the model smaller; --memory_check false "
+                        "runs it anyway")
 
 def steps_held(args: Hyperparameters, train_files: list[Path], sizes: list[int], position: dict, start: int,
                doc_starts: dict) -> tuple[int, list[Path]]:

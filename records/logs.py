@@ -106,6 +106,9 @@ def read_log(path: Path) -> Run:
         return parse_log(text, path)
     except LogError as e:
         raise LogError(f"{path}: {e}") from None
+    except (ValueError, RecursionError) as e:  # a number of thousands of digits; JSON nested thousands deep
+        raise LogError(f"{path}: not a training log this can read: {type(e).__name__}: "
+                       f"{' '.join(str(e).split())[:120]}") from None
 
 
 def parse_log(text: str, path: Path) -> Run:
