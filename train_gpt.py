@@ -3145,6 +3145,10 @@ def check_data(args: Hyperparameters, dp: int, checkpoint: dict | None) -> None:
             if checkpoint is not None else ""
         held = f"the batches of steps {start + 1}..{steps}" if steps > start else "no batch"
         seq_len, doc_max_tokens = batch_shape(steps, args)
+        need(not doc_max_tokens or any(len(found) for found in starts.values()), f"--train_files "
+             f"{args.train_files!r}: its shards hold no end-of-text token ({EOT_TOKEN}), so no document starts in "
+             f"them, and --doc_max_tokens {args.doc_max_tokens!r} makes sequences of whole documents: use "
+             "--doc_max_tokens 0 to read them as one stream, or shards of documents")
         raise UserError(f"--train_files {args.train_files!r}: its {len(train_files)} shard(s) hold {held}{where} of "
                         f"the stages' --seqs_per_step x --train_seq_len tokens (step {steps + 1}'s "
                         f"{args.seqs_per_step * seq_len}), each within one shard"

@@ -385,3 +385,16 @@ def test_head_weights_refuses_a_crafted_state_in_its_out_folder_in_one_line_runn
     assert done.returncode == 2 and not marker.exists(), (done.returncode, done.stderr[-2000:])
     assert done.stderr.startswith(f"error: {out / 'head_step1.pt'} is not a file of tensors in plain containers")
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_shards_without_a_document_start_are_named_as_the_cause_when_sequences_hold_documents(tmp_path, files):
+    # no --seqs_per_step or --train_seq_len helps: the shards hold no end-of-text token, so no document starts
+    stream = tmp_path / "stream"
+    stream.mkdir()
+    tokens = np.random.default_rng(0).integers(0, train_gpt.EOT_TOKEN, 100_000).astype(np.uint16)
+    train_gpt.write_data_shard(stream / "stream_train_000001.bin", tokens)
+    words = refused(flags(files, tmp_path, train_files=stream / "stream_train_*.bin", doc_max_tokens=128),
+                    "hold no end-of-text token (50256), so no document starts in them", "--doc_max_tokens 0")
+    assert "lower --seqs_per_step" not in words
+    train_gpt.main(flags(files, tmp_path, train_files=stream / "stream_train_*.bin", doc_max_tokens=0,
+                         num_iterations=2, val_loss_every=0))  # (as one stream, they train)
