@@ -2970,11 +2970,34 @@ def check_run_inputs(args: Hyperparameters, ctx: "ParallelContext") -> tuple[Pat
         raise UserError(f"checkpoint {resume_path} is at step {checkpoint['step']}, past --num_iterations "
                         f"{args.num_iterations}: resume with --num_iterations "
                         f"{checkpoint['hyperparameters']['num_iterations']} (or at least {checkpoint['step']})")
+    if checkpoint is not None:
+        check_schedule_kept(args, saved_hyperparameters(checkpoint, resume_path), checkpoint, resume_path)
     on_master(check_run_id_is_free, args, checkpoint)
     on_master(check_data, args, ctx.dp.size, checkpoint)
     on_master(check_host_memory, args, ctx.device)
     on_master(check_room_for_the_run, args, checkpoint["step"] if checkpoint is not None else 0)
     return resume_path, checkpoint
+
+def check_schedule_kept(args: Hyperparameters, saved: Hyperparameters, checkpoint: dict, path: Path) -> None:
+    """A resume never changes what was trained: the untie of the head and the embedding stays on the side of the
+    checkpoint's step it was (moved after it, the run would train them tied again and overwrite the embedding with
+    the head; moved before it, the untie would never happen), and gradients held for Adam's next step are summed on
+    the cadence they were held for. Every other schedule (stages, windows, lr) applies from the checkpoint's step on."""
+    step, was, now = checkpoint["step"], last_tied_step(saved), last_tied_step(args)
+    if (was < step) != (now < step):
+        changed = " ".join(f"--{name} {getattr(args, name)}" for name in ("num_iterations", "extension_steps",
+                           "tied_stages", "adam_every") if getattr(args, name) != getattr(saved, name))
+        where = lambda last: "never" if last < 0 else f"after step {last + 1}"
+        raise UserError(f"{changed} moves the "
+                        f"untie of the head and the embedding from {where(was)} to {where(now)}, across the step of "
+                        f"checkpoint {path} ({step}): the resumed run would " + ("train them tied again and "
+                        "overwrite the embedding with the head" if was < step else "never untie them") + ". Resume "
+                        "with the checkpoint's values of those flags (its log's hyperparameters line), or from a "
+                        "checkpoint on the same side of the untie")
+    need(not checkpoint["held_gradients"] or args.adam_every == saved.adam_every, f"--adam_every {args.adam_every}: "
+         f"checkpoint {path} holds gradients summed for Adam's next step on the cadence of --adam_every "
+         f"{saved.adam_every}; resume with --adam_every {saved.adam_every}, or change it from a checkpoint saved on "
+         "one of Adam's steps")
 
 def check_run_id_is_free(args: Hyperparameters, checkpoint: dict | None) -> None:
     """A new log must not replace another run's: only a resume of this id's own checkpoint continues its log."""

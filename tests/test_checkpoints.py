@@ -510,3 +510,28 @@ def test_a_checkpoint_of_one_matrix_optimizer_is_refused_by_name_under_the_other
                                                   r"--matrix_optimizer normuon does not keep: resume with "
                                                   r"--matrix_optimizer anvil$"):
         train_gpt.main([*flags, f"--resume={saved}", "--run_id=normuon", "--matrix_optimizer=normuon"])
+
+
+# the untie of the head and the embedding (tied_stages 1 of 8 steps: after step 4) moved across the checkpoint's step by
+# a changed step count, either way; gradients held for Adam's next step (saved at step 3) under another cadence
+@pytest.mark.parametrize("saved_at, tied_stages, resumed, words", [
+    (4, 1, dict(num_iterations=12), "--num_iterations 12 moves the untie of the head and the embedding from after "
+                                    "step 4 to after step 6, across the step of checkpoint"),
+    (2, 1, dict(num_iterations=4), "--num_iterations 4 moves the untie of the head and the embedding from after step "
+                                   "4 to after step 2"),
+    (3, 0, dict(adam_every=1), "holds gradients summed for Adam's next step on the cadence of --adam_every 2"),
+])
+def test_a_resume_that_would_change_what_was_trained_is_refused_before_any_file_changes(tmp_path, files, saved_at,
+                                                                                         tied_stages, resumed, words):
+    run(tmp_path, files, 1, "saved", save_every=saved_at, tied_stages=tied_stages, val_loss_every=0)
+    saved = tmp_path / "logs" / "saved" / f"step{saved_at:06d}.pt"
+    before = {path: path.read_bytes() for path in (tmp_path / "logs").rglob("*") if path.is_file()}
+    with pytest.raises(train_gpt.UserError, match=re.escape(words)):
+        run(tmp_path, files, 1, "saved", save_every=saved_at, tied_stages=tied_stages, val_loss_every=0,
+            resume=saved, **resumed)
+    assert before == {path: path.read_bytes() for path in (tmp_path / "logs").rglob("*") if path.is_file()}
+    # what keeps the past as it was resumes: the stages and the lr move from the checkpoint's step on
+    kept = dict(num_iterations=6) if tied_stages else dict(adam_every=2, num_iterations=10)
+    log = run(tmp_path, files, 1, "saved", save_every=saved_at, tied_stages=tied_stages, val_loss_every=0,
+              resume=saved, **kept)
+    assert f"resumed: step:{saved_at}/{kept['num_iterations']}" in log
