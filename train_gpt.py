@@ -2907,6 +2907,12 @@ def check_log_dir(args: Hyperparameters) -> None:
         raise UserError(f"cannot write in --log_dir {log_dir} ({e.strerror}): point it at a writable folder") from None
     need(not checkpoint_dir(args).exists() or checkpoint_dir(args).is_dir(), f"{checkpoint_dir(args)} is a file, but "
          "this run's checkpoints go into a folder of that name: move the file, or pick another --run_id")
+    for path, what in ((run_log_path(args), "log"), (checkpoint_dir(args), "checkpoint folder")):
+        if path.is_symlink():
+            raise UserError(f"this run's {what} {path} is a link to {os.readlink(path)}"
+                            + ("" if path.exists() else ", which does not exist") + ": a run writes its log and "
+                            "checkpoints only into files of its own, never through a link; put what it links to in "
+                            "its place (mv), or pick another --run_id")
 
 class RunIdLock:
     """Rank 0 locks the run's folder <log_dir>/<run_id> while the run lasts, so another run with this id is refused

@@ -398,3 +398,28 @@ def test_shards_without_a_document_start_are_named_as_the_cause_when_sequences_h
     assert "lower --seqs_per_step" not in words
     train_gpt.main(flags(files, tmp_path, train_files=stream / "stream_train_*.bin", doc_max_tokens=0,
                          num_iterations=2, val_loss_every=0))  # (as one stream, they train)
+
+
+@pytest.mark.parametrize("case", ["dangling log", "log moved away", "folder of another run"])
+def test_a_log_or_checkpoint_folder_that_is_a_link_is_refused_naming_it_and_nothing_outside_changes(tmp_path, files,
+                                                                                                     case):
+    outside = tmp_path / "archive"
+    outside.mkdir()
+    logs = tmp_path / "logs"
+    if case == "dangling log":  # a link to a file outside that does not exist
+        logs.mkdir()
+        (logs / "run.txt").symlink_to(outside / "gone.txt")
+        link, words = logs / "run.txt", ["this run's log", "which does not exist"]
+    elif case == "log moved away":  # the run's log moved to an archive and linked back; resumed from its checkpoint
+        train_gpt.main(flags(files, tmp_path, num_iterations=4, save_every=2, val_loss_every=0))
+        (logs / "run.txt").rename(outside / "run.txt")
+        (logs / "run.txt").symlink_to(outside / "run.txt")
+        link, words = logs / "run.txt", ["this run's log", f"is a link to {outside / 'run.txt'}"]
+    else:  # another run's checkpoint folder linked in as this run's
+        train_gpt.main(flags(files, tmp_path, run_id="other", num_iterations=2, save_every=2, val_loss_every=0))
+        (logs / "run").symlink_to(logs / "other")
+        link, words = logs / "run", ["this run's checkpoint folder", "is a link to"]
+    before = snapshot(tmp_path)
+    refused(flags(files, tmp_path, num_iterations=4, save_every=2, val_loss_every=0, resume="latest"), *words,
+            str(link), "never through a link")
+    assert snapshot(tmp_path) == before and link.is_symlink()
