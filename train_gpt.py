@@ -437,6 +437,7 @@ class Rotary(nn.Module):
         return rotate(q_BTHD), rotate(k_BTHD)
 
 ATTENTION_BLOCK_SIZE = 128  # FlexAttention's block granularity, and the unit of the sliding window's schedule
+MAX_SEQ_LEN = 2**26  # tokens: a sequence's block mask, (T / 128)^2 int32 block indices, is 1 TiB there
 
 @dataclass
 class AttentionMask:
@@ -1658,6 +1659,10 @@ def check_hyperparameters(args: Hyperparameters) -> None:
              f"stage's must be a multiple of {ATTENTION_BLOCK_SIZE} (the attention block), not {seq_len}")
     need(args.val_seq_len % ATTENTION_BLOCK_SIZE == 0, f"--val_seq_len {args.val_seq_len} must be a multiple of "
          f"{ATTENTION_BLOCK_SIZE} (the attention block)")
+    for name, seq_len in [*(("train_seq_len", s) for s in stage_seq_lens(args)), ("val_seq_len", args.val_seq_len)]:
+        need(seq_len <= MAX_SEQ_LEN, f"{flag_value(args, name)}: a sequence's attention block mask holds a "
+             f"block index for each pair of its {ATTENTION_BLOCK_SIZE}-token blocks, 1 TiB of them at "
+             f"{MAX_SEQ_LEN:,} tokens, more than any machine holds: use at most {MAX_SEQ_LEN} tokens a sequence")
     need(args.val_tokens % args.val_seq_len == 0,
          f"--val_tokens {args.val_tokens} must be a multiple of --val_seq_len {args.val_seq_len}")
     need(len(args.window_pattern) == args.num_layers and set(args.window_pattern) <= {"L", "S"},

@@ -488,3 +488,12 @@ def test_a_plan_of_4096_ranks_takes_seconds(capsys):
     train_gpt.main(["--preset", "tiny", "--plan", "--nproc", "4096", "--seqs_per_step", "4096", "--val_tokens",
                     str(4096 * 256)])
     assert time.time() - started < 60 and capsys.readouterr().out.count("\n") > 8192
+
+
+def test_a_plan_at_the_largest_sequence_and_step_count_the_checks_accept_runs_as_any_plan(capsys):
+    # its cost grows with ranks and layers: not with --num_iterations (the steps it accounts are found by arithmetic)
+    # nor --train_seq_len (the dense twin's scores stand in for FlexAttention's on the meta device: within int64 here)
+    longest = str(train_gpt.MAX_SEQ_LEN)
+    train_gpt.main(["--preset", "tiny", "--plan", "--nproc", "1", "--num_iterations", str(2**31 - 1), "--adam_every",
+                    str(2**31 - 2), "--train_seq_len", longest, "--val_seq_len", longest, "--val_tokens", longest])
+    assert "per rank" in capsys.readouterr().out

@@ -48,6 +48,9 @@ def test_flags_override_preset_values():
     (["--window_blocks", "1:3,3:7"], "--window_blocks '1:3,3:7': expected four pairs short:long"),
     (["--window_blocks", "1:1,1:2,2:x,2:2"], "--window_blocks '1:1,1:2,2:x,2:2': expected four pairs"),
     (["--extension_steps", "20"], "--extension_steps 20 must be below --num_iterations 20 (the tiny preset's)"),
+    (["--train_seq_len", "2147483520"], "--train_seq_len '2147483520': a sequence's attention block mask holds a "
+     "block index for each pair of its 128-token blocks, 1 TiB of them at 67,108,864 tokens"),
+    (["--val_seq_len", str(2**26 + 128), "--val_tokens", str(2**26 + 128)], "--val_seq_len 67108992: a sequence's"),
     (["--adam_every", "1000", "--num_iterations", "3"], "--adam_every 1000: Adam steps first after step 1000, past "
      "the run's --num_iterations 3 steps, so the head, the embeddings, the gates and the scalars would never train"),
 ])
