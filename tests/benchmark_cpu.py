@@ -20,8 +20,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from tool_inputs import need, need_at_least, run_tool
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BASELINE = "03330e0"  # the last train_gpt.py before the CPU track's same-math speed-up
+EVAL_SEQ_LEN = 256
 
 
 def measure(source_dir: str, steps: int, eval_tokens: int, preset_flags: list[str]) -> dict:
@@ -35,7 +38,7 @@ def measure(source_dir: str, steps: int, eval_tokens: int, preset_flags: list[st
     known = {field.name for field in dataclasses.fields(train_gpt.Hyperparameters)}
     preset_flags = [text for name, value in zip(preset_flags[::2], preset_flags[1::2]) if name[2:] in known
                     for text in (name, value)]
-    args = train_gpt.parse_args(["--preset", "cpu", *preset_flags, "--val_seq_len", "256",
+    args = train_gpt.parse_args(["--preset", "cpu", *preset_flags, "--val_seq_len", str(EVAL_SEQ_LEN),
                                  "--val_tokens", str(eval_tokens)], cuda=False)
     ctx = train_gpt.build_parallel_context(0, 1, torch.device("cpu"))
     seq_len = int(str(args.train_seq_len).split(",")[0])  # (the cpu preset's one length; an older file's int)
@@ -128,6 +131,14 @@ def main():
     if flags.measure:
         print(json.dumps(measure(flags.measure, flags.steps, flags.eval_tokens, json.loads(flags.preset_flags))))
         return
+    need_at_least("--steps", flags.steps, 1, "timed steps, after two untimed ones")
+    need_at_least("--rounds", flags.rounds, 1, "rounds of each version")
+    need(flags.eval_tokens > 0 and flags.eval_tokens % EVAL_SEQ_LEN == 0, f"--eval_tokens {flags.eval_tokens}: give "
+         f"a positive multiple of {EVAL_SEQ_LEN} (the evaluation's sequences are {EVAL_SEQ_LEN} tokens)")
+    has_file = subprocess.run(["git", "cat-file", "-e", f"{flags.against}:train_gpt.py"], cwd=REPO_ROOT,
+                              capture_output=True).returncode == 0
+    need(has_file, f"--against {flags.against}: no git revision of {REPO_ROOT} by that name has a train_gpt.py; give "
+         "one that does (git log --oneline -- train_gpt.py)")
     preset_flags = cpu_preset_flags()
     with tempfile.TemporaryDirectory() as old_dir:
         source = subprocess.run(["git", "show", f"{flags.against}:train_gpt.py"], capture_output=True, text=True,
@@ -157,4 +168,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 import train_gpt  # noqa: E402
+from tool_inputs import need, need_at_least, run_tool  # noqa: E402
 
 # dense bf16 tensor-core peak, FLOP/s, by what torch.cuda.get_device_name contains (first match wins)
 PEAK_BF16 = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("H800", 989e12), ("A100", 312e12),
@@ -65,12 +66,19 @@ def main():
                         help="steps before the timed ones, at their shape (the compile; the trainer's own warm-up "
                              "compiles every stage's shape, which a benchmark of one stage need not wait for)")
     ours, rest = parser.parse_known_args()
+    need_at_least("--steps", ours.steps, 1, "timed steps")
+    need_at_least("--untimed_steps", ours.untimed_steps, 0, "steps before the timed ones")
     train_gpt.keep_freed_memory_for_reuse()  # the trainer's allocator settings, before CUDA's first allocation
     args = train_gpt.parse_args(["--preset", "record", *rest])
+    for name in ("train_files", "val_files"):  # (left out, synthetic shards stand in for FineWeb's where it is missing)
+        need(name not in args.given or train_gpt.glob.glob(getattr(args, name)), f"--{name} {getattr(args, name)} "
+             "matches no file: name existing shards, or leave the flag out")
+    at_step = args.num_iterations // 2 if ours.at_step is None else ours.at_step
+    need(0 <= at_step < args.num_iterations, f"--at_step {at_step}: give a step of the schedule, 0 to "
+         f"{args.num_iterations - 1} (--num_iterations {args.num_iterations})")
     ctx = train_gpt.setup_distributed(args.tp, args.pp)
     if args.compile is None:
         args.compile = train_gpt.compiles_by_default(args, ctx.device)
-    at_step = args.num_iterations // 2 if ours.at_step is None else ours.at_step
     step_tokens = args.seqs_per_step * train_gpt.batch_shape(at_step, args)[0]
     with tempfile.TemporaryDirectory() as scratch:
         if not train_gpt.glob.glob(args.train_files):
@@ -181,4 +189,4 @@ def report(args, ctx, source: str, at_step: int, steps: int, phases: dict) -> No
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main, train_gpt.UserError)

@@ -21,6 +21,7 @@ sys.path.insert(0, str(REPO_ROOT))
 import torch  # noqa: E402
 
 import train_gpt  # noqa: E402
+from tool_inputs import need, need_at_least, run_tool  # noqa: E402
 
 
 def record_tables(args) -> dict[str, int]:
@@ -70,12 +71,15 @@ def main():
     parser.add_argument("--zero", type=int, default=0, help="a ZeRO stage: 1 and up: each rank keeps its rows")
     parser.add_argument("--shard", default=str(REPO_ROOT / "data/shakespeare/shakespeare_train_000001.bin"))
     options = parser.parse_args()
+    need_at_least("--ranks", options.ranks, 1, "gloo processes")
+    need_at_least("--width", options.width, 1, "columns of each table")
+    need(Path(options.shard).is_file(), f"--shard {options.shard} is not a file: name a .bin token shard")
     args = train_gpt.parse_args(["--preset", "record"], cuda=False)
     last_step = args.num_iterations - 1
     tokens_per_rank = train_gpt.batch_shape(last_step, args)[0] * args.adam_every
     held = len(train_gpt.load_data_shard(options.shard))
-    if held < tokens_per_rank * options.ranks:
-        sys.exit(f"{options.shard} holds {held:,} tokens: {options.ranks} ranks need {tokens_per_rank * options.ranks:,}")
+    need(held >= tokens_per_rank * options.ranks, f"--shard {options.shard} holds {held:,} tokens, and --ranks "
+         f"{options.ranks} need {tokens_per_rank * options.ranks:,}: give fewer ranks or a longer shard")
     results = train_gpt.run_on_ranks(measure, options.ranks, options.shard, tokens_per_rank, options.width,
                                      options.zero > 0, timeout=1800)
     print(f"{options.ranks} ranks, {tokens_per_rank:,} tokens each (adam_every {args.adam_every} of the record's last "
@@ -92,4 +96,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main, train_gpt.UserError)

@@ -298,8 +298,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except train_gpt.UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    from tool_inputs import run_tool
+    run_tool(main, train_gpt.UserError)

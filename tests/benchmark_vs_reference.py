@@ -35,11 +35,15 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "data"))
 import gpt2_tokenizer  # noqa: E402
+import train_gpt  # noqa: E402
 from benchmark_gpu import synthetic_shards  # noqa: E402
+from gpu_session import HEAD_CPU_FILES  # noqa: E402
 from head_weights import HEAD_CPU, scheduled_steps  # noqa: E402
+from tool_inputs import need, need_at_least, need_files, run_tool  # noqa: E402
 
 SKIPPED_STEPS = 10  # lazy initialisation and the first steps' compiles
 REFERENCE_23 = REPO_ROOT.parent / "shared" / "reference" / "train_gpt_2025-05-25.py"
+FINEWEB = REPO_ROOT / "data" / "fineweb10B"
 STEP_TOKENS_89 = 24 * 2048 * 8  # #89's largest step (its last stage), tokens
 VAL_BATCH_89 = 4 * 64 * 1024 * 8  # #89's validation batch, tokens (kept: it also sizes #89's rotary tables)
 # #89's FlashAttention 3 call, answered by torch's varlen attention (FlashAttention 2 on CUDA)
@@ -131,13 +135,17 @@ def main():
     parser.add_argument("--head_cpu", type=Path, default=HEAD_CPU,
                         help="the head_cpu folder #89's file is rebuilt from (a copy travels to a GPU machine in "
                              ".carry/: tests/gpu_session.py --prepare)")
-    parser.add_argument("--data_dir", type=Path, default=REPO_ROOT / "data" / "fineweb10B",
-                        help="the fineweb_{train,val}_*.bin shards both read; synthetic ones when it has none")
+    parser.add_argument("--data_dir", type=Path, default=None,
+                        help="the folder of fineweb_{train,val}_*.bin shards both read (default: data/fineweb10B, "
+                             "or synthetic shards when it has none)")
     flags = parser.parse_args()
-    steps = flags.steps or (60 if flags.against == "89" else 40)
-    if steps <= SKIPPED_STEPS:
-        parser.error(f"--steps {steps}: the first {SKIPPED_STEPS} are not timed; give more")
+    steps = (60 if flags.against == "89" else 40) if flags.steps is None else flags.steps
+    need_at_least("--steps", steps, SKIPPED_STEPS + 1, f"the first {SKIPPED_STEPS} are not timed")
+    need(flags.data_dir is None or flags.data_dir.is_dir(), f"--data_dir {flags.data_dir} is not a folder: name the "
+         "folder of the fineweb_*.bin shards, or leave the flag out")
+    data_dir = flags.data_dir or FINEWEB
     if flags.against == "89":
+        need_files("--head_cpu", flags.head_cpu, HEAD_CPU_FILES, "record #89's trainer")
         if gpt2_tokenizer.ranks_file() is None:
             raise SystemExit(f"#89 reads GPT-2's ranks at import: fetch them with `{gpt2_tokenizer.FETCH_COMMAND}` "
                              "(and carry data/.cache to a device)")
@@ -149,11 +157,11 @@ def main():
         scratch = Path(scratch)
         data = scratch / "data" / "fineweb10B"
         data.mkdir(parents=True)
-        fineweb = sorted(flags.data_dir.glob("fineweb_*.bin"))
+        fineweb = sorted(data_dir.glob("fineweb_*.bin"))
         if fineweb:
             for shard in fineweb:
                 (data / shard.name).symlink_to(shard)
-            source = f"the shards in {flags.data_dir}"
+            source = f"the shards in {data_dir}"
         else:
             # #89 warms up on 14 of its steps and validates on each, from the same files, which it does not cycle
             files = (synthetic_shards(data, (steps + 50) * STEP_TOKENS_89 + 1, val_tokens=20 * VAL_BATCH_89 // 8)
@@ -194,4 +202,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main, train_gpt.UserError)

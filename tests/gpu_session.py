@@ -32,6 +32,8 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT / "tests"))
+from tool_inputs import need, need_at_least, need_files, need_out_folder, run_tool  # noqa: E402
+
 CARRY = REPO_ROOT / ".carry"
 SHARED_HEAD_CPU = REPO_ROOT.parent / "shared" / "head_cpu"
 HEAD_CPU_FILES = ("train_gpt.py", "head.diff", "triton_kernels.py", "dc_triton_kernels.py")
@@ -195,10 +197,7 @@ def planned_checks(flags, data: Path, head_cpu: Path, gpus: int) -> list[Check]:
 def prepare(head_cpu_source: Path) -> int:
     """Here, before a GPU is lent: #89's trainer copied into .carry/head_cpu, GPT-2's ranks fetched into
     data/.cache; prints the device call that carries both."""
-    if not all((head_cpu_source / name).is_file() for name in HEAD_CPU_FILES):
-        print(f"gpu_session: {head_cpu_source} lacks record #89's trainer ({', '.join(HEAD_CPU_FILES)}): give "
-              "--head_cpu the head_cpu folder", file=sys.stderr)
-        return 2
+    need_files("--head_cpu", head_cpu_source, HEAD_CPU_FILES, "record #89's trainer")
     target = CARRY / "head_cpu"
     target.mkdir(parents=True, exist_ok=True)
     for name in HEAD_CPU_FILES:
@@ -213,10 +212,10 @@ def prepare(head_cpu_source: Path) -> int:
 
 
 def report_folder(flags) -> Path:
-    if flags.out:
-        return Path(flags.out)
-    if os.environ.get("OUT"):
-        return Path(os.environ["OUT"])
+    for flag, folder in (("--out", flags.out), ("$OUT", os.environ.get("OUT"))):
+        if folder:
+            need_out_folder(flag, Path(folder))
+            return Path(folder)
     return REPO_ROOT / "logs" / "gpu_session" / datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
 
 
@@ -236,13 +235,15 @@ def main(argv=None) -> int:
                         help="seconds for tests/benchmark_vs_reference.py (both trainers, each compiled; #89's "
                              "warm-up compiles 14 steps' shapes: give it more where the lease allows)")
     flags = parser.parse_args(argv)
+    for name in ("tests_budget", "test_time_limit", "benchmark_budget", "reference_budget"):
+        need_at_least(f"--{name}", getattr(flags, name), 1, "seconds, after which the check or test is stopped")
     head_cpu = flags.head_cpu or (CARRY / "head_cpu" if (CARRY / "head_cpu").is_dir() else SHARED_HEAD_CPU)
     if flags.prepare:
         return prepare(flags.head_cpu or SHARED_HEAD_CPU)
     only = set(flags.only.split(","))
     unknown = only - {"tests", "benchmark", "reference"}
-    if unknown:
-        parser.error(f"--only {flags.only}: no check named {', '.join(sorted(unknown))} (tests, benchmark, reference)")
+    need(not unknown, f"--only {flags.only}: no check named {', '.join(sorted(unknown))}; name some of tests, "
+         "benchmark, reference")
 
     out = report_folder(flags)
     out.mkdir(parents=True, exist_ok=True)
@@ -296,4 +297,4 @@ def git_description() -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_tool(main)
