@@ -75,9 +75,13 @@ def file_size_limit() -> int | None:
 
 def write_file_atomically(path: Path, write: Callable, what: str) -> None:
     """The file path (a `what`) written by write(f) into a fresh <path>.tmp (a leftover there, or a link, is removed,
-    never written through), synced and renamed onto path: no reader ever sees half a file. On failure the temporary
-    file is removed and a UserError names path and the cause: a full disk, the file size limit, or the error."""
+    never written through), synced and renamed onto path: no reader ever sees half a file. A link at path is refused
+    by name, not replaced. On failure the temporary file is removed and a UserError names path and the cause: a full
+    disk, the file size limit, or the error."""
     path, tmp = Path(path), Path(f"{path}.tmp")
+    if path.is_symlink():
+        raise UserError(f"{path} is a symbolic link (to {os.readlink(path)}): a {what} is written only into a file of "
+                        "its own, never over or through a link; move the link away, or write elsewhere")
     try:
         tmp.unlink(missing_ok=True)
         with open(tmp, "xb") as f:
@@ -132,17 +136,21 @@ def fp8_mm_backward_body(grad: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w
                               scale_a=_scale(grad_s, grad), scale_b=_scale(x_s, grad), use_fast_accum=False)
     return grad_x, grad_w
 
-# compiled on CUDA: each scale-and-cast becomes one kernel instead of first writing the scaled tensor (4.9 GB a step
-# for the backward's grad / grad_s on the record config); eager elsewhere, computing the same
-compiled_fp8_mm_body = torch.compile(fp8_mm_body, dynamic=False)
-compiled_fp8_mm_backward_body = torch.compile(fp8_mm_backward_body, dynamic=False)
+@functools.cache
+def compiled(fn: Callable) -> Callable:
+    """torch.compile(fn, dynamic=False), made at its first use: importing this file stays free of the compiler's
+    start-up (about 2 s, paid by every process that imports the file: each test, tool and rank)."""
+    return torch.compile(fn, dynamic=False)
+
 # the ops' namespace: this module's name, so that a fork of this file imported beside it registers ops of its own
 OPS = __name__.replace(".", "_")
 
 @torch.library.custom_op(f"{OPS}::mm", mutates_args=())
 def fp8_mm(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor, Tensor]:
     """x @ w.T with both operands in float8_e4m3fn (x / x_s, w / w_s); also returns the fp8 operands for backward."""
-    return (compiled_fp8_mm_body if x.is_cuda else fp8_mm_body)(x, w, x_s, w_s)
+    # compiled on CUDA: each scale-and-cast becomes one kernel instead of first writing the scaled tensor (4.9 GB a
+    # step for the backward's grad / grad_s on the record config); eager elsewhere, computing the same
+    return (compiled(fp8_mm_body) if x.is_cuda else fp8_mm_body)(x, w, x_s, w_s)
 
 @fp8_mm.register_fake
 def _(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float):
@@ -152,7 +160,7 @@ def _(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float):
 def fp8_mm_backward(grad: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s: float,
                     grad_s: float) -> tuple[Tensor, Tensor]:
     """Gradients of fp8_mm: the incoming gradient goes to float8_e5m2 (wider range, less precision) scaled by grad_s."""
-    body = compiled_fp8_mm_backward_body if grad.is_cuda else fp8_mm_backward_body
+    body = compiled(fp8_mm_backward_body) if grad.is_cuda else fp8_mm_backward_body
     return body(grad, x_f8, w_f8, x_s, w_s, grad_s)
 
 @fp8_mm_backward.register_fake
@@ -510,14 +518,15 @@ def banded_mask(input_seq: Tensor, window: int) -> Tensor:
     return (t - s >= 0) & (t - s < window) & (s >= 0) & (docs[t] == docs[s.clamp(min=0)])
 
 FLEX_MIN_HEAD_DIM = 16  # FlexAttention's Triton kernels refuse narrower heads
-# always compiled: eager flex_attention ignores the block lists, scoring every pair of the sequence
-compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask | Tensor, scale: Tensor) -> Tensor:
     """q, k, v: (B, H, T, D). FlexAttention, or its dense twin's boolean mask (CPU: FlexAttention has no backward).
     The scale multiplies q: a tensor, which YaRN retunes without a new graph."""
     if isinstance(mask, BlockMask):
-        return compiled_flex_attention(q * scale, k, v, block_mask=mask, scale=1.0)
+        # always compiled (eager flex_attention ignores the block lists, scoring every pair of the sequence): inside a
+        # compiled model by its compile, else on its own
+        flex = flex_attention if torch.compiler.is_compiling() else compiled(flex_attention)
+        return flex(q * scale, k, v, block_mask=mask, scale=1.0)
     return F.scaled_dot_product_attention(q * scale, k, v, attn_mask=mask, scale=1.0)
 
 class CausalSelfAttention(nn.Module):
@@ -5373,7 +5382,7 @@ def plan_layout(args: Hyperparameters, world_size: int, cuda: bool) -> dict:
     SavedActivations)."""
     need(not dist.is_initialized(), "--plan runs in one process, not under torchrun: give the process count with "
          "--nproc")
-    compiled = args.compile if args.compile is not None else compiles_by_default(args, torch.device(
+    runs_compiled = args.compile if args.compile is not None else compiles_by_default(args, torch.device(
         "cuda" if cuda else "cpu"))
     args, meta = dataclasses.replace(args, compile=False), torch.device("meta")
     batches = RandomBatches(args.vocab_size, meta)
@@ -5388,7 +5397,7 @@ def plan_layout(args: Hyperparameters, world_size: int, cuda: bool) -> dict:
                                             cuda_dtypes=cuda, stream_specs=stream_specs)
                     held = most_held([account_step(trainer, batches, step) for step in accounted_steps(args)])
                 del held["loss"]
-                held["activations"] = int(held["activations"] * (COMPILED_ACTIVATIONS if compiled else 1))
+                held["activations"] = int(held["activations"] * (COMPILED_ACTIVATIONS if runs_compiled else 1))
                 names = {p: name for name, p in trainer.model.named_parameters()}
                 owners_by_stage.setdefault(stage, [{names[p]: owner for p, owner in owned.items()}
                                                    for owned in optimizer_state_owners(trainer)])
@@ -5399,7 +5408,7 @@ def plan_layout(args: Hyperparameters, world_size: int, cuda: bool) -> dict:
                       flush=True)
                 shown = time.monotonic()
     return dict(preset=args.preset, world_size=world_size, dp=world_size // (args.tp * args.pp), tp=args.tp,
-                pp=args.pp, grad_accum_steps=trainer.micro_batches, zero=args.zero, ranks=ranks, compiled=compiled,
+                pp=args.pp, grad_accum_steps=trainer.micro_batches, zero=args.zero, ranks=ranks, compiled=runs_compiled,
                 num_params=sum(math.prod(shape) for shape in trainer.full_shapes.values()))
 
 # What a compiled step keeps for backward, against an eager one's saved tensors (SavedActivations): Inductor recomputes

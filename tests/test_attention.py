@@ -90,6 +90,22 @@ def test_flex_attention_equals_dense_twin(window, paired):
         torch.testing.assert_close(flex, dense, rtol=1e-4, atol=1e-5)
 
 
+def test_flex_attention_inside_a_compiled_module_equals_the_dense_twin():
+    """The branch a compiled model takes (flex_attention traced into the model's graph, not compiled on its own):
+    a compiled attention block over a BlockMask against the eager block over the dense mask."""
+    torch.manual_seed(0)
+    seq = sequence_with_documents(DOC_STARTS, 8 * BS)
+    attn = CausalSelfAttention(dim=64, num_heads=4, head_dim=16)
+    torch.nn.init.normal_(attn.c_proj.weight, std=0.1)
+    x, ve = torch.randn(1, len(seq), 64), torch.randn(1, len(seq), 64)
+    mask = document_causal_masks(seq, torch.tensor([100, 200], dtype=torch.int32))[1]
+    with torch.no_grad():
+        flex = torch.compile(attn, dynamic=False)(x, ve, mask.flex())
+        dense = attn(x, ve, mask.dense())
+    assert dense.abs().sum() > 0
+    torch.testing.assert_close(flex, dense, rtol=1e-4, atol=1e-5)
+
+
 def paired_attention_by_hand(attn, x, seq, window):
     """Paired heads written out in float64, head by head: head h's query at token t, rotated as at place 2t + h mod 2
     (#89's), sees the keys of heads h mod H/2 and h mod H/2 + H/2 at every token t' of its document whose place

@@ -52,3 +52,14 @@ def test_the_fp8_optimizer_and_model_sections_hold_no_layout_code():
         for word in ("slice_of", "own_slice", "full_shape", "count_comm", "exchange_updates", "dist.", "use_flex",
                      "full_shapes"):
             assert word not in section(title), (title, word)
+
+
+def test_importing_the_trainer_starts_no_compiler():
+    """torch.compile's start-up (about 2 s) is paid at first use, not by each process that imports the file (every
+    test, tool, rank, and `--help`)."""
+    import subprocess
+    import sys
+    started = subprocess.run([sys.executable, "-c", "import sys, train_gpt; print(sorted(m for m in sys.modules "
+                              "if m.startswith(('torch._dynamo', 'torch._inductor'))))"],
+                             cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    assert started == "[]", started
