@@ -49,6 +49,9 @@ def present_and_valid(path: Path, manifest: Manifest, key: str) -> bool:
     try:
         scan_shard(path, manifest, key)
     except UserError as e:
+        if path.is_symlink():  # (a link to a good shard elsewhere is read as it is; a bad one is the user's to fix)
+            raise UserError(f"{path} is a symbolic link (to {os.readlink(path)}) to a bad shard ({e}): the download "
+                            "never writes through or over a link; remove it") from None
         print(f"{path.name}: present but bad, fetching it again: {e}")
         path.unlink()
         return False
@@ -106,6 +109,10 @@ def main(argv=None) -> int:
     names = [shard_name(variant.prefix, i) for i in range(args.num_train_shards + 1)]
     # the manifest is keyed by the variant's folder name, wherever --dir puts the files
     missing = [name for name in names if not present_and_valid(out_dir / name, manifest, f"{args.variant}/{name}")]
+    links = [path for path in [out_dir / STAGING, *(out_dir / name for name in missing)] if path.is_symlink()]
+    if links:
+        raise UserError(f"{links[0]} is a symbolic link (to {os.readlink(links[0])}): the download writes there, and "
+                        "never through a link; remove it (a link to the whole folder, --dir, is fine)")
     if missing:
         fetch_all(variant, missing, out_dir, manifest, args.variant)
     print(f"{len(names)} shards of {args.variant} ready in {out_dir}")

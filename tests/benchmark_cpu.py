@@ -110,6 +110,16 @@ def cpu_preset_flags() -> list[str]:
     return [text for name, value in train_gpt.PRESETS["cpu"].items() for text in (f"--{name}", str(value))]
 
 
+def need_eval_tokens_in_a_shard(eval_tokens: int) -> None:
+    """The evaluation reads its tokens (and one more, the last target) from one of the cpu preset's validation
+    shards."""
+    import train_gpt  # (imported by cpu_preset_flags)
+    held = max(train_gpt.read_shard_header(f) for f in REPO_ROOT.glob(train_gpt.PRESETS["cpu"]["val_files"]))
+    most = (held - 1) // EVAL_SEQ_LEN * EVAL_SEQ_LEN
+    need(eval_tokens <= most, f"--eval_tokens {eval_tokens}: the cpu preset's validation shard holds {held:,} tokens; "
+         f"give at most {most}")
+
+
 def run_version(source_dir: str, steps: int, eval_tokens: int, preset_flags: list[str]) -> dict:
     out = subprocess.run([sys.executable, __file__, "--measure", source_dir, "--steps", str(steps),
                           "--eval_tokens", str(eval_tokens), "--preset_flags", json.dumps(preset_flags)],
@@ -140,6 +150,7 @@ def main():
     need(has_file, f"--against {flags.against}: no git revision of {REPO_ROOT} by that name has a train_gpt.py; give "
          "one that does (git log --oneline -- train_gpt.py)")
     preset_flags = cpu_preset_flags()
+    need_eval_tokens_in_a_shard(flags.eval_tokens)
     with tempfile.TemporaryDirectory() as old_dir:
         source = subprocess.run(["git", "show", f"{flags.against}:train_gpt.py"], capture_output=True, text=True,
                                 cwd=REPO_ROOT, check=True).stdout

@@ -73,6 +73,7 @@ def main():
     options = parser.parse_args()
     need_at_least("--ranks", options.ranks, 1, "gloo processes")
     need_at_least("--width", options.width, 1, "columns of each table")
+    need(options.zero in (0, 1, 2, 3), f"--zero {options.zero}: give a ZeRO stage, 0 to 3")
     need(Path(options.shard).is_file(), f"--shard {options.shard} is not a file: name a .bin token shard")
     args = train_gpt.parse_args(["--preset", "record"], cuda=False)
     last_step = args.num_iterations - 1

@@ -38,6 +38,7 @@ import torch
 import head_weights
 import train_gpt
 from head_weights import GPT2_RANKS, HEAD_CPU, REPO_ROOT
+from tool_inputs import need_out_folder, open_own, run_tool
 
 FIXED_BOUNDS = dict(loss=0.01, val_loss=0.01, parameter=0.02)  # the port's bounds where the floor is smaller
 FLOOR_MULTIPLE = 5
@@ -75,7 +76,7 @@ def run_two_at_a_time(runs: list[tuple[list[str], Path]]) -> None:
     pending = list(runs)
     while pending:
         batch, pending = pending[:2], pending[2:]
-        procs = [(subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT), log)
+        procs = [(subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=open_own(log), stderr=subprocess.STDOUT), log)
                  for cmd, log in batch]
         for proc, log in procs:
             if proc.wait() != 0:
@@ -272,6 +273,8 @@ def main(argv=None) -> int:
     if args.steps < max(STATE_STEPS):
         parser.error(f"--steps {args.steps}: the parameters are compared after steps {STATE_STEPS}; give at least "
                      f"{max(STATE_STEPS)}")
+    if args.out:
+        need_out_folder("--out", Path(args.out))
     if not (HEAD_CPU / "run_head_cpu.py").is_file():
         print(f"skipped: {HEAD_CPU} is missing (record #89's trainer on a CPU; it sits beside the repository in "
               "../shared)")
@@ -298,5 +301,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from tool_inputs import run_tool
     run_tool(main, train_gpt.UserError)

@@ -144,6 +144,9 @@ def main():
     need(flags.data_dir is None or flags.data_dir.is_dir(), f"--data_dir {flags.data_dir} is not a folder: name the "
          "folder of the fineweb_*.bin shards, or leave the flag out")
     data_dir = flags.data_dir or FINEWEB
+    if flags.against == "23":
+        need(REFERENCE_23.is_file(), f"--against 23: record #23's file {REFERENCE_23} is missing; it sits beside the "
+             "repository in ../shared/reference")
     if flags.against == "89":
         need_files("--head_cpu", flags.head_cpu, HEAD_CPU_FILES, "record #89's trainer")
         if gpt2_tokenizer.ranks_file() is None:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT / "tests"))
-from tool_inputs import need, need_at_least, need_files, need_out_folder, run_tool  # noqa: E402
+from tool_inputs import need, need_at_least, need_files, need_out_folder, open_own, run_tool  # noqa: E402
 
 CARRY = REPO_ROOT / ".carry"
 SHARED_HEAD_CPU = REPO_ROOT.parent / "shared" / "head_cpu"
@@ -65,7 +65,7 @@ def run_check(check: Check, log_path: Path) -> Check:
     """Run the check's command in a process group of its own, its output into log_path; past its budget the group
     is terminated (then killed), and the check reported as cut."""
     start = time.monotonic()
-    with open(log_path, "w") as log:
+    with open_own(log_path) as log:
         process = subprocess.Popen(check.command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
                                    start_new_session=True,
                                    env={**os.environ, "PYTHONUNBUFFERED": "1", **check.env})
@@ -285,7 +285,8 @@ def main(argv=None) -> int:
               or (c.status == "not run" and c.name in missing and c.name in only)]
     lines.append(f"{len(failed)} of {len(checks)} checks failed, were cut or lack an input" + (
         f" ({', '.join(failed)})" if failed else "") + f"; {time.monotonic() - start:.0f} s in all")
-    (out / "gpu_report.txt").write_text("\n".join(lines) + "\n")
+    with open_own(out / "gpu_report.txt") as report:
+        report.write("\n".join(lines) + "\n")
     print(lines[-1], f"report: {out / 'gpu_report.txt'}", sep="\n", flush=True)
     return 1 if failed else 0
 

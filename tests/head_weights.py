@@ -69,6 +69,7 @@ from torch import Tensor
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 import train_gpt  # noqa: E402
+from tool_inputs import need_out_folder, open_own, run_tool  # noqa: E402
 
 HEAD_CPU = REPO_ROOT.parent / "shared" / "head_cpu"
 GPT2_RANKS = REPO_ROOT / "data" / ".cache" / "gpt2.tiktoken"
@@ -334,7 +335,7 @@ def run_head(out: Path, name: str, flags: list[str], steps: int) -> None:
         return
     cmd = head_cpu_command(steps, [*flags, "--dump_losses", str(out / f"{name}.json")], out)
     print("running", " ".join(cmd[1:]), flush=True)
-    with (out / f"{name}.log").open("w") as log:
+    with open_own(out / f"{name}.log") as log:
         if subprocess.run(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT).returncode:
             sys.exit(f"head_cpu failed: {out / f'{name}.log'}")
 
@@ -463,7 +464,8 @@ def head_forward_fp32(state_path: str, step: int, out_path: str) -> None:
     load, run_head_cpu.Harness.before_training = run_head_cpu.Harness.before_training, before_training
     run_head_cpu.main(["--fp8", "off", "--load_state", state_path, "--gpt2_ranks", str(GPT2_RANKS),
                        "--log_dir", str(Path(out_path).parent)])
-    torch.save(saved, out_path)
+    with open_own(out_path, "wb") as f:
+        torch.save(saved, f)
 
 
 @torch.no_grad()
@@ -520,6 +522,8 @@ def main(argv=None) -> None:
     parser.add_argument("--no_step1", action="store_true", help="skip the step-1 comparison (initial weights)")
     parser.add_argument("--no_fp32", action="store_true", help="skip #89's fp32 forward against this file's")
     a = parser.parse_args(argv)
+    if a.out:
+        need_out_folder("--out", Path(a.out))
     if not (HEAD_CPU / "run_head_cpu.py").is_file():
         print(f"skipped: {HEAD_CPU} is missing (record #89's trainer on a CPU; it sits beside the repository in "
               "../shared)")
@@ -539,5 +543,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    from tool_inputs import run_tool
     run_tool(main, train_gpt.UserError)

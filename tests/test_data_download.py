@@ -254,6 +254,28 @@ def test_next_run_after_a_crash_keeps_good_files_and_repairs_the_rest(tmp_path, 
     assert "4 shards of fineweb10B ready" in result.stdout
 
 
+def test_a_link_where_a_shard_or_the_staging_folder_goes_is_refused_before_any_download(tmp_path, served):
+    """Issue 53: a link at a shard's name (to a bad shard, or to nothing), or at the staging folder, is named and
+    nothing is fetched, written through it or put in its place."""
+    manifest = manifest_for(tmp_path, served.files)
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("another project's file")
+    out = tmp_path / "fineweb10B"
+    out.mkdir()
+    for name, target, cause in ((TRAIN1, precious / "notes.txt", "to a bad shard"), (TRAIN1, precious / "none", ""),
+                                (".download", precious, "")):
+        (out / name).symlink_to(target)
+        result = download(tmp_path, served.url, 1, manifest)
+        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+        assert result.stderr.strip().startswith(f"error: {out / name} is a symbolic link (to {target})"), result.stderr
+        assert cause in result.stderr and "through" in result.stderr and "\n" not in result.stderr.strip()
+        assert served.gets(VAL) == [] and (out / name).is_symlink()
+        (out / name).unlink()
+    assert sorted(precious.iterdir()) == [precious / "notes.txt"]
+    assert (precious / "notes.txt").read_text() == "another project's file" and list(out.iterdir()) == []
+
+
 def test_unreachable_hub_fails_fast_with_one_paragraph(tmp_path, served):
     out = tmp_path / "fineweb10B"
     out.mkdir()

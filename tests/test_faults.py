@@ -414,6 +414,26 @@ def test_no_file_is_written_through_a_link_left_where_its_temporary_file_goes(tm
     assert sorted(tmp_path.iterdir()) == [precious, target]
 
 
+
+def test_a_link_where_a_checkpoint_or_shard_goes_is_refused_by_name_and_neither_it_nor_its_target_changes(tmp_path):
+    """Issue 53: a link standing at the very name a checkpoint or shard is written under is refused, not written
+    through (the other run's file keeps its bytes) and not replaced (the link stays, so the user sees what happened)."""
+    precious = tmp_path / "elsewhere" / "step000004.pt"
+    precious.parent.mkdir()
+    precious.write_bytes(b"another run's checkpoint")
+    folder = tmp_path / "run"
+    folder.mkdir()
+    link = folder / "step000004.pt"
+    link.symlink_to(precious)
+    failure = train_gpt.write_checkpoint(link, dict(model=torch.zeros(3)))
+    assert failure.startswith(f"{link} is a symbolic link (to {precious}): a checkpoint is written only into a file "
+                              "of its own, never over or through a link"), failure
+    with pytest.raises(train_gpt.UserError, match=f"{re.escape(str(link))} is a symbolic link .* a data shard is"):
+        train_gpt.write_data_shard(link, [1, 2, 3])
+    assert link.is_symlink() and precious.read_bytes() == b"another run's checkpoint"
+    assert sorted(folder.iterdir()) == [link]
+
+
 # 15-18. signals, disk use, data
 
 def test_a_hangup_to_one_rank_stops_every_rank_with_a_checkpoint_like_sigterm(tmp_path, files):

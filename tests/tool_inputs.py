@@ -4,6 +4,7 @@
 Only the standard library here: importing torch and train_gpt takes seconds, and the tools that need neither for
 their checks (gpu_session.py, benchmark_cpu.py) refuse before that.
 """
+import errno
 import os
 import sys
 from pathlib import Path
@@ -39,6 +40,23 @@ def need_out_folder(flag: str, folder: Path) -> None:
     need(not folder.exists() or folder.is_dir(), f"{flag} {folder} is a file: name a folder")
     above = next((parent for parent in folder.parents if parent.exists() and not parent.is_dir()), None)
     need(above is None, f"{flag} {folder} lies under {above}, which is a file: name a folder elsewhere")
+    links = sorted(path for path in folder.iterdir() if path.is_symlink()) if folder.is_dir() else []
+    named = ", ".join(f"{link.name} (to {os.readlink(link)})" for link in links[:3])
+    need(not links, f"{flag} {folder} holds {len(links)} symbolic link(s): {named}: the tool writes its files there, "
+         "never through a link; remove the links, or name another folder")
+
+
+def open_own(path: Path, mode: str = "w"):
+    """A file the tool writes into its output folder, truncated, opened so that a link standing at its name (one made
+    since need_out_folder looked) is refused by name, never followed."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise FlagError(f"{path} is a symbolic link (to {os.readlink(path)}): the tool writes only files of its own, "
+                        "never through a link; remove it") from None
+    return open(fd, mode)
 
 
 def run_tool(main, *errors: type[Exception]) -> None:
