@@ -5647,7 +5647,8 @@ def run_on_ranks(fn, world_size: int, *args, timeout: float = 300.0, backend: st
     must not have run. A rank's UserError is raised here; any other failure or a timeout as RuntimeError."""
     context = multiprocessing.get_context(start_method)
     if start_method == "forkserver":
-        context.set_forkserver_preload(["torch", "torch.distributed", "train_gpt", fn.__module__])
+        # (torch._dynamo: torch imports it at the first meta-device initialisation; here once, not in every rank)
+        context.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "train_gpt", fn.__module__])
     results, port = context.Queue(), free_port()
     procs = [context.Process(target=_rank_worker, args=(r, world_size, port, fn, args, results, backend), daemon=True)
              for r in range(world_size)]
