@@ -40,6 +40,7 @@ import sys
 import threading
 import time
 import traceback
+import unicodedata
 import uuid
 import weakref
 from dataclasses import dataclass
@@ -1030,6 +1031,95 @@ def prefix_tokens(vocab_size: int) -> Tensor:
     for word, token in ranks.items():
         table[token] = next((ranks[word[:n]] for n in range(len(word) - 1, 0, -1) if word[:n] in ranks), -1)
     return torch.tensor(table)
+
+# The canonical mask (#91): the (previous, next) token pairs GPT-2's tokenizer never writes, masked at validation
+CONTRACTIONS = ("'s", "'t", "'re", "'ve", "'m", "'ll", "'d")  # GPT-2's pre-tokenizer splits these off a word
+# its classes of characters, and CUT: a token's edge falls inside a (UTF-8) character
+WHITESPACE, LETTER, NUMBER, OTHER, CUT = range(5)
+NEVER_TIME = 2**30  # a rank past every merge: a piece's last interval ends there
+
+def char_class(ch: str) -> int:
+    """GPT-2 pre-tokenizer's class of a character: S as its pattern's \\s (which, unlike str.isspace, leaves out
+    U+001C-U+001F), L and N by Unicode category, O for everything else."""
+    if ch.isspace() and not "\x1c" <= ch <= "\x1f":
+        return WHITESPACE
+    return {"L": LETTER, "N": NUMBER}.get(unicodedata.category(ch)[0], OTHER)
+
+def edge_class(token: bytes, at_end: bool) -> int:
+    """The class of a token's last (at_end) or first character; CUT where that edge cuts a UTF-8 character."""
+    for n in range(1, 5):
+        try:
+            text = (token[-n:] if at_end else token[:n]).decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        return char_class(text[-1] if at_end else text[0])
+    return CUT
+
+def is_closed(token: bytes) -> bool:
+    """A contraction at a word's end ("'s", "don't"): the pre-tokenizer cuts after it, whatever follows."""
+    try:
+        text = token.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return any(text.endswith(c) and (len(text) == len(c) or char_class(text[-len(c) - 1]) in (LETTER, NUMBER))
+               for c in CONTRACTIONS)
+
+def bpe_history(token: bytes, ranks: dict[bytes, int]) -> tuple[tuple[int, int] | None, list, list]:
+    """GPT-2's byte-pair merges of a token's bytes replayed (the lowest rank first, the leftmost of equals): the last
+    merge's two pieces, and the token's first and last piece over merge "time" as (rank from which, piece) lists. A
+    piece stays first until a merge after it joins it; it stays last until the merge that joins it, which would
+    already have joined the seam's pair of that rank (the left one of equal ranks wins)."""
+    pieces = [token[i:i + 1] for i in range(len(token))]
+    first, last, rule = [(0, ranks[pieces[0]])], [(0, ranks[pieces[-1]])], None
+    while len(pieces) > 1:
+        merges = [(ranks[a + b], i) for i, (a, b) in enumerate(zip(pieces, pieces[1:])) if a + b in ranks]
+        if not merges:
+            break
+        rank, i = min(merges)
+        rule = ranks[pieces[i]], ranks[pieces[i + 1]]
+        pieces[i:i + 2] = [pieces[i] + pieces[i + 1]]
+        if i == 0:
+            first.append((rank + 1, ranks[pieces[0]]))
+        if i == len(pieces) - 1:
+            last.append((rank, ranks[pieces[-1]]))
+    return rule, first, last
+
+def intervals_by_piece(histories: list[list[tuple[int, int]]]) -> dict[int, tuple[np.ndarray, ...]]:
+    """piece -> (tokens, from, to): the tokens whose edge is that piece over merge ranks [from, to)."""
+    rows = [(piece, token, start, end) for token, history in enumerate(histories)
+            for (start, piece), (end, _) in zip(history, history[1:] + [(NEVER_TIME, None)]) if start < end]
+    rows.sort()
+    table = np.array(rows, dtype=np.int64).reshape(-1, 4)
+    cuts = np.flatnonzero(np.diff(table[:, 0])) + 1
+    return {int(part[0, 0]): (part[:, 1], part[:, 2], part[:, 3]) for part in np.split(table, cuts)}
+
+def canonical_mask(ranks: dict[bytes, int], vocab_rows: int) -> np.ndarray:
+    """(vocab_rows, vocab_rows / 8) uint8, bit x & 7 of byte x >> 3 in row p set where GPT-2's tokenizer never
+    writes token x right after token p (#91): some merge m = (a, b) would join p's last piece a, at merge time m,
+    to x's first piece b at that time, and GPT-2's pre-tokenizer would not cut between them."""
+    words = [word for word, _ in sorted(ranks.items(), key=lambda item: item[1])]  # (a token's rank is its id)
+    histories = [bpe_history(word, ranks) for word in words]
+    ends = np.array([edge_class(w, True) for w in words])
+    starts = np.array([edge_class(w, False) for w in words])
+    closed = np.array([is_closed(w) for w in words])
+    # the pre-tokenizer cuts between whitespace runs' ends and after a punctuation mark before a letter ("'s")
+    # depending on what follows; and a character cut in two is no seam to judge
+    joins = np.ones((CUT + 1, CUT + 1), dtype=bool)  # [previous token's last class, next token's first class]
+    joins[:, CUT] = joins[WHITESPACE, WHITESPACE] = joins[OTHER, LETTER] = False
+    lasts = intervals_by_piece([h[2] for h in histories])
+    firsts = intervals_by_piece([h[1] for h in histories])
+    mask = np.zeros((vocab_rows, vocab_rows), dtype=bool)
+    for merged, (rule, _, _) in enumerate(histories):
+        if rule is None or rule[0] not in lasts or rule[1] not in firsts:
+            continue
+        p, p_from, p_to = lasts[rule[0]]
+        x, x_from, x_to = firsts[rule[1]]
+        p = p[(p_from <= merged) & (merged < p_to)]
+        p = p[~closed[p]]
+        x = x[(x_from <= merged) & (merged < x_to)]
+        if len(p) and len(x):
+            mask[np.ix_(p, x)] |= joins[np.ix_(ends[p], starts[x])]
+    return np.packbits(mask, axis=1, bitorder="little")
 
 class GPT(nn.Module):
     """The GPT of record #89's layer stack (ModelConfig.table): each token's embedding takes in some of the previous

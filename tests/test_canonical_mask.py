@@ -1,0 +1,72 @@
+"""Record #91's canonical token mask: the pairs (previous token, next token) GPT-2's tokenizer never writes. Its size
+against the count #91's own builder gives on GPT-2's ranks, each masked pair against the tokenizer itself (the two
+tokens' text re-encoded), and text the tokenizer wrote (the embedded Shakespeare) against the mask."""
+import numpy as np
+import pytest
+
+import train_gpt
+from conftest import REPO_ROOT
+
+VOCAB_ROWS = 50304  # GPT-2's 50,257 tokens padded to a multiple of 128
+# by hand: (previous, next) pairs that GPT-2 re-encodes as one token or splits elsewhere, and pairs it writes
+MASKED = {(220, 1169): "' ' 'the'", (400, 68): "'th' 'e'", (82, 403): "'s' 'un'", (16, 17): "'1' '2'",
+          (1065, 18): "'12' '3'", (13, 13): "'.' '.'", (262, 260): "' the' 're'", (220, 16): "' ' '1'",
+          (220, 13): "' ' '.'"}
+WRITTEN = {(6, 82): "\"'\" 's' (a contraction: split off by the pre-tokenizer)", (338, 403): "\"'s\" 'un'",
+           (198, 198): "'\\n' '\\n' (whitespace runs split by what follows)", (220, 220): "' ' ' '",
+           (15496, 995): "'Hello' ' world'", (198, 464): "'\\n' 'The'", (16, 64): "'1' 'a'",
+           (447, 247): "b'\\xe2\\x80' b'\\x99' (a character cut in two)"}
+
+
+@pytest.fixture(scope="module")
+def encoding(gpt2_ranks):
+    return train_gpt.gpt2_encoding_from(gpt2_ranks)
+
+
+@pytest.fixture(scope="module")
+def packed(encoding):
+    return train_gpt.canonical_mask(encoding._mergeable_ranks, VOCAB_ROWS)
+
+
+@pytest.fixture(scope="module")
+def mask(packed):
+    return np.unpackbits(packed, axis=1, bitorder="little").astype(bool)
+
+
+def test_the_mask_has_the_pairs_91s_builder_finds_and_none_beyond_gpt2s_tokens(packed, mask):
+    assert packed.shape == (VOCAB_ROWS, VOCAB_ROWS // 8) and packed.dtype == np.uint8
+    # counts from #91's own function run on the same ranks file
+    assert mask.sum() == 70_889_701 and mask[220].sum() == 16_185 and mask[:, 82].sum() == 34_162
+    assert not mask[50256:].any() and not mask[:, 50256:].any()  # end-of-text and the padding: never masked
+    for (p, x), pair in MASKED.items():
+        assert mask[p, x], pair
+        assert packed[p, x >> 3] >> (x & 7) & 1  # little-endian bits, as #91 packs them
+    for (p, x), pair in WRITTEN.items():
+        assert not mask[p, x], pair
+
+
+def test_every_masked_pair_sampled_re_encodes_otherwise(mask, encoding):
+    """The two tokens' text encoded again is never the pair itself (where the two make whole UTF-8 text)."""
+    words = {token: word for word, token in encoding._mergeable_ranks.items()}
+    p, x = np.nonzero(mask)
+    picked = np.random.default_rng(0).choice(len(p), 20_000, replace=False)
+    checked = 0
+    for a, b in zip(p[picked].tolist(), x[picked].tolist()):
+        try:
+            text = (words[a] + words[b]).decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        assert encoding.encode_ordinary(text) != [a, b], (words[a], words[b])
+        checked += 1
+    assert checked > 19_000
+
+
+def test_no_pair_of_the_embedded_shakespeare_is_masked(mask):
+    """Text GPT-2's tokenizer wrote: every pair inside a document is one the mask lets through."""
+    tokens = np.concatenate([train_gpt.load_data_shard(f).numpy().astype(np.int64)
+                             for f in sorted((REPO_ROOT / "data" / "shakespeare").glob("*.bin"))])
+    assert len(tokens) > 100_000
+    previous, following = tokens[:-1], tokens[1:]
+    inside = (previous != train_gpt.EOT_TOKEN) & (following != train_gpt.EOT_TOKEN)
+    assert not mask[previous[inside], following[inside]].any()
+    assert mask[np.full(1, 220), np.full(1, 1169)].all()  # (the lookup reads the mask it is given)
