@@ -798,6 +798,7 @@ class ModelConfig:
     smear: bool = False  # each token's embedding takes in a gated share of the previous token's (#89)
     mtp: bool = False  # training also predicts the MTP_TOKENS - 1 tokens after the next (#53)
     prefix_loss: bool = False  # training also predicts the next token's prefix token (#88)
+    canonical_mask: bool = False  # the final validation masks the pairs GPT-2's tokenizer never writes (#91)
     fp8_head: bool = False  # the head multiplies in FP8 in training
     tied_embed: bool = False  # the head and the token embedding start as one table (#51)
     zero_attention_out: bool = True  # attention's output projection starts at zero (#23's; #89's: uniform)
@@ -1001,25 +1002,41 @@ class CrossEntropy(nn.Module):
 
 class LMHead(CastedLinear):
     """The output layer and the loss: soft-capped logits (soft_cap: cap, shift, divisor), cross-entropy summed over
-    tokens (no targets: the logits)."""
+    tokens (no targets: the logits). With canonical_mask, a buffer of bits [next token, previous token] (#91's,
+    filled by set_canonical_mask) that, once `masking`, sets the logit of each next token GPT-2's tokenizer never
+    writes after the previous one to CANONICAL_MASKED_LOGIT; by next token, so that a layout splits it with the
+    head's rows."""
     EVAL_ROWS = 16384  # evaluated this many tokens at a time: a 262K-token sequence's fp32 logits are 53 GB
+    CANONICAL_MASKED_LOGIT = -60.0  # #91's: the soft cap keeps every other logit in [0, cap]
 
-    def __init__(self, *args, soft_cap: tuple[float, float, float] = RECORD_SOFT_CAP, **kwargs):
+    def __init__(self, *args, soft_cap: tuple[float, float, float] = RECORD_SOFT_CAP, canonical_mask: bool = False,
+                 **kwargs):
         super().__init__(*args, **kwargs)
         self.soft_cap = soft_cap
         self.cross_entropy = CrossEntropy()
+        rows = self.weight.size(0)
+        self.canonical_mask = nn.Buffer(torch.zeros(rows, rows // 8, dtype=torch.uint8), persistent=False) \
+            if canonical_mask else None
+        self.masking = False
 
-    def forward(self, x: Tensor, targets: Tensor | None, weights: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, targets: Tensor | None, weights: Tensor | None = None,
+                previous: Tensor | None = None) -> Tensor:
         if targets is None:
             return self.logits(x)
-        rows = len(x) if self.training else self.EVAL_ROWS
-        return sum(self.summed_loss(x[i:i + rows], targets[i:i + rows], weights) for i in range(0, len(x), rows))
+        rows, masked = len(x) if self.training else self.EVAL_ROWS, previous is not None and self.masking
+        return sum(self.summed_loss(x[i:i + rows], targets[i:i + rows], weights, previous[i:i + rows] if masked
+                                    else None) for i in range(0, len(x), rows))
 
     def logits(self, x: Tensor) -> Tensor:
         return SoftCap.apply(super().forward(x).float(), *self.soft_cap)
 
-    def summed_loss(self, x: Tensor, targets: Tensor, weights: Tensor | None = None) -> Tensor:
-        return self.cross_entropy(self.logits(x), targets, weights)
+    def summed_loss(self, x: Tensor, targets: Tensor, weights: Tensor | None = None,
+                    previous: Tensor | None = None) -> Tensor:
+        logits = self.logits(x)
+        if previous is not None:  # bit p & 7 of byte p >> 3 in the next token's row: never after token p
+            never = self.canonical_mask.index_select(1, previous >> 3) >> (previous & 7).to(torch.uint8) & 1
+            logits = logits.masked_fill(never.T.bool(), self.CANONICAL_MASKED_LOGIT)
+        return self.cross_entropy(logits, targets, weights)
 
 MTP_TOKENS = 3  # with --mtp, training predicts from each position the next 3 tokens (#53)
 
@@ -1094,9 +1111,10 @@ def intervals_by_piece(histories: list[list[tuple[int, int]]]) -> dict[int, tupl
     return {int(part[0, 0]): (part[:, 1], part[:, 2], part[:, 3]) for part in np.split(table, cuts)}
 
 def canonical_mask(ranks: dict[bytes, int], vocab_rows: int) -> np.ndarray:
-    """(vocab_rows, vocab_rows / 8) uint8, bit x & 7 of byte x >> 3 in row p set where GPT-2's tokenizer never
+    """(vocab_rows, vocab_rows / 8) uint8, bit p & 7 of byte p >> 3 in row x set where GPT-2's tokenizer never
     writes token x right after token p (#91): some merge m = (a, b) would join p's last piece a, at merge time m,
-    to x's first piece b at that time, and GPT-2's pre-tokenizer would not cut between them."""
+    to x's first piece b at that time, and GPT-2's pre-tokenizer would not cut between them. (#91 keeps the
+    transpose; rows by next token let a layout split the mask with the head's rows.)"""
     words = [word for word, _ in sorted(ranks.items(), key=lambda item: item[1])]  # (a token's rank is its id)
     histories = [bpe_history(word, ranks) for word in words]
     ends = np.array([edge_class(w, True) for w in words])
@@ -1108,7 +1126,7 @@ def canonical_mask(ranks: dict[bytes, int], vocab_rows: int) -> np.ndarray:
     joins[:, CUT] = joins[WHITESPACE, WHITESPACE] = joins[OTHER, LETTER] = False
     lasts = intervals_by_piece([h[2] for h in histories])
     firsts = intervals_by_piece([h[1] for h in histories])
-    mask = np.zeros((vocab_rows, vocab_rows), dtype=bool)
+    mask = np.zeros((vocab_rows, vocab_rows), dtype=bool)  # [next, previous]
     for merged, (rule, _, _) in enumerate(histories):
         if rule is None or rule[0] not in lasts or rule[1] not in firsts:
             continue
@@ -1118,7 +1136,7 @@ def canonical_mask(ranks: dict[bytes, int], vocab_rows: int) -> np.ndarray:
         p = p[~closed[p]]
         x = x[(x_from <= merged) & (merged < x_to)]
         if len(p) and len(x):
-            mask[np.ix_(p, x)] |= joins[np.ix_(ends[p], starts[x])]
+            mask[np.ix_(x, p)] |= joins.T[np.ix_(starts[x], ends[p])]
     return np.packbits(mask, axis=1, bitorder="little")
 
 class GPT(nn.Module):
@@ -1168,7 +1186,9 @@ class GPT(nn.Module):
         self.backout = nn.Parameter(torch.tensor(-0.5)) if c.attend_over is not None and not c.mudd else None
         # the FP8 scales are #89's, for its soft cap's logits
         self.lm_head = LMHead(c.model_dim, head_rows, soft_cap=c.soft_cap, use_fp8=c.fp8_head, x_s=100 / 448,
-                              w_s=1.6 / 448, grad_s=0.75 / 448)
+                              w_s=1.6 / 448, grad_s=0.75 / 448, canonical_mask=c.canonical_mask)
+        if c.canonical_mask:
+            gpt2_encoding()  # (refused now where GPT-2's ranks are missing, not at the run's end)
         if c.tied_embed:
             self.embed.weight.detach().normal_(std=0.005)
             self.lm_head.weight.detach().copy_(self.embed.weight)
@@ -1241,7 +1261,7 @@ class GPT(nn.Module):
                          mu["skip"] * s.skip])
         if self.training and self.loss_weights is not None and target_seq is not None:
             return self.lm_head(norm(x)[0], self.training_targets(target_seq), self.loss_weights)
-        out = self.lm_head(norm(x)[0], target_seq)
+        out = self.lm_head(norm(x)[0], target_seq, previous=None if self.training else input_seq)
         return out if self.training or target_seq is None else out / len(target_seq)
 
     def attention_masks(self, input_seq: Tensor, windows: Tensor) -> dict[tuple[str, int] | str, BlockMask | Tensor]:
@@ -1478,6 +1498,8 @@ class Hyperparameters:
     prefix_loss: bool = flag(True, "training also predicts each next token's prefix token (the longest proper prefix "
                                    "of its bytes that is a token), at #89's weight 0.25 until a third of the run, "
                                    "down to 0 by two thirds (#88)")
+    canonical_mask: bool = flag(True, "the final validation sets to -60, after the soft cap, the logit of each next "
+                                      "token GPT-2's tokenizer never writes after the token before it (#91)")
     bigram_rows: int = flag(50304 * 15 // 2, "rows of the bigram hash embedding (#62, #83), into which each token's "
                                              "pair with the one before is hashed (0: none)")
     trigrams: bool = flag(False, "the bigram table's second half holds each token's triple with the two before, "
@@ -1599,7 +1621,8 @@ PRESETS = {
                 val_tokens=128 * 1024, train_seq_len="256", val_seq_len=256, seqs_per_step=8, num_layers=6,
                 num_heads=2, head_dim=64, model_dim=128, window_pattern="LSSSSL", attention_free_layers="",
                 value_embed_layers="0,1,2,3,4,5", gate_network_layers="", xsa_layers="", output_gate_layers="",
-                bigram_rows=16384, mtp=False, prefix_loss=False, smear=False, key_offset=False, zero_attn_out=True,
+                bigram_rows=16384, mtp=False, prefix_loss=False, canonical_mask=False, smear=False, key_offset=False,
+                zero_attn_out=True,
                 paired_head_layers="", dc_layers="",
                 window_blocks="0.5:1,1:2,2:2,2:2", final_window_blocks=2, extension_steps=0,
                 fp8_head=False, num_iterations=220, muon_momentum_warmup_steps=50, skip_layers="1,3",
@@ -1617,7 +1640,7 @@ PRESETS = {
                  model_dim=32, window_pattern="LSSSSL", attention_free_layers="4", value_embed_layers="1,2,5",
                  paired_head_layers="2,5", dc_layers="3",
                  gate_network_layers="0,2", xsa_layers="1,3", output_gate_layers="3,5", bigram_rows=4096,
-                 prefix_loss=False,  # (it needs GPT-2's ranks, which the tests fetch only where they use them)
+                 prefix_loss=False, canonical_mask=False,  # (GPT-2's ranks: the tests fetch them where they use them)
                  skip_layers="1,4", attend_over_layer="3", window_blocks="1:1,1:2,2:2,2:2",
                  final_window_blocks=2, extension_steps=0, lr_head=0.22,
                  soft_cap=f"30,0,{7.5 * 32 ** 0.5}", fp8_head=False, num_iterations=20, muon_momentum_warmup_steps=5,
@@ -1801,8 +1824,9 @@ def check_hyperparameters(args: Hyperparameters) -> None:
          "false")
     need(not args.mudd or args.num_layers >= 2, "--mudd true makes the last layer dense and the head reads the one "
          "before it: use 2 or more layers, or --mudd false")
-    need(not args.prefix_loss or args.vocab_size >= 50257, f"--prefix_loss reads GPT-2's tokens' bytes, but "
-         f"--vocab_size {args.vocab_size} is smaller than GPT-2's 50257: use --prefix_loss false")
+    for name in ("prefix_loss", "canonical_mask"):
+        need(not getattr(args, name) or args.vocab_size >= 50257, f"--{name} reads GPT-2's tokens' bytes, but "
+             f"--vocab_size {args.vocab_size} is smaller than GPT-2's 50257: use --{name} false")
     need(args.bigram_rows != 1, "--bigram_rows 1: the hash takes every row but the last, which the first position "
          "takes: use 2 or more, or 0 for none")
     need(not args.trigrams or args.bigram_rows >= 4 and args.bigram_rows % 2 == 0, f"--trigrams true splits "
@@ -2011,7 +2035,8 @@ def model_config(args: Hyperparameters) -> ModelConfig:
                        head_dim=args.head_dim, layers=layers, skip=layer_indices(args, "skip_layers") or None,
                        attend_over=next(iter(layer_indices(args, "attend_over_layer")), None), mudd=args.mudd,
                        bigram_rows=args.bigram_rows, trigrams=args.trigrams, smear=args.smear, mtp=args.mtp,
-                       prefix_loss=args.prefix_loss, fp8_head=args.fp8_head, tied_embed=args.tied_stages > 0,
+                       prefix_loss=args.prefix_loss, canonical_mask=args.canonical_mask, fp8_head=args.fp8_head,
+                       tied_embed=args.tied_stages > 0,
                        zero_attention_out=args.zero_attn_out, soft_cap=soft_cap_terms(args))
 
 def build_model(args: Hyperparameters, device: torch.device, cuda_dtypes: bool | None = None) -> GPT:
@@ -2248,6 +2273,17 @@ def evaluate(trainer: Trainer, step: int) -> float:
     trainer.model.train()
     return layout.mean_loss_over_ranks(total / (val_seqs // ctx.dp.size)).item()
 
+def set_canonical_mask(trainer: Trainer) -> None:
+    """Each head's canonical mask (#91) filled and switched on, for the final validation: built from GPT-2's ranks on
+    the first rank (seconds of CPU) and broadcast; each rank keeps its part of the vocabulary."""
+    rows, device = next_multiple_of_n(trainer.args.vocab_size, n=128), trainer.ctx.device
+    whole = torch.from_numpy(canonical_mask(gpt2_encoding()._mergeable_ranks, rows)).to(device) \
+        if trainer.ctx.is_master else None
+    trainer.layout.set_buffers("canonical_mask", whole, (rows, rows // 8), torch.uint8)
+    for head in trainer.model.modules():
+        if isinstance(head, LMHead):
+            head.masking = True
+
 def forward_backward(trainer: Trainer, batches, step: int) -> Tensor:
     """Forward and backward of this rank's micro-batches of a step; their mean loss per token. Each gradient is then
     that of the global batch's mean over sequences of each sequence's summed token loss (as #89's: the gradients grow
@@ -2306,6 +2342,8 @@ def train(args: Hyperparameters, ctx: "ParallelContext") -> float:
         for step in range(run.start_step, args.num_iterations + 1):
             run.begin_step(step)
             last_step = step == args.num_iterations
+            if last_step and args.canonical_mask:
+                set_canonical_mask(trainer)  # on the clock: its build is part of the run's cost
             if last_step or (args.val_loss_every > 0 and step % args.val_loss_every == 0):
                 with run.validation(step):  # untimed, after the step before is logged
                     val_loss = evaluate(trainer, step)
@@ -3931,6 +3969,17 @@ class Layout:
         """The mean of the data-parallel ranks' losses, on every rank."""
         return sum_over_ranks(self.loss_share(loss))
 
+    def set_buffers(self, name: str, whole: Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        """Every module's buffer `name` (where not None) set from its one-process value, `whole`, which only the first
+        rank has (None elsewhere): sent to every rank, each keeping its part where the layout split the buffer."""
+        if whole is None:
+            whole = torch.empty(shape, dtype=dtype, device=self.ctx.device)
+        if self.ctx.world_size > 1:
+            dist.broadcast(whole, src=0)
+        for module in self.model.modules():
+            if (buffer := getattr(module, name, None)) is not None:
+                buffer.copy_(own_slice(buffer, whole))
+
     def step_stats(self, loss: Tensor, grad_squares: Tensor, stop: bool) -> Tensor:
         """[mean train loss per token, squared gradient norm, stop votes], summed over the ranks in one all-reduce."""
         return sum_over_ranks(torch.stack([self.loss_share(loss), grad_squares.float(),
@@ -4900,7 +4949,10 @@ def tensor_parallelize(model: GPT, tp: Axis, args: Hyperparameters, trace: Model
         rows = full_shape(head.weight)[-2]
         for name, b in list(head.named_buffers(recurse=False)):
             if rows in b.shape:
-                setattr(head, name, TensorParallelSlice(b.shape.index(rows), rows, tp).cut(b))
+                how = TensorParallelSlice(b.shape.index(rows), rows, tp)
+                part = how.cut(b)
+                part.slice_of = how  # (own_slice: a buffer filled later takes this rank's part of the whole)
+                setattr(head, name, part)
     seq_len = [0]  # of the forward under way (a later pipeline stage receives shards: the tokens tell the length)
     model.register_forward_pre_hook(lambda module, args: seq_len.__setitem__(0, len(args[0])))
     for name, call in regions.items():
@@ -5632,6 +5684,8 @@ def train_steps(rank: int, world_size: int, flags: list[str], steps: int, device
                     p.grad.mul_(1 + jitter * torch.randn(p.shape, generator=draws).to(p.grad))
             optimizer_step(trainer, step)
         losses.append(trainer.layout.step_stats(loss, no_gradient, stop=False)[0].item())
+    if args.canonical_mask and steps == args.num_iterations:
+        set_canonical_mask(trainer)
     val_loss = evaluate(trainer, steps)
     with trainer.layout.zero.whole_parameters():  # (copied: ZeRO 3 frees the gathered values afterwards)
         state = pytree.tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, gather_training_state(trainer))

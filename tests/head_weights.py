@@ -149,7 +149,8 @@ def port_hyperparameters(head_config: dict) -> train_gpt.Hyperparameters:
         train_files=c.get("train_files", "data/shakespeare/shakespeare_train_*.bin"),
         val_files=c.get("val_files", "data/shakespeare/shakespeare_val_*.bin"),
         val_seq_len=int(c.get("val_seq_len", 512)), val_tokens=int(c.get("val_tokens", 4096)),
-        val_loss_every=int(c.get("val_every", 0)), seed=int(c.get("seed", 0)), compile=False, warmup_steps=0)
+        val_loss_every=int(c.get("val_every", 0)), seed=int(c.get("seed", 0)), compile=False, warmup_steps=0,
+        canonical_mask=False)  # (#89 validates without #91's mask)
     return train_gpt.parse_args([f"--{k}={v}" for k, v in flags.items()], cuda=False)
 
 

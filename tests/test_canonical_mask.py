@@ -3,6 +3,8 @@ against the count #91's own builder gives on GPT-2's ranks, each masked pair aga
 tokens' text re-encoded), and text the tokenizer wrote (the embedded Shakespeare) against the mask."""
 import numpy as np
 import pytest
+import torch
+import torch.nn.functional as F
 
 import train_gpt
 from conftest import REPO_ROOT
@@ -30,7 +32,8 @@ def packed(encoding):
 
 @pytest.fixture(scope="module")
 def mask(packed):
-    return np.unpackbits(packed, axis=1, bitorder="little").astype(bool)
+    """[previous, next]: True where GPT-2 never writes next after previous."""
+    return np.unpackbits(packed, axis=1, bitorder="little").astype(bool).T
 
 
 def test_the_mask_has_the_pairs_91s_builder_finds_and_none_beyond_gpt2s_tokens(packed, mask):
@@ -40,7 +43,7 @@ def test_the_mask_has_the_pairs_91s_builder_finds_and_none_beyond_gpt2s_tokens(p
     assert not mask[50256:].any() and not mask[:, 50256:].any()  # end-of-text and the padding: never masked
     for (p, x), pair in MASKED.items():
         assert mask[p, x], pair
-        assert packed[p, x >> 3] >> (x & 7) & 1  # little-endian bits, as #91 packs them
+        assert packed[x, p >> 3] >> (p & 7) & 1  # by next token, the previous one's bits little-endian
     for (p, x), pair in WRITTEN.items():
         assert not mask[p, x], pair
 
@@ -70,3 +73,44 @@ def test_no_pair_of_the_embedded_shakespeare_is_masked(mask):
     inside = (previous != train_gpt.EOT_TOKEN) & (following != train_gpt.EOT_TOKEN)
     assert not mask[previous[inside], following[inside]].any()
     assert mask[np.full(1, 220), np.full(1, 1169)].all()  # (the lookup reads the mask it is given)
+
+
+def test_the_head_sets_the_masked_logits_after_the_soft_cap_in_every_row_chunk_as_an_fp64_reference():
+    """LMHead in evaluation, masking: each row's logits of the next tokens never written after its previous token are
+    -60 after the soft cap (#91's order), over chunks of rows; the loss against a dense float64 computation."""
+    torch.manual_seed(0)
+    vocab, tokens = 256, 13
+    head = train_gpt.LMHead(16, vocab, soft_cap=(30.0, 5.0, 7.5), canonical_mask=True).eval()
+    head.weight.data.normal_()
+    x, previous, targets = torch.randn(tokens, 16), torch.randint(0, vocab, (tokens,)), torch.randint(0, vocab, (tokens,))
+    never = torch.rand(vocab, vocab) < 0.3  # [previous, next]
+    never[previous, targets] = False  # (as in text the tokenizer wrote: a masked target would cost ~70 nats)
+    head.canonical_mask.copy_(torch.from_numpy(np.packbits(never.T.numpy(), axis=1, bitorder="little")))
+    logits = 30 * torch.sigmoid((x.double() @ head.weight.double().T + 5) / 7.5)
+    expected = F.cross_entropy(logits.masked_fill(never[previous], -60.0), targets, reduction="sum")
+    unmasked = F.cross_entropy(logits, targets, reduction="sum")
+    head.EVAL_ROWS = 5  # three chunks, the last short
+    with torch.no_grad():
+        assert torch.isclose(head(x, targets, previous=previous).double(), unmasked, rtol=1e-5)  # not yet switched on
+        head.masking = True
+        got = head(x, targets, previous=previous).double()
+    assert unmasked - expected > 1.0  # the mask matters here
+    assert torch.isclose(got, expected, rtol=1e-5), (got, expected)
+
+
+def test_the_final_validation_is_masked_and_two_tensor_parallel_ranks_each_masking_their_part_agree_with_one(
+        packed, monkeypatch):
+    """The tiny model's final validation with --canonical_mask, on the embedded Shakespeare: below the same run's
+    unmasked one (every masked column lowers the softmax's sum, and no target there is masked), and the same under
+    --tp 2, where each rank holds the mask's rows of its half of the vocabulary (built there from GPT-2's ranks, here
+    taken from the fixture)."""
+    monkeypatch.setattr(train_gpt, "canonical_mask", lambda ranks, rows: packed)
+    shards = REPO_ROOT / "data" / "shakespeare"
+    flags = ["--preset=tiny", "--num_iterations=2", f"--train_files={shards}/shakespeare_train_*.bin",
+             f"--val_files={shards}/shakespeare_val_*.bin"]
+    masked = train_gpt.train_steps(0, 1, flags + ["--canonical_mask=true"], 2)["val_loss"]
+    unmasked = train_gpt.train_steps(0, 1, flags, 2)["val_loss"]
+    flags += ["--canonical_mask=true"]
+    split = [rank["val_loss"] for rank in train_gpt.run_on_ranks(train_gpt.train_steps, 2, flags + ["--tp=2"], 2)]
+    assert unmasked - masked > 1e-3, (masked, unmasked)
+    assert split[0] == split[1] and abs(split[0] - masked) < 1e-5, (split, masked)
