@@ -209,14 +209,16 @@ FORKS["embedding_inside_attention"] = [('''        self.sum_over_heads = SumOver
         B, T''')]
 # a head scoring only some rows of its weight in training, picked by token (a sampled softmax's shape, #92's): the
 # rows of the step's targets and 64 more; tensor parallelism keeps such a head whole
-FORKS["head_picking_its_rows"] = [('''    def summed_loss(self, x: Tensor, targets: Tensor, weights: Tensor | None = None) -> Tensor:
-        return self.cross_entropy(self.logits(x), targets, weights)''', '''    def summed_loss(self, x: Tensor, targets: Tensor, weights: Tensor | None = None) -> Tensor:
-        if not self.training:
-            return self.cross_entropy(self.logits(x), targets, weights)
-        rows = torch.cat([targets[targets >= 0], torch.arange(64, device=x.device)]).unique()  # (sorted)
-        logits = SoftCap.apply(F.linear(x, self.weight[rows].type_as(x)).float(), *self.soft_cap)
-        picked = torch.where(targets >= 0, torch.searchsorted(rows, targets.clamp_min(0)), -1)
-        return self.cross_entropy(logits, picked, weights)''')]
+FORKS["head_picking_its_rows"] = [('''                    previous: Tensor | None = None) -> Tensor:
+        logits = self.logits(x)
+''', '''                    previous: Tensor | None = None) -> Tensor:
+        if self.training:
+            rows = torch.cat([targets[targets >= 0], torch.arange(64, device=x.device)]).unique()  # (sorted)
+            logits = SoftCap.apply(F.linear(x, self.weight[rows].type_as(x)).float(), *self.soft_cap)
+            picked = torch.where(targets >= 0, torch.searchsorted(rows, targets.clamp_min(0)), -1)
+            return self.cross_entropy(logits, picked, weights)
+        logits = self.logits(x)
+''')]
 # a second, slower momentum kept by Muon beside its own, its update the mean of the two's
 FORKS["muon_with_a_second_momentum"] = [('''        buf = state["momentum_buffer"]
         buf.lerp_(grad, 1 - (group["momentum"] if group["fast_momentum"] is None else group["fast_momentum"]))
