@@ -84,7 +84,7 @@ def test_the_head_sets_the_masked_logits_after_the_soft_cap_in_every_row_chunk_a
     vocab, tokens = 256, 13
     head = train_gpt.LMHead(16, vocab, soft_cap=(30.0, 5.0, 7.5), canonical_mask=True).eval()
     head.weight.data.normal_()
-    x, previous, targets = torch.randn(tokens, 16), torch.randint(0, vocab, (tokens,)), torch.randint(0, vocab, (tokens,))
+    x, previous, targets = torch.randn(tokens, 16), *torch.randint(0, vocab, (2, tokens))
     never = torch.rand(vocab, vocab) < 0.3  # [previous, next]
     never[previous, targets] = False  # (as in text the tokenizer wrote: a masked target would cost ~70 nats)
     head.canonical_mask.copy_(torch.from_numpy(np.packbits(never.T.numpy(), axis=1, bitorder="little")))
