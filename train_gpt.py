@@ -1056,8 +1056,8 @@ WHITESPACE, LETTER, NUMBER, OTHER, CUT = range(5)
 NEVER_TIME = 2**30  # a rank past every merge: a piece's last interval ends there
 
 def char_class(ch: str) -> int:
-    """GPT-2 pre-tokenizer's class of a character: S as its pattern's \\s (which, unlike str.isspace, leaves out
-    U+001C-U+001F), L and N by Unicode category, O for everything else."""
+    """GPT-2's pre-tokenizer's class of a character: WHITESPACE as its pattern's \\s (which, unlike str.isspace,
+    leaves out U+001C-U+001F), LETTER and NUMBER by Unicode category, OTHER for everything else."""
     if ch.isspace() and not "\x1c" <= ch <= "\x1f":
         return WHITESPACE
     return {"L": LETTER, "N": NUMBER}.get(unicodedata.category(ch)[0], OTHER)

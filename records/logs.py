@@ -124,6 +124,10 @@ def parse_log(text: str, path: Path) -> Run:
         raise LogError("truncated log: it ends inside the environment block")
     end_env = lines.index(SEPARATOR, end_source + 1)
     env, body = lines[end_source + 1:end_env], lines[end_env + 1:]
+    later_runs = [end_env + 2 + i for i, line in enumerate(body) if i and line.startswith("hyperparameters: ")]
+    if later_runs:  # (the trainer writes one such line, at a log's start: two logs run together)
+        raise LogError(f"a second run's hyperparameters at line {later_runs[0]}: the file holds more than one run; "
+                       "split it into one log per run")
     if not body:
         raise LogError(f"truncated log: it ends {'inside' if cut else 'before'} the hyperparameters line")
     if body[0].startswith("hyperparameters: ") or not any(STEP_LINE.fullmatch(line) for line in body):

@@ -681,17 +681,22 @@ def test_a_baseline_that_misses_the_target_is_beaten_by_a_candidate_that_reaches
     assert out.rstrip().splitlines()[-1] == "verdict: not faster"  # against a target both reach, time decides
 
 
-@pytest.mark.parametrize("absurd", ["nested", "digits"])
+@pytest.mark.parametrize("absurd", ["nested", "digits", "two runs"])
 def test_a_log_that_parses_but_is_absurd_is_refused_in_one_line(tmp_path, capsys, absurd):
-    # JSON nested 200,000 deep (Python's parser recurses), a step number of 5,000 digits (int() refuses over 4,300)
+    # JSON nested 200,000 deep (Python's parser recurses), a step number of 5,000 digits (int() refuses over 4,300),
+    # two logs run together (it once read as the first run's header with the second's steps)
     text = log_text()
     if absurd == "nested":
         text = re.sub(r"(?m)^hyperparameters: .*$", "hyperparameters: " + "[" * 200_000 + "]" * 200_000, text)
-    else:
+    elif absurd == "digits":
         text = text.replace("step:4/4 val_loss", "step:" + "9" * 5000 + "/4 val_loss")
+    else:
+        text += text
     path = tmp_path / "absurd.txt"
     path.write_text(text)
     code, out, err = run_cli(capsys, "summary", path)
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err[-500:]
-    assert err.startswith(f"logs.py: error: {path}: not a training log this can read: "
-                          f"{'RecursionError' if absurd == 'nested' else 'ValueError'}")
+    expected = {"nested": "not a training log this can read: RecursionError",
+                "digits": "not a training log this can read: ValueError",
+                "two runs": "a second run's hyperparameters at line "}[absurd]
+    assert err.startswith(f"logs.py: error: {path}: {expected}"), err
