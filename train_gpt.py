@@ -2273,12 +2273,42 @@ def evaluate(trainer: Trainer, step: int) -> float:
     trainer.model.train()
     return layout.mean_loss_over_ranks(total / (val_seqs // ctx.dp.size)).item()
 
-def set_canonical_mask(trainer: Trainer) -> None:
-    """Each head's canonical mask (#91) filled and switched on, for the final validation: built from GPT-2's ranks on
-    the first rank (seconds of CPU) and broadcast; each rank keeps its part of the vocabulary."""
+class CanonicalMaskBuild:
+    """The canonical mask built while training runs, as #92 does: in a child forked from the first rank, numpy and
+    Python only, into shared memory. The final validation waits for it (on the clock); a child that failed or died
+    leaves the build to be done then."""
+
+    def __init__(self, vocab_size: int):
+        self.rows = next_multiple_of_n(vocab_size, n=128)
+        self.ranks = gpt2_encoding()._mergeable_ranks
+        self.whole = torch.zeros(self.rows, self.rows // 8, dtype=torch.uint8).share_memory_()
+        into = self.whole.numpy()
+        self.child = os.fork()
+        if self.child == 0:
+            built = False
+            try:
+                os.closerange(3, 2**16)  # (not the run's lock or sockets: a restart must not wait for this child)
+                into[:] = canonical_mask(self.ranks, self.rows)
+                built = True
+            finally:
+                os._exit(0 if built else 1)
+
+    def result(self) -> Tensor:
+        """The mask, once the child has ended (built here if it failed)."""
+        if self.child is not None:
+            failed, self.child = os.waitpid(self.child, 0)[1] != 0, None
+            if failed:
+                self.whole.numpy()[:] = canonical_mask(self.ranks, self.rows)
+        return self.whole
+
+def set_canonical_mask(trainer: Trainer, build: CanonicalMaskBuild | None = None) -> None:
+    """Each head's canonical mask (#91) filled and switched on, for the final validation: the first rank's build
+    (CanonicalMaskBuild, else one now) broadcast; each rank keeps its part of the vocabulary."""
     rows, device = next_multiple_of_n(trainer.args.vocab_size, n=128), trainer.ctx.device
-    whole = torch.from_numpy(canonical_mask(gpt2_encoding()._mergeable_ranks, rows)).to(device) \
-        if trainer.ctx.is_master else None
+    if trainer.ctx.is_master:
+        whole = (build or CanonicalMaskBuild(trainer.args.vocab_size)).result().to(device)
+    else:
+        whole = None
     trainer.layout.set_buffers("canonical_mask", whole, (rows, rows // 8), torch.uint8)
     for head in trainer.model.modules():
         if isinstance(head, LMHead):
@@ -2337,13 +2367,14 @@ def train(args: Hyperparameters, ctx: "ParallelContext") -> float:
         if args.compile and args.warmup_steps > 0:
             warmup_and_restore(trainer, args.warmup_steps)
         run.start(trainer, notes=[fp8] if fp8 else [])  # restores the checkpoint, then opens the log
+        mask_build = CanonicalMaskBuild(args.vocab_size) if args.canonical_mask and ctx.is_master else None
         train_loader = train_batches(trainer, run.data_position)
         val_loss = float("nan")
         for step in range(run.start_step, args.num_iterations + 1):
             run.begin_step(step)
             last_step = step == args.num_iterations
             if last_step and args.canonical_mask:
-                set_canonical_mask(trainer)  # on the clock: its build is part of the run's cost
+                set_canonical_mask(trainer, mask_build)  # on the clock: the wait for its build is the run's cost
             if last_step or (args.val_loss_every > 0 and step % args.val_loss_every == 0):
                 with run.validation(step):  # untimed, after the step before is logged
                     val_loss = evaluate(trainer, step)

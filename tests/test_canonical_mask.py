@@ -1,6 +1,8 @@
 """Record #91's canonical token mask: the pairs (previous token, next token) GPT-2's tokenizer never writes. Its size
 against the count #91's own builder gives on GPT-2's ranks, each masked pair against the tokenizer itself (the two
 tokens' text re-encoded), and text the tokenizer wrote (the embedded Shakespeare) against the mask."""
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -124,3 +126,29 @@ def test_the_final_validation_is_masked_and_two_tensor_parallel_ranks_each_maski
                                                                  flags + ["--tp=2"], 1)]
     assert unmasked - masked > 1e-3, (masked, unmasked)
     assert split[0] == split[1] and abs(split[0] - masked) < 1e-5, (split, masked)
+
+
+def test_the_first_rank_builds_the_mask_in_a_child_while_training_runs_and_builds_it_itself_if_the_child_fails(
+        encoding, monkeypatch):
+    """CanonicalMaskBuild (#92's overlap): the mask comes from a forked child, through shared memory; where the child
+    fails, the final validation builds it in the rank itself. The builder stands in for the 7 s one, writing the id of
+    the process it ran in."""
+    parent = os.getpid()
+
+    def signed(rows):  # a mask whose first row holds the id of the process that made it
+        mask = np.zeros((rows, rows // 8), dtype=np.uint8)
+        mask[0, :4] = np.frombuffer(np.int32(os.getpid()).tobytes(), dtype=np.uint8)
+        return mask
+    maker = lambda build: int(build.result()[0, :4].numpy().view(np.int32)[0])
+
+    def fails_in_a_child(ranks, rows):
+        if os.getpid() != parent:
+            raise MemoryError("the child's build failed")
+        return signed(rows)
+    monkeypatch.setattr(train_gpt, "canonical_mask", lambda ranks, rows: signed(rows))
+    build = train_gpt.CanonicalMaskBuild(vocab_size=300)
+    child = build.child
+    assert child != parent and build.result().shape == (384, 48)
+    assert maker(build) == child and maker(build) == child  # (asked twice: the same)
+    monkeypatch.setattr(train_gpt, "canonical_mask", fails_in_a_child)
+    assert maker(train_gpt.CanonicalMaskBuild(vocab_size=300)) == parent
