@@ -2,6 +2,7 @@
 against the count #91's own builder gives on GPT-2's ranks, each masked pair against the tokenizer itself (the two
 tokens' text re-encoded), and text the tokenizer wrote (the embedded Shakespeare) against the mask."""
 import os
+import re
 
 import numpy as np
 import pytest
@@ -152,3 +153,20 @@ def test_the_first_rank_builds_the_mask_in_a_child_while_training_runs_and_build
     assert maker(build) == child and maker(build) == child  # (asked twice: the same)
     monkeypatch.setattr(train_gpt, "canonical_mask", fails_in_a_child)
     assert maker(train_gpt.CanonicalMaskBuild(vocab_size=300)) == parent
+
+
+def test_a_run_masks_only_its_final_validation_with_the_mask_its_child_built(packed, monkeypatch, tmp_path):
+    """train_gpt.main with --canonical_mask on the Shakespeare: the validation at step 0 is the unmasked run's, the
+    final one below it (the child's build, here the fixture's mask handed to it, arrives through shared memory)."""
+    monkeypatch.setattr(train_gpt, "canonical_mask", lambda ranks, rows: packed)
+    shards = REPO_ROOT / "data" / "shakespeare"
+    flags = ["--preset=tiny", "--num_iterations=2", "--adam_every=1", "--val_loss_every=1",
+             f"--train_files={shards}/shakespeare_train_*.bin", f"--val_files={shards}/shakespeare_val_*.bin",
+             f"--log_dir={tmp_path}"]
+    vals = {}
+    for masked in ("true", "false"):
+        train_gpt.main(flags + [f"--run_id={masked}", f"--canonical_mask={masked}"])
+        log = (tmp_path / f"{masked}.txt").read_text()
+        vals[masked] = [float(v) for v in re.findall(r"(?m)^step:\d+/2 val_loss:(\S+)", log)]
+    assert vals["true"][:2] == vals["false"][:2] and len(vals["true"]) == 3  # steps 0 and 1: no mask
+    assert vals["false"][2] - vals["true"][2] > 1e-3, vals
