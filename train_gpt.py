@@ -1187,8 +1187,6 @@ class GPT(nn.Module):
         # the FP8 scales are #89's, for its soft cap's logits
         self.lm_head = LMHead(c.model_dim, head_rows, soft_cap=c.soft_cap, use_fp8=c.fp8_head, x_s=100 / 448,
                               w_s=1.6 / 448, grad_s=0.75 / 448, canonical_mask=c.canonical_mask)
-        if c.canonical_mask:
-            gpt2_encoding()  # (refused now where GPT-2's ranks are missing, not at the run's end)
         if c.tied_embed:
             self.embed.weight.detach().normal_(std=0.005)
             self.lm_head.weight.detach().copy_(self.embed.weight)
@@ -2312,7 +2310,7 @@ def set_canonical_mask(trainer: Trainer, build: CanonicalMaskBuild | None = None
     trainer.layout.set_buffers("canonical_mask", whole, (rows, rows // 8), torch.uint8)
     for head in trainer.model.modules():
         if isinstance(head, LMHead):
-            head.masking = True
+            head.masking = head.canonical_mask is not None
 
 def forward_backward(trainer: Trainer, batches, step: int) -> Tensor:
     """Forward and backward of this rank's micro-batches of a step; their mean loss per token. Each gradient is then
@@ -3155,6 +3153,8 @@ def check_run_inputs(args: Hyperparameters, ctx: "ParallelContext") -> tuple[Pat
     on_master(check_data, args, ctx.dp.size, checkpoint)
     on_master(check_host_memory, args, ctx.device)
     on_master(check_room_for_the_run, args, checkpoint["step"] if checkpoint is not None else 0)
+    if args.canonical_mask:  # (the first rank builds it from GPT-2's ranks: refused now where they are missing)
+        on_master(gpt2_encoding)
     return resume_path, checkpoint
 
 def check_schedule_kept(args: Hyperparameters, saved: Hyperparameters, checkpoint: dict, path: Path) -> None:

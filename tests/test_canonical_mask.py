@@ -170,3 +170,15 @@ def test_a_run_masks_only_its_final_validation_with_the_mask_its_child_built(pac
         vals[masked] = [float(v) for v in re.findall(r"(?m)^step:\d+/2 val_loss:(\S+)", log)]
     assert vals["true"][:2] == vals["false"][:2] and len(vals["true"]) == 3  # steps 0 and 1: no mask
     assert vals["false"][2] - vals["true"][2] > 1e-3, vals
+
+
+def test_a_run_with_the_mask_and_no_gpt2_ranks_is_refused_before_any_step(monkeypatch, tmp_path):
+    """The first rank builds the mask from GPT-2's ranks: where they are missing the run is refused among its inputs,
+    before the model is built, its log holding no step."""
+    monkeypatch.setenv(train_gpt.GPT2_RANKS_ENV, str(tmp_path / "nowhere.tiktoken"))
+    shards = REPO_ROOT / "data" / "shakespeare"
+    flags = ["--preset=tiny", "--num_iterations=2", "--adam_every=1", "--canonical_mask=true", f"--log_dir={tmp_path}",
+             f"--train_files={shards}/shakespeare_train_*.bin", f"--val_files={shards}/shakespeare_val_*.bin"]
+    with pytest.raises(train_gpt.UserError, match=f"GPT2_TIKTOKEN_FILE names {tmp_path / 'nowhere.tiktoken'}"):
+        train_gpt.main(flags)
+    assert not list(tmp_path.glob("*.txt"))
