@@ -392,11 +392,13 @@ class CastedLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(shape).uniform_(-bound, bound))
         self.use_fp8, self.x_s, self.w_s, self.grad_s = use_fp8, x_s, w_s, grad_s
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, rows: Tensor | None = None) -> Tensor:
+        """x times the weight's transpose; with `rows`, of those rows of it only."""
+        weight = self.weight if rows is None else self.weight.index_select(0, rows)
         if self.use_fp8 and self.training:
-            out = fp8_mm(x.flatten(0, -2), self.weight, self.x_s, self.w_s, self.grad_s)[0]
+            out = fp8_mm(x.flatten(0, -2), weight, self.x_s, self.w_s, self.grad_s)[0]
             return out.reshape(*x.shape[:-1], -1)
-        return F.linear(x, self.weight.flatten(end_dim=-2).type_as(x))
+        return F.linear(x, weight.flatten(end_dim=-2).type_as(x))
 
 def rotary_frequencies(head_dim: int, long_windows: tuple[int, ...] = ()) -> tuple[Tensor, float]:
     """Half-truncated RoPE's angular frequencies (base 1024; the second half 0: those dims do not rotate) and the
@@ -987,25 +989,37 @@ class SoftCap(torch.autograd.Function):
 
 class CrossEntropy(nn.Module):
     """Cross-entropy over the vocabulary, summed over tokens; with targets (tokens, J) and weights (J,), each
-    column's weighted (a target of -1 counts nothing). A layout that splits the vocabulary hands the forward
-    `over_split`, the loss of logits that hold this rank's part of it: the model's hook, so the head stays one-device
-    code."""
+    column's weighted (a target of -1 counts nothing). With `columns`, the logits are those of these entries of the
+    vocabulary (sorted; a sampled softmax's candidates), and a target outside them counts nothing. A layout that
+    splits the vocabulary hands the forward `over_split`, the loss of logits that hold this rank's part of it: the
+    model's hook, so the head stays one-device code."""
 
-    def forward(self, logits: Tensor, targets: Tensor, weights: Tensor | None = None,
+    def forward(self, logits: Tensor, targets: Tensor, weights: Tensor | None = None, columns: Tensor | None = None,
                 over_split: Callable | None = None) -> Tensor:
         if over_split is not None:
-            return over_split(logits, targets, weights)
+            return over_split(logits, targets, weights, columns)
+        if columns is not None:
+            targets = positions_among(columns, targets)
         if weights is None:
-            return F.cross_entropy(logits, targets, reduction="sum")
+            return F.cross_entropy(logits, targets, reduction="sum", ignore_index=-1)
         picked = logits.gather(1, targets.clamp_min(0))
         return ((logits.logsumexp(-1, keepdim=True) - picked) * (targets >= 0) * weights).sum()
 
+def positions_among(columns: Tensor, ids: Tensor) -> Tensor:
+    """Each id's position among the sorted columns; -1 where it is not one of them."""
+    if not len(columns):
+        return torch.full_like(ids, -1)
+    at = torch.searchsorted(columns, ids.clamp_min(0)).clamp_max(len(columns) - 1)
+    return torch.where(columns[at] == ids, at, -1)
+
 class LMHead(CastedLinear):
     """The output layer and the loss: soft-capped logits (soft_cap: cap, shift, divisor), cross-entropy summed over
-    tokens (no targets: the logits). With canonical_mask, a buffer of bits [next token, previous token] (#91's,
-    filled by set_canonical_mask) that, once `masking`, sets the logit of each next token GPT-2's tokenizer never
-    writes after the previous one to CANONICAL_MASKED_LOGIT; by next token, so that a layout splits it with the
-    head's rows."""
+    tokens (no targets: the logits). In training with `candidates` (sorted vocabulary entries: #92's sampled
+    softmax), the logits and the loss are those of their rows only; a layout that splits the vocabulary hands the
+    head its own rows among them. With canonical_mask, a buffer of bits [next token, previous token] (#91's, filled
+    by set_canonical_mask) that, once `masking`, sets the logit of each next token GPT-2's tokenizer never writes
+    after the previous one to CANONICAL_MASKED_LOGIT; by next token, so that a layout splits it with the head's
+    rows."""
     EVAL_ROWS = 16384  # evaluated this many tokens at a time: a 262K-token sequence's fp32 logits are 53 GB
     CANONICAL_MASKED_LOGIT = -60.0  # #91's: the soft cap keeps every other logit in [0, cap]
 
@@ -1020,15 +1034,18 @@ class LMHead(CastedLinear):
         self.masking = False
 
     def forward(self, x: Tensor, targets: Tensor | None, weights: Tensor | None = None,
-                previous: Tensor | None = None) -> Tensor:
+                previous: Tensor | None = None, candidates: Tensor | None = None) -> Tensor:
         if targets is None:
             return self.logits(x)
+        if self.training and candidates is not None:
+            return self.cross_entropy(self.logits(x, candidates), targets, weights, columns=candidates)
         rows, masked = len(x) if self.training else self.EVAL_ROWS, previous is not None and self.masking
         return sum(self.summed_loss(x[i:i + rows], targets[i:i + rows], weights, previous[i:i + rows] if masked
                                     else None) for i in range(0, len(x), rows))
 
-    def logits(self, x: Tensor) -> Tensor:
-        return SoftCap.apply(super().forward(x).float(), *self.soft_cap)
+    def logits(self, x: Tensor, rows: Tensor | None = None) -> Tensor:
+        """The soft-capped logits of every row, or of these."""
+        return SoftCap.apply(super().forward(x, rows).float(), *self.soft_cap)
 
     def summed_loss(self, x: Tensor, targets: Tensor, weights: Tensor | None = None,
                     previous: Tensor | None = None) -> Tensor:
@@ -1205,10 +1222,11 @@ class GPT(nn.Module):
         self.rotary_windows = ()  # the long windows YaRN has stretched the rotary for (stretch_rotary)
 
     def forward(self, input_seq: Tensor, target_seq: Tensor | None, windows: Tensor, stream: Stream | None = None,
-                layers: range | None = None) -> Tensor | Stream:
+                layers: range | None = None, candidates: Tensor | None = None) -> Tensor | Stream:
         """(T,) tokens: the loss, summed over tokens in training and averaged in evaluation; no targets: the logits.
-        Layouts run it in parts (a pipeline stage; the layouts' trace, a layer at a time): `layers`, from the stream
-        handed in (None: from the tokens), returning the stream unless they reach the head."""
+        Training's loss is over the vocabulary's `candidates` where given (#92's sampled softmax). Layouts run it in
+        parts (a pipeline stage; the layouts' trace, a layer at a time): `layers`, from the stream handed in (None:
+        from the tokens), returning the stream unless they reach the head."""
         c = self.config
         masks = self.attention_masks(input_seq, windows)
         if stream is None:  # the embedding
@@ -1258,8 +1276,10 @@ class GPT(nn.Module):
                          mu["penultimate"] * s.penultimate, mu["value_embed"] * s.ve[c.value_embed_layers[0]][None],
                          mu["skip"] * s.skip])
         if self.training and self.loss_weights is not None and target_seq is not None:
-            return self.lm_head(norm(x)[0], self.training_targets(target_seq), self.loss_weights)
-        out = self.lm_head(norm(x)[0], target_seq, previous=None if self.training else input_seq)
+            return self.lm_head(norm(x)[0], self.training_targets(target_seq), self.loss_weights,
+                                candidates=candidates)
+        out = self.lm_head(norm(x)[0], target_seq, previous=None if self.training else input_seq,
+                           candidates=candidates)
         return out if self.training or target_seq is None else out / len(target_seq)
 
     def attention_masks(self, input_seq: Tensor, windows: Tensor) -> dict[tuple[str, int] | str, BlockMask | Tensor]:
@@ -1361,11 +1381,14 @@ class DistributedDataLoader:
     global batch goes to rank j % world_size, so every world size dividing seqs_per_batch sees the same batches;
     a batch never straddles shards. With doc_max_tokens, each sequence starts at a document and holds whole
     documents, each cut after doc_max_tokens tokens, the last cut to fill it (#26, #29, #72: no sequence begins
-    mid-document, and long documents do not crowd out the rest); otherwise the shard is read as one stream."""
+    mid-document, and long documents do not crowd out the rest); otherwise the shard is read as one stream. With
+    `candidates` (a vocabulary's rows), each micro-batch's sampled candidates (#92's sampled softmax) are
+    `self.candidates` once it is read: sequence j's from its own sweep cursor, which every rank moves for every
+    sequence, so that the cursors are one state at any world size."""
 
     def __init__(self, pattern: str, seq_len: int, seqs_per_batch: int, rank: int, world_size: int,
                  device: torch.device, flag: str = "train_files", position: dict | None = None,
-                 doc_max_tokens: int = 0):
+                 doc_max_tokens: int = 0, candidates: int = 0):
         self.files = list_shards(pattern, flag)
         for f in self.files:  # fail on a bad shard now, not hours into the run
             read_shard_header(f)
@@ -1373,16 +1396,22 @@ class DistributedDataLoader:
         self.seq_len, self.rank, self.world_size, self.device = seq_len, rank, world_size, device
         self.seqs_per_batch, self.micro_steps = seqs_per_batch, seqs_per_batch // world_size
         self.shard_index, self.offset, self.micro_step, self.tokens, self.doc_starts = 0, 0, 0, None, None
+        self.vocab_rows, self.candidate_count, self.candidates = candidates, 0, None
+        self.cursors = [candidates * j // seqs_per_batch for j in range(seqs_per_batch)]  # (#92's: spread out)
         if position is not None:
             self.shard_index, self.offset = shard_index(self.files, position, pattern), position["offset"]
+            self.cursors = position.get("negatives", self.cursors)
 
-    def set_shape(self, seq_len: int, doc_max_tokens: int) -> None:
-        """The next batches' sequence length and document cut (a staged batch's, #46), between batches."""
-        self.seq_len, self.doc_max_tokens = seq_len, doc_max_tokens
+    def set_shape(self, seq_len: int, doc_max_tokens: int, candidates: int = 0) -> None:
+        """The next batches' sequence length and document cut (a staged batch's, #46), and how many candidates
+        each micro-batch's loss is over (0: the whole vocabulary), between batches."""
+        self.seq_len, self.doc_max_tokens, self.candidate_count = seq_len, doc_max_tokens, candidates
 
     def position(self) -> dict:
-        """Where the next batch starts: a shard and a token offset in it (a document start when aligned)."""
-        return dict(shard=self.files[self.shard_index].name, offset=self.offset)
+        """Where the next batch starts: a shard and a token offset in it (a document start when aligned); with
+        candidates, each sequence's sweep cursor."""
+        return dict(shard=self.files[self.shard_index].name, offset=self.offset,
+                    **dict(negatives=self.cursors) if self.vocab_rows else {})
 
     def __iter__(self):
         return self
@@ -1390,16 +1419,25 @@ class DistributedDataLoader:
     def __next__(self) -> tuple[Tensor, Tensor]:
         if self.micro_step == 0:
             self.batch, self.next_offset = self._next_batch()
-        ranges = self.batch[self.rank + self.micro_step * self.world_size]
-        buf = torch.cat([self.tokens[start:end] for start, end in ranges]) if len(ranges) > 1 else \
-            self.tokens[ranges[0][0]:ranges[0][1]]
+            self.drawn = [sampled_candidates(self._sequence(ranges)[1:].numpy(), self.candidate_count,
+                                             self.vocab_rows, cursor)
+                          for ranges, cursor in zip(self.batch, self.cursors)] if self.candidate_count else None
+        sequence = self.rank + self.micro_step * self.world_size
+        buf = self._sequence(self.batch[sequence])
+        self.candidates = None if self.drawn is None else \
+            torch.from_numpy(self.drawn[sequence][0]).to(self.device, non_blocking=True)
         self.micro_step += 1
         if self.micro_step == self.micro_steps:
             self.micro_step, self.offset = 0, self.next_offset
+            self.cursors = self.cursors if self.drawn is None else [cursor for _, cursor in self.drawn]
         # non_blocking: the copy overlaps the host's next work; no host sync needed
         inputs = buf[:-1].to(device=self.device, dtype=torch.int32, non_blocking=True)
         targets = buf[1:].to(device=self.device, dtype=torch.int64, non_blocking=True)
         return inputs, targets
+
+    def _sequence(self, ranges: list[tuple[int, int]]) -> Tensor:
+        return torch.cat([self.tokens[start:end] for start, end in ranges]) if len(ranges) > 1 else \
+            self.tokens[ranges[0][0]:ranges[0][1]]
 
     def _next_batch(self) -> tuple[list[list[tuple[int, int]]], int]:
         """Each sequence of the batch at self.offset as the token ranges of the shard it is made of, and the offset
@@ -1426,6 +1464,29 @@ class DistributedDataLoader:
         if self.doc_max_tokens and self.doc_starts is None:
             self.doc_starts = document_starts(self.tokens.numpy())
         return self.doc_starts
+
+# #92's sampled softmax: a training micro-batch's loss is a softmax over candidate entries of the vocabulary shared by
+# its tokens, its negatives read along the sweep k x NEGATIVE_STRIDE mod rows (a prime stride: a permutation of any
+# vocabulary it does not divide), so that no draw needs a random generator and every entry is visited alike
+NEGATIVE_STRIDE = 20011
+
+def sampled_candidates(targets: np.ndarray, count: int, rows: int, cursor: int) -> tuple[np.ndarray, int]:
+    """A micro-batch's candidates, sorted, and the sweep cursor after them: every distinct target (all of them, where
+    they are more than `count`), then the negatives of the sweep's next 1.7 x need + 256 entries (#92's window) not
+    already in, until `count`; where those are too few, evenly spaced ones of every entry not in (#92's fallback)."""
+    chosen = np.zeros(rows, dtype=bool)
+    chosen[targets] = True
+    need = count - int(np.count_nonzero(chosen))
+    if need > 0:
+        read = min(rows, int(need * 1.7) + 256)
+        window = NEGATIVE_STRIDE * np.arange(cursor, cursor + read, dtype=np.int64) % rows
+        fresh = window[~chosen[window]]
+        if len(fresh) < need:
+            free = np.flatnonzero(~chosen)
+            fresh = free[::max(1, len(free) // need)]
+        chosen[fresh[:need]] = True
+        cursor = (cursor + read) % rows
+    return np.flatnonzero(chosen), cursor
 
 def document_starts(tokens: np.ndarray) -> np.ndarray:
     return np.flatnonzero(tokens == EOT_TOKEN)
@@ -1498,6 +1559,11 @@ class Hyperparameters:
                                    "down to 0 by two thirds (#88)")
     canonical_mask: bool = flag(True, "the final validation sets to -60, after the soft cap, the logit of each next "
                                       "token GPT-2's tokenizer never writes after the token before it (#91)")
+    sampled_softmax: str = flag("", "training's loss is a softmax over a set of candidate entries of the vocabulary "
+                                    "shared by a micro-batch's tokens (#92): every distinct target, topped up with "
+                                    "negatives from a fixed sweep of the vocabulary to COUNT entries from step STEP on, "
+                                    "as STEP:COUNT,... (COUNT 0: the whole vocabulary; empty: always the whole); "
+                                    "validation is over the whole; #92's: 0:10240,681:14336,965:24576,1107:0")
     bigram_rows: int = flag(50304 * 15 // 2, "rows of the bigram hash embedding (#62, #83), into which each token's "
                                              "pair with the one before is hashed (0: none)")
     trigrams: bool = flag(False, "the bigram table's second half holds each token's triple with the two before, "
@@ -1758,6 +1824,7 @@ def check_hyperparameters(args: Hyperparameters) -> None:
     need(args.top_k <= args.vocab_size, f"--top_k must be between 0 (all tokens) and --vocab_size {args.vocab_size}, "
          f"got {args.top_k}")
     need(args.cooldown_frac <= 1, f"--cooldown_frac must be in [0, 1], got {args.cooldown_frac}")
+    candidate_counts(args)
     need(args.collective_timeout < 2**31, f"--collective_timeout must be below 2**31 seconds (68 years), got "
          f"{args.collective_timeout:g}")
     need(args.extension_steps < args.num_iterations, f"{flag_value(args, 'extension_steps')} must be below "
@@ -1969,6 +2036,26 @@ def loss_weights(step: int, args: Hyperparameters) -> list[float]:
     (mtp_start, mtp_end), prefix = LOSS_STAGES[stage]["mtp"], LOSS_STAGES[stage]["prefix"]
     weights = [a + (b - a) * t for a, b in zip(mtp_start, mtp_end)][:MTP_TOKENS if args.mtp else 1]
     return weights + ([prefix[0] + (prefix[1] - prefix[0]) * t] if args.prefix_loss else [])
+
+def candidate_counts(args: Hyperparameters) -> list[tuple[int, int]]:
+    """--sampled_softmax: (first step, candidate count) pairs, the steps rising."""
+    rows, text = next_multiple_of_n(args.vocab_size, n=128), args.sampled_softmax
+    try:
+        pairs = [tuple(int(n) for n in pair.split(":")) for pair in text.split(",")] if text.strip() else []
+    except ValueError:
+        pairs = None
+    need(pairs is not None and all(len(pair) == 2 and pair[0] >= 0 and 0 <= pair[1] <= rows for pair in pairs)
+         and all(a[0] < b[0] for a, b in zip(pairs, pairs[1:])), f"{flag_value(args, 'sampled_softmax')}: expected "
+         f"STEP:COUNT pairs, the steps rising, each count between 0 (the whole vocabulary) and the head's "
+         f"{rows} rows, such as #92's '0:10240,681:14336,965:24576,1107:0', or '' for the whole vocabulary always")
+    need(not pairs or rows % NEGATIVE_STRIDE, f"--vocab_size {args.vocab_size}: the head's {rows} rows are a "
+         f"multiple of the negatives' stride {NEGATIVE_STRIDE}, whose sweep then misses entries; train without "
+         "--sampled_softmax or with another vocabulary size")
+    return pairs
+
+def candidate_count(step: int, args: Hyperparameters) -> int:
+    """How many entries of the vocabulary training's loss is over at `step` (#92's sampled softmax; 0: all)."""
+    return next((count for start, count in reversed(candidate_counts(args)) if step >= start), 0)
 
 def muon_momentum(step: int, args: Hyperparameters) -> float:
     """0.85, rising linearly to the peak over the warm-up steps, and falling back to 0.85 over the cooldown steps."""
@@ -2213,10 +2300,11 @@ class RandomBatches:
     device, the plan's)."""
 
     def __init__(self, vocab_size: int, device: torch.device):
-        self.vocab_size, self.device, self.seq_len = vocab_size, device, ATTENTION_BLOCK_SIZE
+        self.vocab_size, self.device, self.seq_len, self.candidates = vocab_size, device, ATTENTION_BLOCK_SIZE, None
 
-    def set_shape(self, seq_len: int, doc_max_tokens: int) -> None:
+    def set_shape(self, seq_len: int, doc_max_tokens: int, candidates: int = 0) -> None:
         self.seq_len = seq_len
+        self.candidates = torch.arange(candidates, device=self.device) if candidates else None  # (of that shape)
 
     def __next__(self) -> tuple[Tensor, Tensor]:
         tokens = torch.randint(0, self.vocab_size, (self.seq_len + 1,), device=self.device)
@@ -2227,7 +2315,8 @@ def train_batches(trainer: Trainer, position: dict | None = None) -> Distributed
     them: forward_backward)."""
     args, ctx = trainer.args, trainer.ctx
     return DistributedDataLoader(args.train_files, stage_seq_lens(args)[0], args.seqs_per_step, ctx.dp.rank,
-                                 ctx.dp.size, ctx.device, position=position)
+                                 ctx.dp.size, ctx.device, position=position,
+                                 candidates=next_multiple_of_n(args.vocab_size, n=128) if args.sampled_softmax else 0)
 
 def first_step_of_seq_len(args: Hyperparameters) -> dict[int, int]:
     """Each length the training sequences take, and the first step that trains at it."""
@@ -2238,13 +2327,14 @@ def first_step_of_seq_len(args: Hyperparameters) -> dict[int, int]:
     return firsts
 
 def warmup_and_restore(trainer: Trainer, steps: int) -> None:
-    """`steps` training steps on random tokens from the first step of each sequence length (torch.compile compiles
-    the model once for each), then the model and optimizers restored."""
+    """`steps` training steps on random tokens from the first step of each sequence length and of each count of a
+    sampled softmax's candidates (torch.compile compiles the model once for each shape), then the model and
+    optimizers restored."""
     initial = copy.deepcopy(dict(model=trainer.model.state_dict(),
                                  optimizers=[opt.state_dict() for opt in trainer.optimizers]))
     batches = RandomBatches(trainer.args.vocab_size, trainer.ctx.device)
-    for step in (s for first in first_step_of_seq_len(trainer.args).values()
-                 for s in range(first, min(first + steps, trainer.args.num_iterations))):
+    firsts = {*first_step_of_seq_len(trainer.args).values(), *(start for start, _ in candidate_counts(trainer.args))}
+    for step in (s for first in sorted(firsts) for s in range(first, min(first + steps, trainer.args.num_iterations))):
         forward_backward(trainer, batches, step)  # (steps on which Adam steps and steps on which it waits)
         optimizer_step(trainer, step)
     trainer.model.load_state_dict(initial["model"])
@@ -2318,20 +2408,21 @@ def forward_backward(trainer: Trainer, batches, step: int) -> Tensor:
     with the staged batch's sequences)."""
     t, gradients = trainer, trainer.layout.gradients
     seq_len, doc_max_tokens = batch_shape(step, t.args)
-    batches.set_shape(seq_len, doc_max_tokens)  # the stage's sequences (#46's staged batch)
+    # the stage's sequences (#46's staged batch), and how many candidates #92's sampled softmax scores
+    batches.set_shape(seq_len, doc_max_tokens, candidate_count(step, t.args))
     window = window_tensor(window_tokens(step, t.args), t.ctx.device)
     t.model.stretch_rotary(long_windows_so_far(step, t.args))
     if t.model.loss_weights is not None:  # (from pinned memory: a pageable copy would wait for the GPU's queue)
         weights = torch.tensor(loss_weights(step, t.args), pin_memory=t.ctx.device.type == "cuda")
         t.model.loss_weights.copy_(weights, non_blocking=True)
     gradients.hold(not adam_steps(step, t.args))  # Adam's gradients stay on each rank until the step it uses them
+    micro_batches = [(*next(batches), batches.candidates) for _ in range(t.micro_batches)]
     if t.layout.pipeline is not None:  # pipeline parallel: the stages pass the micro-batches on in their schedule
-        loss_sum = t.layout.pipeline.run_schedule(batches, window, t.micro_batches, gradients)
+        loss_sum = t.layout.pipeline.run_schedule(micro_batches, window, gradients)
     else:
         loss_sum = torch.zeros((), device=window.device)
-        for i in range(t.micro_batches):
-            inputs, targets = next(batches)
-            loss = t.model(inputs, targets, window)
+        for i, (inputs, targets, candidates) in enumerate(micro_batches):
+            loss = t.model(inputs, targets, window, candidates=candidates)
             with gradients.micro_batch(last=i == t.micro_batches - 1):  # data parallel: the last one reduces
                 (loss / t.micro_batches).backward()
             loss_sum += loss.detach()
@@ -2579,8 +2670,10 @@ def _tensors_by_name(value, depth: int = 1) -> bool:
 CHECKPOINT_FIELDS = {
     "step": ("a step count >= 0", _is_count),
     "run_id": ("text", lambda v: isinstance(v, str)),
-    "data": ("{'shard': file name, 'offset': token count >= 0}",
-             lambda v: isinstance(v, dict) and isinstance(v.get("shard"), str) and _is_count(v.get("offset"))),
+    "data": ("{'shard': file name, 'offset': token count >= 0, and with a sampled softmax 'negatives': a list of "
+             "sweep cursors >= 0}",
+             lambda v: isinstance(v, dict) and isinstance(v.get("shard"), str) and _is_count(v.get("offset")) and
+             (isinstance(v.get("negatives", []), list) and all(map(_is_count, v.get("negatives", []))))),
     "training_time_ms": ("a finite number >= 0", lambda v: type(v) in (int, float) and 0 <= v < math.inf),
     "log_bytes": ("a byte count >= 0", _is_count),
     "log_sha256": ("a hex digest", lambda v: isinstance(v, str)),
@@ -3331,6 +3424,11 @@ def check_data(args: Hyperparameters, dp: int, checkpoint: dict | None) -> None:
                         f"{args.val_files!r}): the run would train on its validation data; narrow the pattern")
     sizes = [read_shard_header(f) for f in train_files]
     position = checkpoint["data"] if checkpoint is not None else dict(shard=train_files[0].name, offset=0)
+    cursors, rows = position.get("negatives"), next_multiple_of_n(args.vocab_size, n=128)
+    need(not args.sampled_softmax or cursors is None or (len(cursors) == args.seqs_per_step and max(cursors) < rows),
+         f"the checkpoint's sampled-softmax sweep holds {len(cursors or [])} cursors below "
+         f"{max(cursors or [0]) + 1}, where this run's {flag_value(args, 'seqs_per_step')} sequences a step each take "
+         f"one below its head's {rows} rows: resume with the --seqs_per_step and --vocab_size it was saved with")
     start, needed = (checkpoint["step"] if checkpoint is not None else 0), args.num_iterations
     starts = {}  # each shard's document starts, found once
     steps, read = steps_held(args, train_files, sizes, position, start, starts)
@@ -4909,20 +5007,37 @@ def vocab_parallel_embedding(embedding: nn.Embedding, tp: Axis) -> None:
     embedding.register_forward_pre_hook(own_rows)
     embedding.register_forward_hook(summed)
 
-def vocab_parallel_cross_entropy(logits: Tensor, targets: Tensor, weights: Tensor | None, tp: Axis) -> Tensor:
-    """CrossEntropy's loss of logits split by vocabulary: never whole on any rank."""
-    n, columns = logits.size(-1), targets[:, None] if weights is None else targets  # (tokens, J)
+def vocab_parallel_cross_entropy(logits: Tensor, targets: Tensor, weights: Tensor | None, columns: Tensor | None,
+                                 tp: Axis, rows: int) -> Tensor:
+    """CrossEntropy's loss of logits split by vocabulary (this rank's `rows` of it, or its `columns` among them):
+    never whole on any rank."""
+    targets = targets[:, None] if weights is None else targets  # (tokens, J)
     with torch.no_grad():
-        top = logits.max(dim=-1).values
+        top = logits.max(dim=-1).values if logits.size(-1) else logits.new_full(logits.shape[:1], -math.inf)
         count_comm("all_reduce", top)
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=tp.group)
     shifted = logits - top[:, None]
     sum_exp = leave_region(shifted.exp().sum(dim=-1), tp, sp=False)
-    local = columns - tp.rank * n
-    inside = (local >= 0) & (local < n)
-    target_logits = shifted.gather(1, local.clamp(0, n - 1)) * inside
-    losses = (sum_exp.log()[:, None] - leave_region(target_logits, tp, sp=False)) * (columns >= 0)
+    local = targets - tp.rank * rows
+    local = torch.where((local >= 0) & (local < rows), local, -1)
+    counted = targets >= 0
+    if columns is not None:  # (a target among no rank's columns counts nothing)
+        local = positions_among(columns, local)
+        with torch.no_grad():
+            counted = (local >= 0).to(torch.int32)
+            count_comm("all_reduce", counted)
+            dist.all_reduce(counted, group=tp.group)
+            counted = counted > 0
+    inside = local >= 0  # (a rank holding none of the columns scores none of the targets)
+    target_logits = shifted.gather(1, local.clamp(0, shifted.size(-1) - 1)) * inside if shifted.size(-1) else \
+        shifted.new_zeros(local.shape)
+    losses = (sum_exp.log()[:, None] - leave_region(target_logits, tp, sp=False)) * counted
     return losses.sum() if weights is None else (losses * weights).sum()
+
+def own_candidates(candidates: Tensor, tp: Axis, rows: int) -> Tensor:
+    """This rank's rows (of `rows`, the vocabulary split by them) among a sampled softmax's candidates."""
+    local = candidates - tp.rank * rows
+    return local[(local >= 0) & (local < rows)]
 
 # The kinds of module tensor parallelism splits, each a region: attention by head, the MLP by its width. A linear
 # layer reading a region's input is column-parallel (output features split), the one writing its output
@@ -5006,12 +5121,17 @@ def tensor_parallelize(model: GPT, tp: Axis, args: Hyperparameters, trace: Model
     for name, module in model.named_modules():
         if isinstance(module, nn.Embedding) and module.weight not in whole_tables:
             vocab_parallel_embedding(module, tp)
-        if name in heads:  # the whole input enters through f; the logits stay split by vocabulary
-            module.register_forward_pre_hook(lambda m, a: (enter_region(a[0], tp, sp=False), *a[1:]))
-        if isinstance(module, CrossEntropy) and not any(name.startswith(f"{head}.") for head in whole):
-            # the loss of logits split by vocabulary
-            module.register_forward_pre_hook(lambda m, a: (*a[:2], a[2] if len(a) > 2 else None, functools.partial(
-                vocab_parallel_cross_entropy, tp=tp)))
+        if name in heads:  # the whole input enters through f; the logits stay split by vocabulary, and so do the
+            # candidates of a sampled softmax
+            rows = module.weight.size(0)
+            module.register_forward_pre_hook(lambda m, a, kw, rows=rows: (
+                (enter_region(a[0], tp, sp=False), *a[1:]),
+                {**kw, "candidates": own_candidates(kw["candidates"], tp, rows)} if kw.get("candidates") is not None
+                else kw), with_kwargs=True)
+            for loss in (m for m in module.modules() if isinstance(m, CrossEntropy)):  # the loss of logits split
+                # by vocabulary
+                loss.register_forward_pre_hook(lambda m, a, kw, rows=rows: (a, {**kw, "over_split": functools.partial(
+                    vocab_parallel_cross_entropy, tp=tp, rows=rows)}), with_kwargs=True)
     if args.sp:
         cut_stream_between_embedding_and_head(model, cut, tp, seq_len)
 
@@ -5325,10 +5445,12 @@ class PipelineStage:
         self.sends = None if self.last else trace.live_after(self.layers.stop)
         dist.barrier(group=pp.group)  # NCCL wants a group's first call to involve all its ranks
 
-    def forward(self, inputs: Tensor, targets: Tensor, window: Tensor, stream: Stream | None) -> Tensor | Stream:
+    def forward(self, inputs: Tensor, targets: Tensor, window: Tensor, stream: Stream | None,
+                candidates: Tensor | None = None) -> Tensor | Stream:
         """GPT.forward over this stage's layers: from the tokens on the first stage, through the head on the last
         (elsewhere the stream it hands on)."""
-        out = self.model(inputs, targets, window, stream=None if self.first else stream, layers=self.layers)
+        out = self.model(inputs, targets, window, stream=None if self.first else stream, layers=self.layers,
+                         candidates=candidates)
         return out if self.last else sent_on(out, self.sends)
 
     def exchange(self, seq_len: int, to_next: Stream | None = None, to_prev: list[Tensor] | None = None,
@@ -5391,17 +5513,18 @@ class PipelineStage:
         count_comm("send", *tensors)
         return [dist.P2POp(dist.isend, t.contiguous(), self.pp.global_rank(peer), self.pp.group) for t in tensors]
 
-    def run_schedule(self, batches, window: Tensor, micro_batches: int, gradients) -> Tensor:
-        """Forward and backward of the step's micro-batches; their summed loss on the last stage, zero elsewhere."""
-        batch = [next(batches) for _ in range(micro_batches)]
-        seq_len = batch[0][0].numel()
+    def run_schedule(self, batch: list[tuple], window: Tensor, gradients) -> Tensor:
+        """Forward and backward of the step's micro-batches (inputs, targets, candidates); their summed loss on the
+        last stage, zero elsewhere."""
+        micro_batches, seq_len = len(batch), batch[0][0].numel()
         loss_sum = torch.zeros((), device=window.device)
         in_flight = collections.deque()  # (stream in, output) of micro-batches forwarded and not yet backwarded
         backwards_done = 0
 
         def forward(stream_in: Stream | None) -> Stream | None:
             nonlocal loss_sum
-            out = self.forward(*batch[len(in_flight) + backwards_done], window, stream_in)
+            inputs, targets, candidates = batch[len(in_flight) + backwards_done]
+            out = self.forward(inputs, targets, window, stream_in, candidates)
             in_flight.append((stream_in, out))
             if self.last:
                 loss_sum += out.detach()

@@ -42,7 +42,10 @@ def measure(source_dir: str, steps: int, eval_tokens: int, preset_flags: list[st
                                  "--val_tokens", str(eval_tokens)], cuda=False)
     ctx = train_gpt.build_parallel_context(0, 1, torch.device("cpu"))
     seq_len = int(str(args.train_seq_len).split(",")[0])  # (the cpu preset's one length; an older file's int)
-    batches = train_gpt.DistributedDataLoader(args.train_files, seq_len, args.seqs_per_step, 0, 1, torch.device("cpu"))
+    sampled = dict(candidates=train_gpt.next_multiple_of_n(args.vocab_size, n=128)) \
+        if getattr(args, "sampled_softmax", "") else {}  # (#92's sampled softmax: the loader draws its candidates)
+    batches = train_gpt.DistributedDataLoader(args.train_files, seq_len, args.seqs_per_step, 0, 1, torch.device("cpu"),
+                                              **sampled)
     phases = dict.fromkeys(("data", "forward", "backward", "  of which float64 sums", "gradient norm",
                             "optimizer"), 0.0)
 
@@ -86,6 +89,7 @@ def measure(source_dir: str, steps: int, eval_tokens: int, preset_flags: list[st
     class TimedBatches:
         __next__ = staticmethod(timed("data", lambda: next(batches)))
         set_shape = staticmethod(lambda *shape: batches.set_shape(*shape))
+        candidates = property(lambda self: getattr(batches, "candidates", None))
     data = TimedBatches()
     losses = [train_step(data, step).item() for step in range(2)]
     for phase in phases:

@@ -84,8 +84,8 @@ FORKS = {"forks": [
         self.logit_offsets = nn.Buffer(torch.linspace(-1, 1, self.weight.size(0)), persistent=False)
         self.temperature = 1.0
 '''),
-    ('''        return SoftCap.apply(super().forward(x).float(), *self.soft_cap)''',
-     '''        logits = super().forward(x).float() + self.logit_bias + self.logit_offsets
+    ('''        return SoftCap.apply(super().forward(x, rows).float(), *self.soft_cap)''',
+     '''        logits = super().forward(x, rows).float() + self.logit_bias + self.logit_offsets
         return self.cap * torch.sigmoid((logits + 5) / (7.5 * self.temperature))'''),
     ('''        self.rotary_windows = ()  # the long windows YaRN has stretched the rotary for (stretch_rotary)
 ''', '''        self.rotary_windows = ()  # the long windows YaRN has stretched the rotary for (stretch_rotary)
@@ -138,9 +138,10 @@ FORKS = {"forks": [
 ''', '''        s = self.stream_leaves(s)
         x = s.x * self.out_scale + 0.1 * s.updates
 '''),
-    ('''            return self.lm_head(norm(x)[0], self.training_targets(target_seq), self.loss_weights)''',
-     '''            return self.lm_head(norm(x)[0], self.training_targets(target_seq), self.loss_weights) + \\
-                self.next_head(norm(x)[0, :-1], target_seq[1:])'''),
+    ('''            return self.lm_head(norm(x)[0], self.training_targets(target_seq), self.loss_weights,
+                                candidates=candidates)''',
+     '''            return self.lm_head(norm(x)[0], self.training_targets(target_seq), self.loss_weights,
+                                candidates=candidates) + self.next_head(norm(x)[0, :-1], target_seq[1:])'''),
 ]}
 
 # heads j and j + H/2 attending as one head of twice the width, their queries, keys and values concatenated (a fork

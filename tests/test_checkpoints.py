@@ -96,10 +96,11 @@ def assert_holds_adam_gradients(state: dict, held: bool):
 # held for step 4's; each in the second of the tiny run's stages (steps 3 and 4: a rotary that YaRN stretched)
 # the second: a staged batch, saved as its second stage (steps 3 and 4 of 8) starts: 256-token sequences of documents
 # cut at 256 after 128-token ones cut at 64, and the head and the embedding, one table until then, untied on step 3;
-# the matrices under ANVIL, its rails blended from step 2 (its slow momentum saved, its decay mask sent)
+# the matrices under ANVIL, its rails blended from step 2 (its slow momentum saved, its decay mask sent); #92's sampled
+# softmax, its candidates' count changing at step 2 (its sweep's cursors saved in the data position)
 @pytest.mark.parametrize("world_size, saved_at, staged", [
     (1, 4, {}), (2, 3, dict(train_seq_len="128,256,128,256", doc_max_tokens="64,256,256,256", tied_stages=1,
-                            matrix_optimizer="anvil", anvil_blend_step=2))])
+                            matrix_optimizer="anvil", anvil_blend_step=2, sampled_softmax="0:512,2:2048"))])
 def test_resumed_run_ends_bit_identical_to_the_uninterrupted_one(tmp_path, files, world_size, saved_at, staged):
     full_log = run(tmp_path, files, world_size, "full", save_every=saved_at, **staged)
     path = tmp_path / "logs" / "full" / f"step{saved_at:06d}.pt"
@@ -150,13 +151,16 @@ def assert_resumed_within_rounding(resumed: dict, reference: dict, floor_pair: t
                                        f"{multiple} x the floor {floor:.2e} (in {floor_tensor})")
 
 
-@pytest.mark.parametrize("saved_on, resumed_on, fp64_grad_sum, saved_at", [(2, 1, True, 4), (1, 2, False, 3)])
+# the first with #92's sampled softmax: each sequence's cursor of the sweep is one state at any world size
+@pytest.mark.parametrize("saved_on, resumed_on, fp64_grad_sum, saved_at, sampled", [
+    (2, 1, True, 4, "0:512"), (1, 2, False, 3, "")])
 def test_a_checkpoint_resumes_under_another_world_size(tmp_path, files, saved_on, resumed_on, fp64_grad_sum,
-                                                       saved_at):
+                                                       saved_at, sampled):
     # saved at step 3, Adam's gradients held: their average over the old ranks is all the new ones need
-    run(tmp_path, files, saved_on, "saved", True, save_every=saved_at, fp64_grad_sum=fp64_grad_sum)
-    run(tmp_path, files, resumed_on, "reference", True, save_every=STEPS, fp64_grad_sum=fp64_grad_sum)
-    log = run(tmp_path, files, resumed_on, "resumed", True, save_every=saved_at, fp64_grad_sum=fp64_grad_sum,
+    same = dict(fp64_grad_sum=fp64_grad_sum, sampled_softmax=sampled)
+    run(tmp_path, files, saved_on, "saved", True, save_every=saved_at, **same)
+    run(tmp_path, files, resumed_on, "reference", True, save_every=STEPS, **same)
+    log = run(tmp_path, files, resumed_on, "resumed", True, save_every=saved_at, **same,
               resume=tmp_path / "logs" / "saved" / f"step{saved_at:06d}.pt")
     assert f"\nresumed: step:{saved_at}/{STEPS} from " in log
     resumed, reference = checkpoint(tmp_path, "resumed", STEPS), checkpoint(tmp_path, "reference", STEPS)

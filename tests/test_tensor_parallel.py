@@ -41,12 +41,43 @@ def test_vocab_parallel_cross_entropy_equals_the_dense_one_on_one_rank_pair():
                                    atol=1e-12)
 
 
-def split_cross_entropy(rank, world_size, logits, targets, weights):
+def split_cross_entropy(rank, world_size, logits, targets, weights, candidates=None):
+    """The loss of this rank's part of the logits (of its candidates among its rows, where given) and its gradient."""
     tp = train_gpt.world_axis(rank, world_size)
-    local = train_gpt.TensorParallelSlice(1, logits.size(1), tp).cut(logits).requires_grad_()
-    loss = train_gpt.vocab_parallel_cross_entropy(local, targets, weights, tp)
+    local = train_gpt.TensorParallelSlice(1, logits.size(1), tp).cut(logits)
+    rows, columns = local.size(1), None
+    if candidates is not None:
+        columns = train_gpt.own_candidates(candidates, tp, rows)
+        local = local[:, columns]
+    local.requires_grad_()
+    loss = train_gpt.vocab_parallel_cross_entropy(local, targets, weights, columns, tp, rows)
     loss.backward()
     return loss.item(), local.grad
+
+
+def test_vocab_parallel_cross_entropy_over_candidates_spanning_the_ranks_equals_float64_restricted_to_them():
+    # #92's sampled softmax under tensor parallelism: each rank scores the candidates among its half of the 12
+    # entries; against each target column's log-softmax over the candidates written out in float64, a target outside
+    # them (the prefix column's, as #92's) or -1 counting nothing; and the gradient, rank by rank
+    torch.manual_seed(1)
+    logits = torch.randn(50, 12, dtype=torch.float64, requires_grad=True)
+    candidates = torch.tensor([0, 2, 3, 5, 7, 8, 11])  # 4 on rank 0 (of 0..5), 3 on rank 1 (of 6..11)
+    targets = candidates[torch.randint(0, 7, (50,))]
+    columns = torch.stack([targets, torch.where(torch.rand(50) < 0.3, -1, candidates[torch.randint(0, 7, (50,))]),
+                           torch.randint(0, 12, (50,))], dim=1)
+    weights = torch.tensor([1.0, 0.5, 0.25], dtype=torch.float64)
+    log_p = logits[:, candidates].log_softmax(-1)
+    at = {int(c): i for i, c in enumerate(candidates)}
+    expected = sum(-weights[j] * log_p[t, at[int(columns[t, j])]] for t in range(50) for j in range(3)
+                   if int(columns[t, j]) in at)
+    assert not torch.isin(columns[:, 2], candidates).all()  # some prefix targets outside the candidates
+    assert abs(expected.item() + (weights * logits.detach().log_softmax(-1).gather(1, columns.clamp_min(0))
+                                  * (columns >= 0)).sum().item()) > 1  # (the whole vocabulary's loss is another)
+    grad = torch.autograd.grad(expected, logits)[0]
+    results = run_on_ranks(split_cross_entropy, 2, logits.detach(), columns, weights, candidates)
+    assert results[0][0] == pytest.approx(expected.item(), rel=1e-12) and results[1][0] == results[0][0]
+    torch.testing.assert_close(torch.cat([torch.as_tensor(r[1]) for r in results], 1), grad[:, candidates],
+                               rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("world_size, flags, words", [

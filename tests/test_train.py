@@ -51,12 +51,27 @@ def test_flags_override_preset_values():
     (["--train_seq_len", "2147483520"], "--train_seq_len '2147483520': a sequence's attention block mask holds a "
      "block index for each pair of its 128-token blocks, 1 TiB of them at 67,108,864 tokens"),
     (["--val_seq_len", str(2**26 + 128), "--val_tokens", str(2**26 + 128)], "--val_seq_len 67108992: a sequence's"),
+    (["--sampled_softmax", "0:1024,x:0"], "--sampled_softmax '0:1024,x:0': expected STEP:COUNT pairs, the steps "
+     "rising, each count between 0 (the whole vocabulary) and the head's 50304 rows"),
+    (["--sampled_softmax", "5:1024,2:0"], "--sampled_softmax '5:1024,2:0': expected STEP:COUNT pairs, the steps rising"),
+    (["--sampled_softmax", "0:60000"], "--sampled_softmax '0:60000': expected STEP:COUNT pairs"),
+    (["--sampled_softmax", "0:1024", "--vocab_size", str(20011 * 128)], "--vocab_size 2561408: the head's 2561408 "
+     "rows are a multiple of the negatives' stride 20011"),
     (["--adam_every", "1000", "--num_iterations", "3"], "--adam_every 1000: Adam steps first after step 1000, past "
      "the run's --num_iterations 3 steps, so the head, the embeddings, the gates and the scalars would never train"),
 ])
 def test_bad_flag_values_are_refused_by_name(flags, words):
     with pytest.raises(train_gpt.UserError, match=re.escape(words)):
         train_gpt.parse_args(["--preset", "tiny", *flags], cuda=False)
+
+
+def test_the_sampled_softmaxs_candidate_counts_by_step_are_92s():
+    # #92's: 10,240 candidates through step 680, 14,336 from 681, 24,576 from 965, the whole vocabulary from 1107
+    args = train_gpt.Hyperparameters(num_iterations=1194, sampled_softmax="0:10240,681:14336,965:24576,1107:0")
+    counts = {0: 10240, 680: 10240, 681: 14336, 964: 14336, 965: 24576, 1106: 24576, 1107: 0, 1193: 0}
+    assert {step: train_gpt.candidate_count(step, args) for step in counts} == counts
+    assert train_gpt.candidate_count(0, train_gpt.Hyperparameters(sampled_softmax="3:512")) == 0  # (before it: all)
+    assert train_gpt.candidate_count(500, train_gpt.Hyperparameters()) == 0  # (the record preset's: all)
 
 
 def test_schedules_at_hand_computed_points():
