@@ -5096,7 +5096,7 @@ def tensor_parallelize(model: GPT, tp: Axis, args: Hyperparameters, trace: Model
         for name, b in list(head.named_buffers(recurse=False)):
             if rows in b.shape:
                 how = TensorParallelSlice(b.shape.index(rows), rows, tp)
-                part = how.cut(b)
+                part = how.cut(b).clone()  # (a storage of its own, as a parameter's slice)
                 part.slice_of = how  # (own_slice: a buffer filled later takes this rank's part of the whole)
                 setattr(head, name, part)
     seq_len = [0]  # of the forward under way (a later pipeline stage receives shards: the tokens tell the length)
@@ -5615,8 +5615,8 @@ class SavedActivations(torch.autograd.graph.saved_tensors_hooks):
             self.bytes -= size
 
 def account_step(trainer: Trainer, batches, step: int = 0) -> dict:
-    """One training step with the bytes this rank held (parameters and their peak, gradients, float64 sums,
-    optimizer states, activations) and handed to each collective."""
+    """One training step with the bytes this rank held (parameters and their peak, buffers, gradients, float64
+    sums, optimizer states, activations) and handed to each collective."""
     comm_bytes.clear()
     saved = SavedActivations(trainer.model, batch_shape(step, trainer.args)[0])
     with saved:
@@ -5628,6 +5628,7 @@ def account_step(trainer: Trainer, batches, step: int = 0) -> dict:
     optimizer_step(trainer, step)
     held.update(parameters=sum(p.untyped_storage().nbytes() for p in params),
                 peak_parameters=trainer.layout.zero.peak_parameter_bytes(trainer.model),
+                buffers=sum(b.untyped_storage().nbytes() for b in trainer.model.buffers()),
                 optimizer_states=sum(nbytes(t) for opt in trainer.optimizers for state in opt.state.values()
                                      for t in state.values()),
                 comm=dict(comm_bytes), loss=loss)
@@ -5635,16 +5636,22 @@ def account_step(trainer: Trainer, batches, step: int = 0) -> dict:
 
 def accounted_steps(args: Hyperparameters) -> list[int]:
     """The steps the plan runs, in order: from the first at the longest sequences, one that holds Adam's gradients
-    (each rank keeps them whole), then one on which Adam steps (the most sent); and where the head and the embedding
-    start tied and pipeline stages hold them apart, the step that unties them (the most the tie sends: the
-    embedding's gradient, the head's values and its Adam state). A run whose last steps are too few for Adam's next
-    step (as #89's last) has none there."""
+    (each rank keeps them whole), then one on which Adam steps (the most sent); where a sampled softmax scores fewer
+    rows there, the first step whose head scores the most logits; and where the head and the embedding start tied
+    and pipeline stages hold them apart, the step that unties them (the most the tie sends: the embedding's
+    gradient, the head's values and its Adam state). A run whose last steps are too few for Adam's next step (as
+    #89's last) has none there."""
     firsts = first_step_of_seq_len(args)
     first = firsts[max(firsts)]
     held = [s for s in (first, first + 1) if s < args.num_iterations and not adam_steps(s, args)][:1]
     steps = held + [s for s in [next_adam_step(held[0] if held else first, args)] if s < args.num_iterations]
     untie = last_tied_step(args)
-    return sorted({*steps, untie}) if 0 <= untie < args.num_iterations and args.pp > 1 else steps
+    extra = {untie} if 0 <= untie < args.num_iterations and args.pp > 1 else set()
+    rows = next_multiple_of_n(args.vocab_size, n=128)  # (the head's largest step: its shape changes only at these)
+    starts = sorted({*firsts.values(), *(s for s, _ in candidate_counts(args) if s < args.num_iterations)})
+    largest_head = max(starts, key=lambda s: batch_shape(s, args)[0] * (candidate_count(s, args) or rows))
+    extra |= {largest_head} if candidate_count(first, args) else set()
+    return sorted({*steps, *extra}) if extra else steps
 
 def most_held(accounts: list[dict]) -> dict:
     """account_step's figures of accounted_steps, as the plan shows them: each byte count, and each collective's,
@@ -5717,7 +5724,7 @@ MEMORY_HEADROOM = 0.95  # of the free memory a plan may fill: the allocator's fr
 
 def planned_peak(args: Hyperparameters, world_size: int) -> int:
     """The largest per-rank bytes of a CUDA run's plan."""
-    kinds = ("peak_parameters", "gradients", "optimizer_states", "gradient_sums", "activations")
+    kinds = ("peak_parameters", "buffers", "gradients", "optimizer_states", "gradient_sums", "activations")
     return max(sum(rank[kind] for kind in kinds) for rank in plan_layout(args, world_size, cuda=True)["ranks"])
 
 def check_memory(args: Hyperparameters, world_size: int, free_bytes: int) -> None:
@@ -5746,16 +5753,18 @@ def check_memory(args: Hyperparameters, world_size: int, free_bytes: int) -> Non
 
 def format_plan(plan: dict) -> str:
     mib, psi = 2 ** 20, plan["num_params"]
-    memory = ("parameters", "peak_parameters", "gradients", "optimizer_states", "gradient_sums", "activations")
+    memory = ("parameters", "peak_parameters", "buffers", "gradients", "optimizer_states", "gradient_sums",
+              "activations")
     lines = [f"plan: preset {plan['preset']}, {plan['world_size']} processes = pipeline {plan['pp']} x data parallel "
              f"{plan['dp']} x tensor parallel {plan['tp']}, ZeRO stage {plan['zero']}, {plan['grad_accum_steps']} "
              f"micro-batches per rank per step, {psi:,} parameters",
-             "rank stage  parameters  (peak)  gradients  optimizer  grad sums  activations (est.)    total   [MiB]"
+             "rank stage  parameters  (peak)  buffers  gradients  optimizer  grad sums  activations (est.)    total   "
+             "[MiB]"
              + ("   (activations of a compiled step)" if plan["compiled"] else "")]
     for rank, r in enumerate(plan["ranks"]):
         values = [r[kind] / mib for kind in memory]
-        lines.append(f"{rank:4d} {r['stage']:5d}  {values[0]:10.1f} {values[1]:7.1f} {values[2]:10.1f} "
-                     f"{values[3]:10.1f} {values[4]:10.1f} {values[5]:19.1f} {sum(values[1:]):8.1f}")
+        lines.append(f"{rank:4d} {r['stage']:5d}  {values[0]:10.1f} {values[1]:7.1f} {values[2]:8.1f} "
+                     f"{values[3]:10.1f} {values[4]:10.1f} {values[5]:10.1f} {values[6]:19.1f} {sum(values[1:]):8.1f}")
     lines.append("collectives per training step, bytes handed over per rank (table_*: the embedding tables' gradients, "
                  "at most: each lookup taken for a row of its own):")
     for rank, r in enumerate(plan["ranks"]):

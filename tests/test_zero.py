@@ -109,3 +109,19 @@ def test_the_plan_counts_adams_gradients_held_whole_on_every_rank(files):
     padding = rows_padding(args, 2)[1]  # (each rank's rows of the tables: held whole, or its rows padded)
     assert adam_bytes > 0 and sum(held) == sum(owned) - padding + adam_bytes  # each of Adam's on both ranks, not one
 
+
+
+def test_the_plan_counts_buffers_and_a_sampled_softmaxs_largest_head(files):
+    # the canonical mask's bits: 50,304 next tokens x 50,304 / 8 bytes on one process, half of its rows on each of two
+    # tensor-parallel ranks; the head's largest step: a sampled softmax scoring 512 rows until step 5 and every row from
+    # step 6 (the plan's steps 4 and 5 hold Adam's gradients and step: sampled) plans the whole head's activations, one
+    # never scoring every row fewer
+    def plan(world_size=1, **flags):
+        args = train_gpt.parse_args(tiny_flags(files, fp64_grad_sum=False, num_iterations=8,
+                                               train_seq_len="128,256,256,256", **flags), cuda=False)
+        return train_gpt.plan_layout(args, world_size, cuda=False)["ranks"]
+    plain, masked, split = plan()[0], plan(canonical_mask=True)[0], plan(2, canonical_mask=True, tp=2)
+    assert masked["buffers"] - plain["buffers"] == 50304 * 50304 // 8
+    assert [rank["buffers"] - plan(2, tp=2)[0]["buffers"] for rank in split] == [50304 * 50304 // 16] * 2
+    late_whole, always_sampled = plan(sampled_softmax="0:512,6:0")[0], plan(sampled_softmax="0:512")[0]
+    assert late_whole["activations"] == plain["activations"] > always_sampled["activations"]
