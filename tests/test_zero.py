@@ -9,7 +9,7 @@ import pytest
 import train_gpt
 from train_gpt import run_on_ranks
 from layouts import LAYOUT_TEST_FLAGS, assert_sends_what_the_plan_says
-from synthetic import tiny_flags
+from synthetic import TWO_LAYERS, tiny_flags
 from test_checkpoints import main_on_rank
 
 
@@ -118,7 +118,7 @@ def test_the_plan_counts_buffers_and_a_sampled_softmaxs_largest_head(files):
     # never scoring every row fewer
     def plan(world_size=1, **flags):
         args = train_gpt.parse_args(tiny_flags(files, fp64_grad_sum=False, num_iterations=8,
-                                               train_seq_len="128,256,256,256", **flags), cuda=False)
+                                               train_seq_len="128,256,256,256", **flags) + TWO_LAYERS, cuda=False)
         return train_gpt.plan_layout(args, world_size, cuda=False)["ranks"]
     plain, masked = plan()[0], plan(canonical_mask=True)[0]
     split, split_plain = plan(2, canonical_mask=True, tp=2), plan(2, tp=2)[0]
