@@ -400,36 +400,43 @@ class CastedLinear(nn.Module):
             return out.reshape(*x.shape[:-1], -1)
         return F.linear(x, weight.flatten(end_dim=-2).type_as(x))
 
-def rotary_frequencies(head_dim: int, long_windows: tuple[int, ...] = ()) -> tuple[Tensor, float]:
-    """Half-truncated RoPE's angular frequencies (base 1024; the second half 0: those dims do not rotate) and the
-    attention's scale (#89's 0.1), as YaRN (#31) leaves them after each change of the long window in `long_windows`
-    (tokens): a frequency that turned less than once (alpha) over the old window is slowed by old/new, one that turned
-    32 times (beta) or more is kept, those between in proportion; the scale grows by 0.2 ln(new/old) + 1."""
-    angular_freq = (1 / 1024) ** torch.linspace(0, 1, steps=head_dim // 4, dtype=torch.float32)
-    scale = 0.1
-    for old, new in itertools.pairwise(long_windows):
+def rotary_frequencies(head_dim: int, windows: tuple[int, ...] = (), rotating: int | None = None,
+                       scale: float = 0.1) -> tuple[Tensor, float]:
+    """RoPE's angular frequency for each pair of a head's dims: `rotating` pairs turn (base 1024), the rest are 0 and
+    those dims do not rotate (unset: half-truncated, a quarter of head_dim), and the attention's scale (#89's 0.1), as
+    YaRN (#31) leaves them after each change of the window in `windows` (tokens): a frequency that turned less than
+    once (alpha) over the old window is slowed by old/new, one that turned 32 times (beta) or more is kept, those
+    between in proportion; the scale grows by 0.2 ln(new/old) + 1."""
+    rotating = head_dim // 4 if rotating is None else rotating
+    angular_freq = (1 / 1024) ** torch.linspace(0, 1, steps=rotating, dtype=torch.float32)
+    for old, new in itertools.pairwise(windows):
         if new != old:
             turns = old * angular_freq / (2 * math.pi)
             kept = ((turns - 1) / (32 - 1)).clamp(0, 1)
             angular_freq = angular_freq * (old / new + kept * (1 - old / new))
             scale *= 0.2 * math.log(new / old) + 1
-    return torch.cat([angular_freq, angular_freq.new_zeros(head_dim // 4)]), scale
+    return torch.cat([angular_freq, angular_freq.new_zeros(head_dim // 2 - rotating)]), scale
 
 class Rotary(nn.Module):
-    """Half-truncated RoPE: only the first half of each head's dims rotate; the rest pass through. It also holds the
-    attention's scale, which YaRN retunes with the frequencies (`retune`). The angles are computed for each sequence
-    (a table of every position a layer could see is 134 MB a layer at the record's 262K-token validation)."""
+    """RoPE over the first `rotating` pairs of each head's dims (#89's heads: half of them; #92's narrow heads: all);
+    the rest pass through. It also holds the attention's scale, which YaRN retunes with the frequencies as the window
+    it `follows` (S or L) changes (GPT.stretch_rotary). The angles are computed for each sequence (a table of every
+    position a layer could see is 134 MB a layer at the record's 262K-token validation)."""
 
-    def __init__(self, head_dim: int):
+    def __init__(self, head_dim: int, rotating: int | None = None, scale: float = 0.1, follows: str = "L"):
         super().__init__()
-        angular_freq, scale = rotary_frequencies(head_dim)
+        self.shape = dict(head_dim=head_dim, rotating=rotating, scale=scale)  # (what rotary_frequencies stretches)
+        self.follows = follows
+        angular_freq, scale = rotary_frequencies(**self.shape)
         self.angular_freq = nn.Buffer(angular_freq, persistent=False)
         self.attention_scale = nn.Buffer(torch.tensor(scale), persistent=False)
         self.stationary = nn.Buffer((angular_freq == 0).repeat(2), persistent=False)  # (head_dim,): unrotated dims
 
     @torch.no_grad()
-    def retune(self, angular_freq: Tensor, scale: float) -> None:
-        """In place, so that a compiled graph holding the buffers reads the new values."""
+    def stretch(self, windows: tuple[int, ...]) -> None:
+        """As YaRN leaves it after these windows (tokens); in place, so that a compiled graph holding the buffers reads
+        the new values."""
+        angular_freq, scale = rotary_frequencies(windows=windows, **self.shape)
         self.angular_freq.copy_(angular_freq)
         self.attention_scale.fill_(scale)
 
@@ -533,26 +540,28 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask | Tensor, scale: 
     return F.scaled_dot_product_attention(q * scale, k, v, attn_mask=mask, scale=1.0)
 
 class CausalSelfAttention(nn.Module):
-    """Attention with QK-norm and half-truncated rotary; with key_offset (#49), each key's unrotated dims are the
-    previous token's, so that one layer can match what a token's predecessor was. Paired heads (#58) attend over
-    one sequence of two places per token: head h (of H) at 2t + h // (H/2) as head h mod H/2 of H/2, so that heads h
-    and h + H/2 each see both's keys (and twice the places in a window: half the tokens). #89 rotates head h at
+    """Attention with QK-norm and a rotary; with key_offset (#49), each key's unrotated dims are the previous token's,
+    so that one layer can match what a token's predecessor was. Queries and keys are qk_dim wide a head, values (and
+    each head's output) v_dim (#92's narrow heads: 64 and 128, or 64 and 64). Paired heads (#58) attend over one
+    sequence of two places per token: head h (of H) at 2t + h // (H/2) as head h mod H/2 of H/2, so that heads h and
+    h + H/2 each see both's keys (and twice the places in a window: half the tokens). #89 rotates head h at
     2t + h mod 2 (its pairs of adjacent heads), which is kept."""
 
-    def __init__(self, dim: int, num_heads: int, head_dim: int, key_offset: bool = False, zero_out: bool = True,
-                 paired: bool = False, composed: bool = False):
+    def __init__(self, dim: int, num_heads: int, qk_dim: int, v_dim: int | None = None, key_offset: bool = False,
+                 zero_out: bool = True, paired: bool = False, composed: bool = False, rotary: Rotary | None = None):
+        """v_dim unset: qk_dim; rotary unset: half-truncated at #89's scale."""
         super().__init__()
-        self.head_dim, self.key_offset = head_dim, key_offset
+        self.qk_dim, self.v_dim, self.key_offset = qk_dim, v_dim or qk_dim, key_offset
         # heads that attend together must stay on one tensor-parallel rank: it cuts each of these runs of heads alike
         self.head_groups = 2 if paired else 1
         self.head_offsets = nn.Buffer(torch.arange(num_heads) % 2.0, persistent=False) if paired else None
-        self.qk = CastedLinear(dim, num_heads * head_dim, stacked=2)
+        self.qk = CastedLinear(dim, num_heads * qk_dim, stacked=2)
         # Muon orthogonalises q and k per pair of heads (#80), each head's on its own where there is no pair
-        self.qk.muon_block_rows = head_dim * (2 if num_heads % 2 == 0 else 1)
-        self.v = CastedLinear(dim, num_heads * head_dim)
+        self.qk.muon_block_rows = qk_dim * (2 if num_heads % 2 == 0 else 1)
+        self.v = CastedLinear(dim, num_heads * self.v_dim)
         self.value_scale = nn.Parameter(torch.tensor(0.5))  # #89's 0.5 on the v weight (q and k are normed)
-        self.rotary = Rotary(head_dim)
-        self.c_proj = CastedLinear(num_heads * head_dim, dim)
+        self.rotary = rotary or Rotary(qk_dim)
+        self.c_proj = CastedLinear(num_heads * self.v_dim, dim)
         if zero_out:  # each block starts as the identity (#23's); else uniform as the other matrices (#89's, #64)
             self.c_proj.weight.detach().zero_()
         self.sum_over_heads = SumOverHeads() if composed else None
@@ -582,17 +591,17 @@ class CausalSelfAttention(nn.Module):
         (B, 2T, H/2, D): each token's two places in a row."""
         B, T = q.size(0), q.size(1)
         if self.head_groups > 1:
-            q, k, v = (t.reshape(B, self.head_groups * T, -1, self.head_dim) for t in (q, k, v))
+            q, k, v = (t.reshape(B, self.head_groups * T, -1, t.size(-1)) for t in (q, k, v))
         y = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, self.rotary.attention_scale)
-        return y.transpose(1, 2).reshape(B, T, -1, self.head_dim)
+        return y.transpose(1, 2).reshape(B, T, -1, self.v_dim)
 
     def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The queries, keys and values of x, (B, T, H, D) each (T: the whole sequence's, where x is a sequence-
         parallel shard)."""
         qk = self.qk(x)
         B, T = qk.size(0), qk.size(1)
-        q, k = qk.view(B, T, 2, -1, self.head_dim).unbind(2)
-        return q, k, self.v(x).view(B, T, -1, self.head_dim)
+        q, k = qk.view(B, T, 2, -1, self.qk_dim).unbind(2)
+        return q, k, self.v(x).view(B, T, -1, self.v_dim)
 
     def compose(self, y: Tensor, q: Tensor, k: Tensor, v: Tensor, dc_mix: Tensor | None, dc_weight: Tensor | None,
                 banded: Tensor | None) -> Tensor:
@@ -609,14 +618,14 @@ class CausalSelfAttention(nn.Module):
         B, T, H, D = q.shape
         n, C = banded.shape[:2]
 
-        def with_chunk_before(t: Tensor) -> Tensor:  # (B, n, 2C, H, D)
-            t = t.view(B, n, C, H, D)
+        def with_chunk_before(t: Tensor) -> Tensor:  # (B, n, 2C, H, D or v's)
+            t = t.view(B, n, C, H, -1)
             return torch.cat([torch.cat([torch.zeros_like(t[:, :1]), t[:, :-1]], dim=1), t], dim=2)
         scores = torch.einsum("bnqhd,bnkhd->bnhqk", (q * self.rotary.attention_scale).float().view(B, n, C, H, D),
                               with_chunk_before(k).float())
         attn = scores.masked_fill(~banded[:, None], float("-inf")).softmax(-1)
         mixed = self.sum_over_heads(torch.einsum("bnqh,bnhqk->bnqk", mix.float().view(B, n, C, H), attn))
-        return torch.einsum("bnqk,bnkhd->bnqhd", mixed.type_as(v), with_chunk_before(v)).reshape(B, T, H, D)
+        return torch.einsum("bnqk,bnkhd->bnqhd", mixed.type_as(v), with_chunk_before(v)).reshape(B, T, H, -1)
 
     def values(self, v: Tensor, ve: Tensor | None) -> Tensor:
         """v (B, T, H, D) scaled, plus the layer's gated value embedding (T, H x D) where it has one."""
@@ -630,10 +639,10 @@ class SumOverHeads(nn.Module):
         return x
 
 class MLP(nn.Module):
-    def __init__(self, dim: int):
+    def __init__(self, dim: int, hidden: int):
         super().__init__()
-        self.c_fc = CastedLinear(dim, 4 * dim)
-        self.c_proj = CastedLinear(4 * dim, dim)
+        self.c_fc = CastedLinear(dim, hidden)
+        self.c_proj = CastedLinear(hidden, dim)
         self.c_proj.weight.detach().zero_()
 
     def forward(self, x: Tensor) -> Tensor:
@@ -749,12 +758,14 @@ class GateNetwork(nn.Module):
         return {layer: {name: next(parts) for name in widths} for layer, widths in self.widths.items()}
 
 class SublayerScales(nn.Module):
-    """A sublayer's learned scales of the residual and of its output (#45). Adam trains each apart from the other
-    scalars, as its recipe has it (#89: both with betas (0.9, 0.95), the output's at a fifth of the scalars' lr)."""
+    """A sublayer's learned scales of the residual and of its output (#45; none where the sublayer is gone, as #92's
+    layer 7 keeps its scales of the residual). Adam trains each apart from the other scalars, as its recipe has it
+    (#89: both with betas (0.9, 0.95), the output's at a fifth of the scalars' lr)."""
 
-    def __init__(self, residual: float, output: float):
+    def __init__(self, residual: float, output: float | None):
         super().__init__()
-        self.residual, self.output = nn.Parameter(torch.tensor(residual)), nn.Parameter(torch.tensor(output))
+        self.residual = nn.Parameter(torch.tensor(residual))
+        self.output = None if output is None else nn.Parameter(torch.tensor(output))
 
 VALUE_GATE_CHANNELS = 6  # a value embedding's gate reads this many channels of attention's input and of the embedding
 VALUE_GATE_LANES = 2  # a dense layer's value-embedding gate: one per-token coefficient for each half of the heads
@@ -778,6 +789,9 @@ class LayerConfig:
     xsa: bool = False  # each head's output loses a learned share along its own value (#82)
     output_gate: bool = False  # per-token gates on each head's output (#28, #85)
     composed: bool = False  # DC-MHA's composition of heads after the softmax (#85)
+    narrow_qk: bool = False  # queries and keys half a head wide, rotating in every dim (#92)
+    narrow_v: bool = False  # values, and each head's output, half a head wide (#92)
+    mlps: int = 1  # MLPs side by side, each reading the same input (#92: none in its layer 7, two in its layer 8)
     gate_network: bool = False  # a gate network reads the stream entering it, for it and the layers up to the next
     gated: bool = False  # its coefficients (x0's share, the skip's gate, XSA, the output gates) a gate network's
     bigram: str | None = None  # where the bigram embedding joins: its "input" (the first layer), its attention's
@@ -805,6 +819,14 @@ class ModelConfig:
     tied_embed: bool = False  # the head and the token embedding start as one table (#51)
     zero_attention_out: bool = True  # attention's output projection starts at zero (#23's; #89's: uniform)
     soft_cap: tuple[float, float, float] = RECORD_SOFT_CAP  # the logits' C x sigmoid((logits + S) / D)
+    mlp_hidden: int = 0  # the MLP's hidden width (0: 4 x model_dim)
+    attention_scales: tuple[float, float] = (0.1, 0.1)  # of full-width and narrow queries, before YaRN
+    rotary_follows_own_window: bool = False  # YaRN stretches a layer's rotary for its own window (#92); else the long
+
+    def head_dims(self, i: int) -> tuple[int, int]:
+        """Layer i's width of a head's queries and keys, and of its values."""
+        layer = self.layers[i]
+        return self.head_dim // (1 + layer.narrow_qk), self.head_dim // (1 + layer.narrow_v)
 
     @property
     def num_layers(self) -> int:
@@ -821,14 +843,15 @@ class ModelConfig:
 
     def table(self) -> str:
         """The layer stack, a row a layer, and what joins the layers."""
-        columns = ("attention", "window", "heads", "value embed", "XSA", "output gate", "DC-MHA", "gate network",
-                   "bigram")
+        columns = ("attention", "window", "heads qk/v", "value embed", "XSA", "output gate", "DC-MHA", "MLPs",
+                   "gate network", "bigram")
         def mark(on: bool, text: str = "yes") -> str:
             return text if on else "-"
         rows = [(str(i), mark(l.attention), mark(l.attention, l.window + " offset" * l.key_offset),
-                 mark(l.attention, "paired" if l.paired else "single"), mark(l.value_embed), mark(l.xsa),
-                 mark(l.output_gate), mark(l.composed), "reads" if l.gate_network else mark(l.gated, "served"),
-                 l.bigram or "-") for i, l in enumerate(self.layers)]
+                 mark(l.attention, ("paired " if l.paired else "single ") + "%d/%d" % self.head_dims(i)),
+                 mark(l.value_embed), mark(l.xsa), mark(l.output_gate), mark(l.composed), str(l.mlps),
+                 "reads" if l.gate_network else mark(l.gated, "served"), l.bigram or "-")
+                for i, l in enumerate(self.layers)]
         widths = [max(map(len, column)) for column in zip(("layer", *columns), *rows)]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
                  for row in [("layer", *columns), *rows]]
@@ -872,15 +895,23 @@ class Block(nn.Module):
     def __init__(self, config: ModelConfig, i: int):
         super().__init__()
         layer, dim, num_heads = config.layers[i], config.model_dim, config.num_heads
+        self.num_heads = num_heads
         dense_sources = MUDD_SOURCES if i == config.dense_layer else 0
         takes_skip = config.skip is not None and i == config.skip[1]
-        self.attn = CausalSelfAttention(dim, num_heads, config.head_dim, layer.key_offset, config.zero_attention_out,
-                                        layer.paired, layer.composed) if layer.attention else None
+        qk_dim, v_dim = config.head_dims(i)
+        # the rotary turns as many pairs of dims as a full head's half (#92's narrow heads: all of theirs)
+        rotary = Rotary(qk_dim, config.head_dim // 4, config.attention_scales[layer.narrow_qk],
+                        layer.window if config.rotary_follows_own_window else "L")
+        self.attn = CausalSelfAttention(dim, num_heads, qk_dim, v_dim, layer.key_offset, config.zero_attention_out,
+                                        layer.paired, layer.composed, rotary) if layer.attention else None
         self.value_gate = Gate(2 * VALUE_GATE_CHANNELS, num_heads) if layer.value_embed and not dense_sources else None
-        self.mlp = MLP(dim)
+        hidden = config.mlp_hidden or 4 * dim
+        self.mlp = MLP(dim, hidden) if layer.mlps else None
+        self.second_mlp = MLP(dim, hidden) if layer.mlps == 2 else None  # (#92's layer 8)
         # each sublayer's scales of the residual and of its output, as #89 starts them: learned, or a dense layer's
         # per token
-        scales = dict(attn_scales=(1.1 ** 0.5, 1.0) if layer.attention else None, mlp_scales=(1.1 ** 0.5, 1.0))
+        scales = dict(attn_scales=(1.1 ** 0.5, 1.0) if layer.attention else None,
+                      mlp_scales=(1.1 ** 0.5, 1.0 if layer.mlps else None))
         for name, start in scales.items():
             setattr(self, name, SublayerScales(*start) if start and not dense_sources else None)
         self.skip_gate = nn.Parameter(torch.tensor(SKIP_SCALE_START if layer.gated else SKIP_GATE_START)) \
@@ -927,7 +958,11 @@ class Block(nn.Module):
             if bigram is not None:
                 x = x + self.share("bigram", gates) * bigram
         residual, output = self.scales("mlp_scales", gates)
-        return residual * x + output * self.mlp(norm(x))
+        if self.mlp is None:  # (#92's layer 7: its residual scaled, nothing added)
+            return residual * x
+        read = norm(x)
+        return residual * x + output * (self.mlp(read) if self.second_mlp is None else
+                                        self.mlp(read) + self.second_mlp(read))
 
     def attend(self, read: Tensor, value_input: Tensor | None, mask: BlockMask | Tensor, gates: dict[str, Tensor],
                banded: Tensor | None, **for_attention) -> Tensor:
@@ -964,11 +999,12 @@ class Block(nn.Module):
             return dense_value
         if "value_gate" in gates:  # (the whole embedding's heads: a tensor-parallel rank's are split off later)
             lanes = gates["value_gate"]
-            gate = lanes.repeat_interleave(ve.size(-1) // self.attn.head_dim // lanes.size(-1), dim=-1)
+            gate = lanes.repeat_interleave(self.num_heads // lanes.size(-1), dim=-1)
         else:
             n = VALUE_GATE_CHANNELS
             gate = 2 * torch.sigmoid(self.value_gate(torch.cat([read[..., :n], ve[None, :, :n]], dim=-1)))  # (1, T, H)
-        gated = (gate[..., None] * ve.unflatten(-1, (gate.size(-1), -1))).flatten(-2)
+        # each head's part of the embedding, or of narrow values (#92's) the first dims of it
+        gated = (gate[..., None] * ve.unflatten(-1, (self.num_heads, -1))[..., :self.attn.v_dim]).flatten(-2)
         return gated if dense_value is None else gated + dense_value
 
 class SoftCap(torch.autograd.Function):
@@ -1219,7 +1255,7 @@ class GPT(nn.Module):
         # where the stream enters the blocks and leaves them: identities a layout may hook (sequence parallelism cuts
         # the stream between them)
         self.stream_enters, self.stream_leaves = nn.Identity(), nn.Identity()
-        self.rotary_windows = ()  # the long windows YaRN has stretched the rotary for (stretch_rotary)
+        self.rotary_windows = ()  # the windows YaRN has stretched the rotaries for (stretch_rotary)
 
     def forward(self, input_seq: Tensor, target_seq: Tensor | None, windows: Tensor, stream: Stream | None = None,
                 layers: range | None = None, candidates: Tensor | None = None) -> Tensor | Stream:
@@ -1294,12 +1330,13 @@ class GPT(nn.Module):
             masks["banded"] = banded_mask(input_seq, DC_WINDOW)
         return masks
 
-    def stretch_rotary(self, long_windows: tuple[int, ...]) -> None:
-        """Every rotary as YaRN leaves it after the long windows so far (tokens, one per stage reached)."""
-        if long_windows != self.rotary_windows:
+    def stretch_rotary(self, windows: tuple[tuple[int, int], ...]) -> None:
+        """Every rotary as YaRN leaves it after the windows so far (each stage's short and long window reached, in
+        tokens): the short ones' or the long ones', as it follows."""
+        if windows != self.rotary_windows:
             for rotary in (m for m in self.modules() if isinstance(m, Rotary)):
-                rotary.retune(*rotary_frequencies(rotary.stationary.numel(), long_windows))
-            self.rotary_windows = long_windows
+                rotary.stretch(tuple(pair["SL".index(rotary.follows)] for pair in windows))
+            self.rotary_windows = windows
 
     def training_targets(self, target_seq: Tensor) -> Tensor:
         """(T, J): each position's next token, the later ones it also predicts (-1 past the sequence) and its next
@@ -1551,6 +1588,20 @@ class Hyperparameters:
     paired_head_layers: str = flag("0,2,5,9", "layers whose heads attend in pairs, h with h + num_heads/2, each "
                                               "seeing both's keys over one sequence with each token's two places "
                                               "in a row, the window counted in places (#58)")
+    narrow_qk_layers: str = flag("", "layers whose heads' queries and keys are half --head_dim wide, rotating in every "
+                                     "dim (#92's 0,1,2,5,8)")
+    narrow_v_layers: str = flag("", "layers whose heads' values, and outputs, are half --head_dim wide, taking the "
+                                    "first half of each head's part of a value embedding (#92's 1,8)")
+    attention_scale: float = flag(0.1, "attention's scale of full-width queries, before YaRN (#89's 0.1; #92's 0.085)")
+    narrow_attention_scale: float = flag(0.1, "attention's scale of narrow queries (--narrow_qk_layers), before YaRN "
+                                              "(#92's 0.13)")
+    rotary_follows: str = flag("long", "YaRN stretches each layer's rotary, and scales its attention, at changes of "
+                                       "the long window (#89's) or of the layer's own window (#92's)",
+                               choices=("long", "own"))
+    mlp_hidden: int = flag(0, "the MLP's hidden width (0: 4 x --model_dim, #89's 3072; #92's 2816)")
+    mlp_free_layers: str = flag("", "layers without an MLP, keeping its scale of the residual (#92's 7)")
+    double_mlp_layers: str = flag("", "layers with a second MLP beside the first, reading the same input, their "
+                                      "outputs summed (#92's 8)")
     mtp: bool = flag(True, f"training also predicts from each position the {MTP_TOKENS - 1} tokens after the next, "
                            "on the same logits, at weights that #89's schedule takes to 0 by two thirds of the run "
                            "(#53)")
@@ -1757,7 +1808,11 @@ LAYER_FLAGS = {"attention_free_layers": (None, "comma-separated layer indices su
                "xsa_layers": (None, "comma-separated layer indices such as '1,3,4,7', or '' for none"),
                "output_gate_layers": (None, "comma-separated layer indices such as '3,10', or '' for none"),
                "dc_layers": (None, "comma-separated layer indices such as '10', or '' for none"),
-               "paired_head_layers": (None, "comma-separated layer indices such as '0,2,5,9', or '' for none")}
+               "paired_head_layers": (None, "comma-separated layer indices such as '0,2,5,9', or '' for none"),
+               "narrow_qk_layers": (None, "comma-separated layer indices such as '0,1,2,5,8', or '' for none"),
+               "narrow_v_layers": (None, "comma-separated layer indices such as '1,8', or '' for none"),
+               "mlp_free_layers": (None, "comma-separated layer indices such as '7', or '' for none"),
+               "double_mlp_layers": (None, "comma-separated layer indices such as '8', or '' for none")}
 
 def layer_indices(args: Hyperparameters, name: str) -> tuple[int, ...]:
     """The layers flag `name` lists, refused unless each is a layer and there are as many as the flag takes."""
@@ -1779,6 +1834,7 @@ def layer_indices(args: Hyperparameters, name: str) -> tuple[int, ...]:
 # flags that must be above zero; every other number must be at least zero, and every count below 2**31 (counts
 # become int32 tensors and indices), a seed below 2**63
 POSITIVE = {"num_layers", "num_heads", "head_dim", "model_dim", "vocab_size", "final_window_blocks", "num_iterations",
+            "attention_scale", "narrow_attention_scale",
             "adam_every", "seqs_per_step", "val_tokens", "val_seq_len", "collective_timeout", "tp",
             "pp", "max_new_tokens", "temperature", "num_samples"}
 
@@ -1869,7 +1925,9 @@ def check_hyperparameters(args: Hyperparameters) -> None:
                        ("xsa_layers", "XSA changes attention's output"), ("output_gate_layers", "an output gate "
                                                                              "scales attention's output"),
                        ("paired_head_layers", "paired heads attend together"),
-                       ("dc_layers", "DC-MHA composes attention's heads")):
+                       ("dc_layers", "DC-MHA composes attention's heads"),
+                       ("narrow_qk_layers", "it narrows attention's queries and keys"),
+                       ("narrow_v_layers", "it narrows attention's values")):
         fed = set(layer_indices(args, name)) & set(layer_indices(args, "attention_free_layers"))
         need(not fed, f"{flag_value(args, name)} names layers {sorted(fed)}, which have no attention "
              f"({flag_value(args, 'attention_free_layers')}): {what}; name layers with attention")
@@ -1890,6 +1948,14 @@ def check_hyperparameters(args: Hyperparameters) -> None:
          "false")
     need(not args.mudd or args.num_layers >= 2, "--mudd true makes the last layer dense and the head reads the one "
          "before it: use 2 or more layers, or --mudd false")
+    for name, what in (("narrow_v_layers", "its values take in model-wide states"),
+                       ("mlp_free_layers", "its MLP's scales are per-token coefficients")):
+        need(not args.mudd or args.num_layers - 1 not in layer_indices(args, name), f"{flag_value(args, name)} names "
+             f"the last layer, {args.num_layers - 1}, which --mudd true makes dense: {what}; name other layers, or use "
+             "--mudd false")
+    both = sorted(set(layer_indices(args, "mlp_free_layers")) & set(layer_indices(args, "double_mlp_layers")))
+    need(not both, f"{flag_value(args, 'mlp_free_layers')} and {flag_value(args, 'double_mlp_layers')} both name "
+         f"layers {both}: a layer has no MLP or two; name each layer in one")
     for name in ("prefix_loss", "canonical_mask"):
         need(not getattr(args, name) or args.vocab_size >= 50257, f"--{name} reads GPT-2's tokens' bytes, but "
              f"--vocab_size {args.vocab_size} is smaller than GPT-2's 50257: use --{name} false")
@@ -1915,7 +1981,7 @@ def check_world_size(args: Hyperparameters, world_size: int) -> int:
          f"the ranks form a grid of pipeline {pp} x data parallel x tensor parallel {tp}; launch a multiple of "
          f"{tp * pp} processes")
     for what, size in (("--num_heads", args.num_heads), ("--model_dim", args.model_dim),
-                       ("the MLP width (4 x --model_dim)", 4 * args.model_dim),
+                       ("the MLP width (--mlp_hidden)", args.mlp_hidden or 4 * args.model_dim),
                        ("the padded vocabulary", next_multiple_of_n(args.vocab_size, n=128))):
         need(not size % tp, f"--tp {tp} does not divide {what} ({size}): tensor parallelism splits it evenly")
     need(not (args.sp and tp == 1), "--sp shards the sequence over the tensor-parallel ranks: it needs --tp 2 or more")
@@ -2014,9 +2080,10 @@ def final_window(args: Hyperparameters) -> int:
     """--final_window_blocks in tokens."""
     return round(args.final_window_blocks * ATTENTION_BLOCK_SIZE)
 
-def long_windows_so_far(step: int, args: Hyperparameters) -> tuple[int, ...]:
-    """The long window of each stage up to `step`'s: what YaRN has stretched the rotary for (GPT.stretch_rotary)."""
-    return tuple(long for _, long in stage_windows(args)[:training_stage(step, args)[0] + 1])
+def windows_so_far(step: int, args: Hyperparameters) -> tuple[tuple[int, int], ...]:
+    """The short and long window of each stage up to `step`'s: what YaRN has stretched the rotaries for
+    (GPT.stretch_rotary)."""
+    return tuple(stage_windows(args)[:training_stage(step, args)[0] + 1])
 
 @functools.lru_cache(maxsize=8)
 def window_tensor(tokens: tuple[int, int], device: torch.device) -> Tensor:
@@ -2108,22 +2175,27 @@ def model_config(args: Hyperparameters) -> ModelConfig:
     def listed(name: str) -> set[int]:
         return set(layer_indices(args, name))
     attention_free, paired = listed("attention_free_layers"), listed("paired_head_layers")
-    gate_networks = listed("gate_network_layers")
+    gate_networks, narrow_qk = listed("gate_network_layers"), listed("narrow_qk_layers")
     layers = tuple(LayerConfig(
-        attention=i not in attention_free, window=args.window_pattern[i], paired=i in paired,
-        key_offset=args.key_offset and args.window_pattern[i] == "L" and i not in paired,
+        attention=i not in attention_free, window=args.window_pattern[i], paired=i in paired, narrow_qk=i in narrow_qk,
+        narrow_v=i in listed("narrow_v_layers"),
+        mlps=0 if i in listed("mlp_free_layers") else 2 if i in listed("double_mlp_layers") else 1,
+        key_offset=args.key_offset and args.window_pattern[i] == "L" and i not in paired and i not in narrow_qk,
         value_embed=i in listed("value_embed_layers"), xsa=i in listed("xsa_layers"),
         output_gate=i in listed("output_gate_layers"), composed=i in listed("dc_layers"),
         gate_network=i in gate_networks, gated=i >= min(gate_networks, default=args.num_layers),
         bigram=None if not args.bigram_rows else "input" if i == 0 else "output" if i not in attention_free else None)
         for i in range(args.num_layers))
     return ModelConfig(vocab_size=args.vocab_size, model_dim=args.model_dim, num_heads=args.num_heads,
-                       head_dim=args.head_dim, layers=layers, skip=layer_indices(args, "skip_layers") or None,
+                       head_dim=args.head_dim, mlp_hidden=args.mlp_hidden, layers=layers,
+                       skip=layer_indices(args, "skip_layers") or None,
                        attend_over=next(iter(layer_indices(args, "attend_over_layer")), None), mudd=args.mudd,
                        bigram_rows=args.bigram_rows, trigrams=args.trigrams, smear=args.smear, mtp=args.mtp,
                        prefix_loss=args.prefix_loss, canonical_mask=args.canonical_mask, fp8_head=args.fp8_head,
                        tied_embed=args.tied_stages > 0,
-                       zero_attention_out=args.zero_attn_out, soft_cap=soft_cap_terms(args))
+                       zero_attention_out=args.zero_attn_out, soft_cap=soft_cap_terms(args),
+                       attention_scales=(args.attention_scale, args.narrow_attention_scale),
+                       rotary_follows_own_window=args.rotary_follows == "own")
 
 def build_model(args: Hyperparameters, device: torch.device, cuda_dtypes: bool | None = None) -> GPT:
     """The one-process model, the same on every rank: built on the CPU from the seed (on meta for the plan), then
@@ -2246,9 +2318,12 @@ def build_trainer(args: Hyperparameters, ctx: "ParallelContext", cuda_dtypes: bo
     zero-initialised layers start small and random, so that no gradient is zero, or mere rounding, from the first
     step on."""
     cuda_dtypes = ctx.device.type == "cuda" if cuda_dtypes is None else cuda_dtypes
-    need(ctx.device.type != "cuda" or args.head_dim >= FLEX_MIN_HEAD_DIM, f"{flag_value(args, 'head_dim')}: "
-         f"FlexAttention's CUDA kernels take heads of {FLEX_MIN_HEAD_DIM} dims or more; on a GPU give --head_dim "
-         f"{FLEX_MIN_HEAD_DIM} or more (and --model_dim = --num_heads x --head_dim)")
+    narrow = layer_indices(args, "narrow_qk_layers") + layer_indices(args, "narrow_v_layers")
+    narrowest = args.head_dim // (2 if narrow else 1)
+    need(ctx.device.type != "cuda" or narrowest >= FLEX_MIN_HEAD_DIM, f"{flag_value(args, 'head_dim')}"
+         f"{' (halved in narrow layers)' * bool(narrow)}: FlexAttention's CUDA kernels take heads of "
+         f"{FLEX_MIN_HEAD_DIM} dims or more; on a GPU give --head_dim {FLEX_MIN_HEAD_DIM * (2 if narrow else 1)} or "
+         "more (and --model_dim = --num_heads x --head_dim)")
     torch.manual_seed(args.seed)
     model = build_model(args, torch.device("meta" if ctx.device.type == "meta" else "cpu"))
     for p in model.parameters() if nonzero_init else ():
@@ -2352,7 +2427,7 @@ def evaluate(trainer: Trainer, step: int) -> float:
     loader = DistributedDataLoader(args.val_files, args.val_seq_len, val_seqs, ctx.dp.rank, ctx.dp.size,
                                    ctx.device, flag="val_files")
     window = window_tensor(window_tokens(step, args), ctx.device)
-    trainer.model.stretch_rotary(long_windows_so_far(step, args))
+    trainer.model.stretch_rotary(windows_so_far(step, args))
     forward = trainer.model if layout.pipeline is None else layout.pipeline.forward_only
     trainer.model.eval()
     total = torch.zeros((), device=ctx.device, dtype=torch.float32)
@@ -2412,7 +2487,7 @@ def forward_backward(trainer: Trainer, batches, step: int) -> Tensor:
     # the stage's sequences (#46's staged batch), and how many candidates #92's sampled softmax scores
     batches.set_shape(seq_len, doc_max_tokens, candidate_count(step, t.args))
     window = window_tensor(window_tokens(step, t.args), t.ctx.device)
-    t.model.stretch_rotary(long_windows_so_far(step, t.args))
+    t.model.stretch_rotary(windows_so_far(step, t.args))
     if t.model.loss_weights is not None:  # (from pinned memory: a pageable copy would wait for the GPU's queue)
         weights = torch.tensor(loss_weights(step, t.args), pin_memory=t.ctx.device.type == "cuda")
         t.model.loss_weights.copy_(weights, non_blocking=True)
@@ -3689,7 +3764,7 @@ def sample_from_checkpoint(args: Hyperparameters) -> list[str]:
     run = saved_hyperparameters(state, path)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     model = build_model(run, device)
-    model.stretch_rotary(long_windows_so_far(run.num_iterations, run))
+    model.stretch_rotary(windows_so_far(run.num_iterations, run))
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as e:
@@ -3722,7 +3797,7 @@ def print_sample(trainer: "Trainer", step: int) -> None:
     args = trainer.args
     model = build_model(args, torch.device("cpu"))
     model.load_state_dict(state["model"])
-    model.stretch_rotary(long_windows_so_far(step, args))
+    model.stretch_rotary(windows_so_far(step, args))
     encoding, context = gpt2_encoding(), context_length(args)
     prompt = sampling_prompt(args, encoding, context, 0)
     tokens = generate(model, prompt, min(48, context - len(prompt)), args.temperature, args.top_k,
@@ -4892,16 +4967,16 @@ def enter_beside(x: Tensor, tp: Axis, sequence_shard: bool, runs: int, num_heads
                                 lambda grad, tp: own_sequence_shard(heads.gather(grad), tp))
     return _Conjugate.apply(x, tp, lambda t, tp: heads.cut(t), lambda grad, tp: heads.gather(grad))
 
-def per_head(t, num_heads: int, head_dim: int) -> bool:
-    """Whether an argument of a head-split region beside its input is per head: a float tensor as wide as its heads
-    together, or with one value per head (handed by position or by keyword alike)."""
-    return isinstance(t, Tensor) and t.is_floating_point() and t.ndim >= 2 and t.size(-1) in (num_heads * head_dim,
+def per_head(t, num_heads: int, v_dim: int) -> bool:
+    """Whether an argument of a head-split region beside its input is per head: a float tensor as wide as its heads'
+    values together, or with one value per head (handed by position or by keyword alike)."""
+    return isinstance(t, Tensor) and t.is_floating_point() and t.ndim >= 2 and t.size(-1) in (num_heads * v_dim,
                                                                                                num_heads)
 
-def cut_per_head(args: tuple, kwargs: dict, cut: Callable, num_heads: int, head_dim: int) -> tuple[tuple, dict]:
+def cut_per_head(args: tuple, kwargs: dict, cut: Callable, num_heads: int, v_dim: int) -> tuple[tuple, dict]:
     """A head-split region's arguments with `cut` applied to those beside its input that are per head."""
     def each(t):
-        return cut(t) if per_head(t, num_heads, head_dim) else t
+        return cut(t) if per_head(t, num_heads, v_dim) else t
     return (args[0], *map(each, args[1:])), {key: each(t) for key, t in kwargs.items()}
 
 def leave_region(x: Tensor, tp: Axis, sp: bool) -> Tensor:
@@ -5082,7 +5157,7 @@ def tensor_parallelize(model: GPT, tp: Axis, args: Hyperparameters, trace: Model
         if True in partial:
             p.register_hook(functools.partial(all_reduce_sum, tp=tp))
     if checked:  # (the plan's meta tensors have no values to check)
-        refuse_mixing_across_ranks(model, trace, regions, splits, tp.size, args.num_heads, args.head_dim)
+        refuse_mixing_across_ranks(model, trace, regions, splits, tp.size, args.num_heads)
     if args.sp:
         cut = sequence_parallel_cut(trace, regions)
         if checked:
@@ -5114,7 +5189,7 @@ def tensor_parallelize(model: GPT, tp: Axis, args: Hyperparameters, trace: Model
         if split_by(call.module) == "heads":  # the per-head tensors beside its input: this rank's heads' part
             call.module.register_forward_pre_hook(lambda m, a, kw: cut_per_head(a, kw, lambda t: enter_beside(
                 t, tp, args.sp and t.size(-2) * tp.size == seq_len[0], head_runs(m), args.num_heads), args.num_heads,
-                args.head_dim), with_kwargs=True)
+                m.v_dim), with_kwargs=True)
         call.module.register_forward_hook(lambda m, a, out: leave_region(out, tp, args.sp))
     for module in model.modules():
         if isinstance(module, SumOverHeads):  # this rank's heads' share of the sum: all-reduced, either way
@@ -5319,14 +5394,14 @@ def refuse_sequence_mixing(model: GPT, trace: ModelTrace, regions: dict, cut: li
              "without --sp")
 
 def refuse_mixing_across_ranks(model: GPT, trace: ModelTrace, regions: dict, splits: dict, tp: int,
-                               num_heads: int, head_dim: int) -> None:
+                               num_heads: int) -> None:
     """Each region run on every rank's share of its heads (or width) must sum to what it gives whole, or it mixes
     them across ranks (heads that attend in pairs, say): refused, naming the --tp that keep the parts apart."""
-    failure = region_that_mixes_ranks(trace, regions, splits, tp, num_heads, head_dim)
+    failure = region_that_mixes_ranks(trace, regions, splits, tp, num_heads)
     if failure is None:
         return
     works = [t for t in range(2, num_heads + 1) if num_heads % t == 0 and
-             region_that_mixes_ranks(trace, regions, splits, t, num_heads, head_dim) is None]
+             region_that_mixes_ranks(trace, regions, splits, t, num_heads) is None]
     region, why = failure
     raise UserError(f"tensor parallelism: {region} does not split into {tp} ranks' shares of its "
                     f"{split_by(regions[region].module)} ({why}): it mixes what they hold, and what mixes must stay on "
@@ -5334,8 +5409,8 @@ def refuse_mixing_across_ranks(model: GPT, trace: ModelTrace, regions: dict, spl
                                     f"{'s' * (len(works) == 1)} it apart" if works else
                                     "no --tp above 1 keeps it apart: train without --tp"))
 
-def region_that_mixes_ranks(trace: ModelTrace, regions: dict, splits: dict, tp: int, num_heads: int,
-                            head_dim: int) -> tuple[str, str] | None:
+def region_that_mixes_ranks(trace: ModelTrace, regions: dict, splits: dict, tp: int,
+                            num_heads: int) -> tuple[str, str] | None:
     """The first region whose ranks' shares, each run alone, do not sum to its whole output; and why. A sum over
     heads inside it (SumOverHeads) is the ranks' shares summed, as their all-reduce makes it: found by running them
     once more than there are such sums, each run handing on the sums of the run before."""
@@ -5355,7 +5430,7 @@ def region_that_mixes_ranks(trace: ModelTrace, regions: dict, splits: dict, tp: 
                         params[k]) if p in splits else params[k] for k, p in call.module.named_parameters()}
                     held.update(per_head_buffer_parts(call.module, num_heads, axis))
                     args, kwargs = cut_per_head(call.args, call.kwargs, lambda t: TensorParallelSlice(
-                        t.ndim - 1, t.size(-1), axis, runs, num_heads).cut(t), num_heads, head_dim) \
+                        t.ndim - 1, t.size(-1), axis, runs, num_heads).cut(t), num_heads, call.module.v_dim) \
                         if split_by(call.module) == "heads" else (call.args, call.kwargs)
                     shares.append([])
                     hooks = [m.register_forward_hook(functools.partial(_summed_before, seen=shares[-1], summed=summed))

@@ -184,7 +184,7 @@ def port_state_from_head(head_weights: dict[str, Tensor], model: train_gpt.GPT) 
     h = {name: t.float() for name, t in head_weights.items()}
     blocks = model.blocks
     num_layers, width = len(blocks), model.embed.weight.shape[1]
-    head_dim = next(b.attn for b in blocks if b.attn is not None).head_dim
+    head_dim = next(b.attn for b in blocks if b.attn is not None).qk_dim
     num_heads = width // head_dim
     vocab, padded = model.value_embeds["1"].weight.shape[0], h["embed.weight"].shape[0]
     scalars = h["scalars"]
@@ -304,7 +304,7 @@ def port_batches(args: train_gpt.Hyperparameters, step: int) -> list[tuple[Tenso
 def port_logits(model: train_gpt.GPT, args: train_gpt.Hyperparameters, inputs: Tensor, step: int) -> Tensor:
     """This file's training-forward logits (soft-capped, fp32) for one micro-batch of step `step` (from 1)."""
     model.train()
-    model.stretch_rotary(train_gpt.long_windows_so_far(step - 1, args))
+    model.stretch_rotary(train_gpt.windows_so_far(step - 1, args))
     return model(inputs, None, train_gpt.window_tensor(train_gpt.window_tokens(step - 1, args),
                                                       torch.device("cpu"))).float()
 

@@ -13,8 +13,8 @@ from synthetic import tiny_flags
 SHIFT = "torch.cat([torch.zeros_like({0}[:, :1]), {0}[:, :-1]], dim=1)"  # each position the previous one's vector
 
 # a learned gate on attention's output
-ATTENTION_GATE = [("""        self.mlp = MLP(dim)
-""", """        self.mlp = MLP(dim)
+ATTENTION_GATE = [("""        self.mlp = MLP(dim, hidden) if layer.mlps else None
+""", """        self.mlp = MLP(dim, hidden) if layer.mlps else None
         self.attn_gate = nn.Parameter(torch.tensor(0.7)) if layer.attention else None
 """), ("""        return self.attn(read, value_input, mask,""", """        return self.attn_gate * self.attn(read, value_input, mask,""")]
 
@@ -61,8 +61,8 @@ FORKS = {"forks": [
         q = q * self.head_temperature[:, None]
 '''),
     *ATTENTION_GATE,
-    ('''        self.mlp = MLP(dim)
-''', '''        self.mlp = MLP(dim)
+    ('''        self.mlp = MLP(dim, hidden) if layer.mlps else None
+''', '''        self.mlp = MLP(dim, hidden) if layer.mlps else None
         self.head_gate = Gate(8, num_heads) if layer.attention else None
 '''),
     ('''                         gates.get("dc_weight"), banded, **for_attention)''',
@@ -71,9 +71,9 @@ FORKS = {"forks": [
         if dense is not None:''', '''        block_input = x
         dense_value = None
         if dense is not None:'''),
-    ('''        residual, output = self.scales("mlp_scales", gates)
-        return residual * x + output * self.mlp(norm(x))''', '''        residual, output = self.scales("mlp_scales", gates)
-        out = residual * x + output * self.mlp(norm(x))
+    ('''        return residual * x + output * (self.mlp(read) if self.second_mlp is None else
+                                        self.mlp(read) + self.second_mlp(read))''', '''        out = residual * x + output * (self.mlp(read) if self.second_mlp is None else
+                                       self.mlp(read) + self.second_mlp(read))
         return out, out - block_input'''),
     ('''        self.soft_cap = soft_cap
         self.cross_entropy = CrossEntropy()
@@ -87,8 +87,8 @@ FORKS = {"forks": [
     ('''        return SoftCap.apply(super().forward(x, rows).float(), *self.soft_cap)''',
      '''        logits = super().forward(x, rows).float() + self.logit_bias + self.logit_offsets
         return self.cap * torch.sigmoid((logits + 5) / (7.5 * self.temperature))'''),
-    ('''        self.rotary_windows = ()  # the long windows YaRN has stretched the rotary for (stretch_rotary)
-''', '''        self.rotary_windows = ()  # the long windows YaRN has stretched the rotary for (stretch_rotary)
+    ('''        self.rotary_windows = ()  # the windows YaRN has stretched the rotaries for (stretch_rotary)
+''', '''        self.rotary_windows = ()  # the windows YaRN has stretched the rotaries for (stretch_rotary)
         self.layer_gains = nn.Parameter(torch.linspace(0.8, 1.2, c.num_layers))
         self.pair_embed = nn.Embedding(2**16, c.model_dim)
         self.smear_gate = CastedLinear(12, 1)
@@ -164,10 +164,10 @@ FORKS["bank_in_pairs"] = [NO_PAIRED_HEADS, *ATTENTION_GATE, ('''        self.sum
 ''', '''                banded: Tensor | None = None, qkv: Tensor | None = None) -> Tensor:
 '''), ('''        q, k, v = self.project(x)
         B, T = q.size(0), q.size(1)  # B == 1: masks are per sequence
-''', '''        q, k, v = F.linear(x, qkv.flatten(end_dim=-2)).view(*x.shape[:2], 3, -1, self.head_dim).unbind(2)
+''', '''        q, k, v = F.linear(x, qkv.flatten(end_dim=-2)).view(*x.shape[:2], 3, -1, self.qk_dim).unbind(2)
         B, T = q.size(0), q.size(1)  # B == 1: masks are per sequence
-''' + PAIRS), ('''        self.rotary_windows = ()  # the long windows YaRN has stretched the rotary for (stretch_rotary)
-''', '''        self.rotary_windows = ()  # the long windows YaRN has stretched the rotary for (stretch_rotary)
+''' + PAIRS), ('''        self.rotary_windows = ()  # the windows YaRN has stretched the rotaries for (stretch_rotary)
+''', '''        self.rotary_windows = ()  # the windows YaRN has stretched the rotaries for (stretch_rotary)
         bound = 3 ** 0.5 * 0.5 * c.model_dim ** -0.5  # a matrix of each kind for each layer
         self.qkv_bank = nn.Parameter(torch.empty(c.num_layers, 3, c.num_heads * c.head_dim, c.model_dim).uniform_(
             -bound, bound))
@@ -176,8 +176,8 @@ FORKS["bank_in_pairs"] = [NO_PAIRED_HEADS, *ATTENTION_GATE, ('''        self.sum
                         **(dict(qkv=self.qkv_bank[i]) if block.attn is not None else {}))
 ''')]
 # a token shift inside each block: where sequence parallelism cuts the stream, so it must refuse it
-FORKS["token_shift_in_a_block"] = [('''        self.mlp = MLP(dim)
-''', '''        self.mlp = MLP(dim)
+FORKS["token_shift_in_a_block"] = [('''        self.mlp = MLP(dim, hidden) if layer.mlps else None
+''', '''        self.mlp = MLP(dim, hidden) if layer.mlps else None
         self.shift_gain = nn.Parameter(torch.tensor(0.5))
 '''), ('''        dense_value = None
         if dense is not None:''', f'''        x = x + self.shift_gain * {SHIFT.format("x")}

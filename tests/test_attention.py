@@ -79,7 +79,7 @@ def test_one_document_sees_exactly_window_plus_one_tokens():
 def test_flex_attention_equals_dense_twin(window, paired):
     torch.manual_seed(window)
     seq = sequence_with_documents(DOC_STARTS, 8 * BS)
-    attn = CausalSelfAttention(dim=64, num_heads=4, head_dim=16, paired=paired)
+    attn = CausalSelfAttention(dim=64, num_heads=4, qk_dim=16, paired=paired)
     torch.nn.init.normal_(attn.c_proj.weight, std=0.1)  # zero-init would hide the attention output
     x = torch.randn(1, len(seq), 64)
     ve = torch.randn(1, len(seq), 64)
@@ -95,7 +95,7 @@ def test_flex_attention_inside_a_compiled_module_equals_the_dense_twin():
     a compiled attention block over a BlockMask against the eager block over the dense mask."""
     torch.manual_seed(0)
     seq = sequence_with_documents(DOC_STARTS, 8 * BS)
-    attn = CausalSelfAttention(dim=64, num_heads=4, head_dim=16)
+    attn = CausalSelfAttention(dim=64, num_heads=4, qk_dim=16)
     torch.nn.init.normal_(attn.c_proj.weight, std=0.1)
     x, ve = torch.randn(1, len(seq), 64), torch.randn(1, len(seq), 64)
     mask = document_causal_masks(seq, torch.tensor([100, 200], dtype=torch.int32))[1]
@@ -110,7 +110,7 @@ def paired_attention_by_hand(attn, x, seq, window):
     """Paired heads written out in float64, head by head: head h's query at token t, rotated as at place 2t + h mod 2
     (#89's), sees the keys of heads h mod H/2 and h mod H/2 + H/2 at every token t' of its document whose place
     2t' + h' // (H/2) is at most its own 2t + h // (H/2) and at most `window` places before it."""
-    H, D = attn.head_offsets.numel(), attn.head_dim
+    H, D = attn.head_offsets.numel(), attn.qk_dim
     q, k, v = (t[0].double() for t in attn.project(x.double()))  # (T, H, D)
     q, k = (torch.nn.functional.rms_norm(t, (D,)) for t in (q, k))
     v = attn.value_scale.double() * v
@@ -147,7 +147,7 @@ def test_paired_heads_attend_as_written_out_by_hand(window):
     # (window 0 would not tell them apart: each place sees only itself, its own head's key)
     torch.manual_seed(window)
     seq = sequence_with_documents([0, 40, 41, 150], 2 * BS)
-    attn = CausalSelfAttention(dim=48, num_heads=6, head_dim=8, paired=True).double()
+    attn = CausalSelfAttention(dim=48, num_heads=6, qk_dim=8, paired=True).double()
     torch.nn.init.normal_(attn.c_proj.weight, std=0.1)
     x = torch.randn(1, len(seq), 48, dtype=torch.float64)
     windows = torch.tensor([window, window], dtype=torch.int32)
@@ -178,7 +178,7 @@ def test_composition_over_chunks_equals_the_whole_sequence_written_out():
     # mid-chunk and on a chunk's edge, and a window reaching back across a chunk's edge
     torch.manual_seed(0)
     seq = sequence_with_documents([0, 50, 128, 129, 300], 3 * BS)
-    attn = CausalSelfAttention(dim=24, num_heads=3, head_dim=8, composed=True).double()
+    attn = CausalSelfAttention(dim=24, num_heads=3, qk_dim=8, composed=True).double()
     q, k, v = (torch.randn(1, len(seq), 3, 8, dtype=torch.float64) for _ in range(3))
     mix = torch.randn(1, len(seq), 3, dtype=torch.float64)
     mask = banded_mask(seq, train_gpt.DC_WINDOW)

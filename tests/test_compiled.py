@@ -45,13 +45,13 @@ def compiled_over_the_schedule():
     counters.clear()
     compiled = torch.compile(model, dynamic=False)
     tokens = sequence_with_documents(DOC_STARTS, SEQ_LEN + 1)
-    stages = {train_gpt.window_tokens(step, args): train_gpt.long_windows_so_far(step, args)
+    stages = {train_gpt.window_tokens(step, args): train_gpt.windows_so_far(step, args)
               for step in range(args.num_iterations + 1)}
     graphs_after_first_window, losses = None, []
     with torch._dynamo.config.patch(error_on_recompile=True):  # a recompile raises
-        for windows, long_windows in stages.items():
-            model.stretch_rotary(long_windows)
-            eager.stretch_rotary(long_windows)
+        for windows, so_far in stages.items():
+            model.stretch_rotary(so_far)
+            eager.stretch_rotary(so_far)
             window = train_gpt.window_tensor(windows, torch.device("cpu"))
             loss = compiled(tokens[:-1].to(torch.int32), tokens[1:], window)
             loss.backward()

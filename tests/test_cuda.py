@@ -40,7 +40,7 @@ def test_flex_attention_equals_the_dense_twin_forward_and_backward(dtype, tolera
     # the two kernels add in different orders, in bf16 with an 8-bit mantissa
     torch.manual_seed(window)
     seq = sequence_with_documents(DOC_STARTS, 8 * train_gpt.ATTENTION_BLOCK_SIZE).to(CUDA)
-    attn = train_gpt.CausalSelfAttention(dim=128, num_heads=2, head_dim=64).to(CUDA)
+    attn = train_gpt.CausalSelfAttention(dim=128, num_heads=2, qk_dim=64).to(CUDA)
     torch.nn.init.normal_(attn.c_proj.weight, std=0.1)  # zero-init would hide the attention output
     x = torch.randn(1, len(seq), 128, device=CUDA, dtype=dtype)
     ve = torch.randn(1, len(seq), 128, device=CUDA, dtype=dtype)
@@ -160,11 +160,11 @@ def test_the_model_compiles_once_across_the_window_schedule_with_no_graph_break(
     counters.clear()
     compiled = torch.compile(model, dynamic=False)
     tokens = sequence_with_documents(DOC_STARTS, train_gpt.context_length(args) + 1).to(CUDA)
-    stages = {train_gpt.window_tokens(step, args): train_gpt.long_windows_so_far(step, args)
+    stages = {train_gpt.window_tokens(step, args): train_gpt.windows_so_far(step, args)
               for step in range(args.num_iterations + 1)}
     assert len(stages) == 4  # the three thirds' and the final validation's
-    for windows, long_windows in stages.items():
-        model.stretch_rotary(long_windows)
+    for windows, so_far in stages.items():
+        model.stretch_rotary(so_far)
         compiled(tokens[:-1].to(torch.int32), tokens[1:], train_gpt.window_tensor(windows, CUDA)).backward()
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert len(_debug_get_cache_entry_list(type(model).forward.__code__)) == 1

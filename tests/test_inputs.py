@@ -203,6 +203,12 @@ def test_a_vocabulary_without_the_end_of_text_token_is_refused_at_parse_time():
     (["--run_id", "bad\udcffid"], "--run_id 'bad\\udcffid' holds bytes that are not UTF-8 text"),
     (["--run_id", "a\nb"], "--run_id 'a\\nb' holds control characters"),
     (["--collective_timeout", "1e15"], "--collective_timeout must be below 2**31 seconds (68 years), got 1e+15"),
+    (["--narrow_qk_layers", "4"], "--narrow_qk_layers '4' names layers [4], which have no attention"),
+    (["--narrow_v_layers", "5", "--mudd", "true"], "--narrow_v_layers '5' names the last layer, 5, which --mudd true "
+                                                   "makes dense: its values take in model-wide states"),
+    (["--mlp_free_layers", "1", "--double_mlp_layers", "1,2"], "--mlp_free_layers '1' and --double_mlp_layers '1,2' "
+                                                               "both name layers [1]"),
+    (["--narrow_attention_scale", "0"], "--narrow_attention_scale must be a finite number > 0, got 0.0"),
 ])
 def test_values_that_cannot_train_are_refused_at_parse_time(argv, words):
     with pytest.raises(train_gpt.UserError) as error:

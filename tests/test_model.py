@@ -114,7 +114,7 @@ def logits_by_the_formulas(model, tokens, window, backout=True, attend_over=True
             ve = model.value_embeds[str(i)](tokens[:-1]) if str(i) in model.value_embeds else None
             if ve is not None and value_gates:
                 ve = gated_by_the_formula(block, read, ve) if "value_gate" not in gates else \
-                    lanes_by_the_formula(gates["value_gate"], ve, block.attn.head_dim)
+                    lanes_by_the_formula(gates["value_gate"], ve, block.attn.v_dim)
             if dense_value is not None and dense:
                 ve = dense_value if ve is None else ve + dense_value
             dc = [torch.nn.functional.rms_norm(gates["dc_mix"], (gates["dc_mix"].size(-1),), eps=1e-6),
@@ -321,7 +321,7 @@ def test_without_the_skip_and_the_attended_layer_the_model_has_neither_and_its_b
 
 def test_the_key_offset_gives_each_key_the_previous_tokens_unrotated_dims():
     torch.manual_seed(0)
-    attn = train_gpt.CausalSelfAttention(dim=32, num_heads=2, head_dim=16, key_offset=True)
+    attn = train_gpt.CausalSelfAttention(dim=32, num_heads=2, qk_dim=16, key_offset=True)
     torch.nn.init.normal_(attn.c_proj.weight, std=0.1)  # (zero at the start: it would hide the output)
     x = torch.randn(1, 256, 32)
     tokens = torch.randint(0, 1000, (256,), generator=torch.Generator().manual_seed(1))
@@ -373,7 +373,7 @@ def test_yarn_stretches_the_rotary_and_raises_the_attention_scale_at_each_change
     window = train_gpt.window_tensor((128, 256), torch.device("cpu"))
     with torch.no_grad():
         before = model(tokens[:-1], None, window)
-        model.stretch_rotary((128, 256))
+        model.stretch_rotary(((128, 128), (128, 256)))
         after = model(tokens[:-1], None, window)
     freq, scale = train_gpt.rotary_frequencies(args.head_dim, (128, 256))
     # each layer's rotation by hand in float64: the first half of each head's dims turned by position x frequency
@@ -417,7 +417,7 @@ def test_xsa_and_the_output_gate_change_each_heads_output_by_their_formulas():
     """#82's XSA and #85's output gate against float64 by hand: head h's output y_h loses tanh(a_h) (y_h . v_h) /
     |v_h|^2 of v_h, its own value, then is scaled by g_h, before the output projection."""
     torch.manual_seed(0)
-    attn = train_gpt.CausalSelfAttention(dim=32, num_heads=2, head_dim=16).double()
+    attn = train_gpt.CausalSelfAttention(dim=32, num_heads=2, qk_dim=16).double()
     x = torch.randn(1, 256, 32, dtype=torch.float64)
     strength, gate = torch.randn(1, 256, 2, dtype=torch.float64), torch.rand(1, 256, 2, dtype=torch.float64)
     tokens = torch.randint(0, 1000, (256,), generator=torch.Generator().manual_seed(1))

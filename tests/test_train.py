@@ -102,9 +102,9 @@ def test_schedules_at_hand_computed_points():
               1014: (6, 13), 1015: (6, 20)}
     for step, (short, long) in blocks.items():
         assert train_gpt.window_tokens(step, args) == (128 * short, 128 * long), step
-    assert train_gpt.long_windows_so_far(0, args) == (384,)
-    assert train_gpt.long_windows_so_far(700, args) == (384, 896, 1408)
-    assert train_gpt.long_windows_so_far(1015, args) == (384, 896, 1408, 1664)  # (not stretched for the 20)
+    assert train_gpt.windows_so_far(0, args) == ((128, 384),)
+    assert train_gpt.windows_so_far(700, args) == ((128, 384), (384, 896), (640, 1408))
+    assert train_gpt.windows_so_far(1015, args)[-1] == (768, 1664)  # (not stretched for the 20)
     assert train_gpt.muon_momentum(0, args) == pytest.approx(0.85)
     assert train_gpt.muon_momentum(150, args) == pytest.approx(0.90)
     assert train_gpt.muon_momentum(300, args) == pytest.approx(0.95)
