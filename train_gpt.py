@@ -794,8 +794,9 @@ class LayerConfig:
     mlps: int = 1  # MLPs side by side, each reading the same input (#92: none in its layer 7, two in its layer 8)
     gate_network: bool = False  # a gate network reads the stream entering it, for it and the layers up to the next
     gated: bool = False  # its coefficients (x0's share, the skip's gate, XSA, the output gates) a gate network's
+    x0: bool = True  # x0 re-enters after its attention, or where it has none, after its scale of the residual
     bigram: str | None = None  # where the bigram embedding joins: its "input" (the first layer), its attention's
-                               # "output", or not at all
+                               # "output" (where it has none, after its scale of the residual), or not at all
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -844,13 +845,13 @@ class ModelConfig:
     def table(self) -> str:
         """The layer stack, a row a layer, and what joins the layers."""
         columns = ("attention", "window", "heads qk/v", "value embed", "XSA", "output gate", "DC-MHA", "MLPs",
-                   "gate network", "bigram")
+                   "gate network", "x0", "bigram")
         def mark(on: bool, text: str = "yes") -> str:
             return text if on else "-"
         rows = [(str(i), mark(l.attention), mark(l.attention, l.window + " offset" * l.key_offset),
                  mark(l.attention, ("paired " if l.paired else "single ") + "%d/%d" % self.head_dims(i)),
                  mark(l.value_embed), mark(l.xsa), mark(l.output_gate), mark(l.composed), str(l.mlps),
-                 "reads" if l.gate_network else mark(l.gated, "served"), l.bigram or "-")
+                 "reads" if l.gate_network else mark(l.gated, "served"), mark(l.x0), l.bigram or "-")
                 for i, l in enumerate(self.layers)]
         widths = [max(map(len, column)) for column in zip(("layer", *columns), *rows)]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
@@ -910,14 +911,17 @@ class Block(nn.Module):
         self.second_mlp = MLP(dim, hidden) if layer.mlps == 2 else None  # (#92's layer 8)
         # each sublayer's scales of the residual and of its output, as #89 starts them: learned, or a dense layer's
         # per token
-        scales = dict(attn_scales=(1.1 ** 0.5, 1.0) if layer.attention else None,
+        # (a layer without attention that takes x0 or the bigram embedding in keeps its scale of the residual: #92's)
+        self.attention_slot = layer.attention or layer.x0 or layer.bigram == "output"
+        self.takes_x0 = layer.x0
+        scales = dict(attn_scales=(1.1 ** 0.5, 1.0 if layer.attention else None) if self.attention_slot else None,
                       mlp_scales=(1.1 ** 0.5, 1.0 if layer.mlps else None))
         for name, start in scales.items():
             setattr(self, name, SublayerScales(*start) if start and not dense_sources else None)
         self.skip_gate = nn.Parameter(torch.tensor(SKIP_SCALE_START if layer.gated else SKIP_GATE_START)) \
             if takes_skip else None
         # the shares of x0 and the bigram embedding, as #89 starts them: a network's (per token), or learned
-        shares = dict(x0=0.0 if layer.attention else None, bigram=0.05 if layer.bigram else None)
+        shares = dict(x0=0.0 if layer.x0 else None, bigram=0.05 if layer.bigram else None)
         shares = {name: start for name, start in shares.items() if start is not None}
         self.shares = nn.ParameterDict({} if layer.gated or dense_sources else {name: torch.tensor(start)
                                                                                 for name, start in shares.items()})
@@ -949,12 +953,17 @@ class Block(nn.Module):
             states = [*dense, x]
             dense_value = self.mix(gates.get("dense_value"), states)
             x = x + self.mix(gates["dense"], states)
-        if self.attn is not None:
-            read = norm(x if attend_over is None else attend_over)
-            out = self.attend(read, self.value_input(read, ve, gates, dense_value), mask, gates, banded,
-                              **for_attention)
+        if self.attention_slot:
             residual, output = self.scales("attn_scales", gates)
-            x = residual * x + output * out + self.share("x0", gates) * x0
+            if self.attn is None:
+                x = residual * x
+            else:
+                read = norm(x if attend_over is None else attend_over)
+                out = self.attend(read, self.value_input(read, ve, gates, dense_value), mask, gates, banded,
+                                  **for_attention)
+                x = residual * x + output * out
+            if self.takes_x0:
+                x = x + self.share("x0", gates) * x0
             if bigram is not None:
                 x = x + self.share("bigram", gates) * bigram
         residual, output = self.scales("mlp_scales", gates)
@@ -1598,6 +1607,13 @@ class Hyperparameters:
     rotary_follows: str = flag("long", "YaRN stretches each layer's rotary, and scales its attention, at changes of "
                                        "the long window (#89's) or of the layer's own window (#92's)",
                                choices=("long", "own"))
+    x0_layers: str = flag("attention", "layers x0 (the normed embedding) re-enters at a learned share, after "
+                                       "attention or, in a layer without, after its scale of the residual "
+                                       "('attention': every layer with attention, #89's; #92's 0,1,2,4,5,7,10)")
+    bigram_layers: str = flag("attention", "layers the bigram embedding joins at a learned share: the first layer's "
+                                           "input, a later one's after attention or its scale of the residual "
+                                           "('attention': the first and every later layer with attention, #89's; "
+                                           "#92's 0,1,4,5,9,10)")
     mlp_hidden: int = flag(0, "the MLP's hidden width (0: 4 x --model_dim, #89's 3072; #92's 2816)")
     mlp_free_layers: str = flag("", "layers without an MLP, keeping its scale of the residual (#92's 7)")
     double_mlp_layers: str = flag("", "layers with a second MLP beside the first, reading the same input, their "
@@ -1812,11 +1828,19 @@ LAYER_FLAGS = {"attention_free_layers": (None, "comma-separated layer indices su
                "narrow_qk_layers": (None, "comma-separated layer indices such as '0,1,2,5,8', or '' for none"),
                "narrow_v_layers": (None, "comma-separated layer indices such as '1,8', or '' for none"),
                "mlp_free_layers": (None, "comma-separated layer indices such as '7', or '' for none"),
+               "x0_layers": (None, "comma-separated layer indices such as '0,1,2,4,5,7,10', 'attention' for every "
+                                   "layer with attention, or '' for none"),
+               "bigram_layers": (None, "comma-separated layer indices such as '0,1,4,5,9,10', 'attention' for the "
+                                       "first and every layer with attention, or '' for none"),
                "double_mlp_layers": (None, "comma-separated layer indices such as '8', or '' for none")}
 
 def layer_indices(args: Hyperparameters, name: str) -> tuple[int, ...]:
-    """The layers flag `name` lists, refused unless each is a layer and there are as many as the flag takes."""
+    """The layers flag `name` lists, refused unless each is a layer and there are as many as the flag takes; an
+    injection's 'attention': the layers with attention (the bigram's: and the first)."""
     text, (count, expected) = getattr(args, name), LAYER_FLAGS[name]
+    if name in ("x0_layers", "bigram_layers") and text == "attention":
+        attention_free = layer_indices(args, "attention_free_layers")
+        return tuple(i for i in range(args.num_layers) if i not in attention_free or i == 0 and name == "bigram_layers")
     try:
         layers = tuple(int(i) for i in text.split(",") if i.strip())
     except ValueError:
@@ -2180,11 +2204,12 @@ def model_config(args: Hyperparameters) -> ModelConfig:
         attention=i not in attention_free, window=args.window_pattern[i], paired=i in paired, narrow_qk=i in narrow_qk,
         narrow_v=i in listed("narrow_v_layers"),
         mlps=0 if i in listed("mlp_free_layers") else 2 if i in listed("double_mlp_layers") else 1,
+        x0=i in listed("x0_layers"),
         key_offset=args.key_offset and args.window_pattern[i] == "L" and i not in paired and i not in narrow_qk,
         value_embed=i in listed("value_embed_layers"), xsa=i in listed("xsa_layers"),
         output_gate=i in listed("output_gate_layers"), composed=i in listed("dc_layers"),
         gate_network=i in gate_networks, gated=i >= min(gate_networks, default=args.num_layers),
-        bigram=None if not args.bigram_rows else "input" if i == 0 else "output" if i not in attention_free else None)
+        bigram=None if not args.bigram_rows or i not in listed("bigram_layers") else "input" if i == 0 else "output")
         for i in range(args.num_layers))
     return ModelConfig(vocab_size=args.vocab_size, model_dim=args.model_dim, num_heads=args.num_heads,
                        head_dim=args.head_dim, mlp_hidden=args.mlp_hidden, layers=layers,

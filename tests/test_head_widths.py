@@ -1,6 +1,7 @@
-"""#92's layer geometry: narrow heads (queries and keys of half a head, rotating in every dim; values of half a head
+"""#92's layer geometry and injection sites: narrow heads (queries and keys of half a head, rotating in every dim; values of half a head
 taking half of each head's value embedding), a rotary per window that YaRN stretches, the attention scales, the MLP's
-width, a layer without an MLP and one with two; each against a hand computation or #92's own figures."""
+width, a layer without an MLP and one with two, the layers x0 and the n-gram embedding join (and the gate lanes they
+take); each against a hand computation or #92's own figures."""
 import math
 import subprocess
 import sys
@@ -18,6 +19,7 @@ RECORD_92_GEOMETRY = ["--attention_free_layers", "4,6,7,9", "--narrow_qk_layers"
                       "--attention_scale", "0.085", "--narrow_attention_scale", "0.13", "--rotary_follows", "own",
                       "--xsa_layers", "1,3", "--paired_head_layers", "0,2,5", "--value_embed_layers", "1,2,8,10",
                       "--dc_layers", ""]
+RECORD_92_INJECTIONS = ["--x0_layers", "0,1,2,4,5,7,10", "--bigram_layers", "0,1,4,5,9,10"]
 
 
 def attention_by_hand(attn, x, seq, window, pairs, scale):
@@ -126,7 +128,8 @@ def test_each_layers_rotary_follows_its_own_window_or_the_long_one(follows):
 def test_a_layer_with_two_mlps_adds_both_and_one_without_scales_its_residual_alone():
     # by hand: residual x + output (MLP1(norm x) + MLP2(norm x)), each relu^2 through its own matrices; no MLP: x times
     # the residual's scale; the hidden width is the config's
-    layers = (train_gpt.LayerConfig(attention=False, mlps=2), train_gpt.LayerConfig(attention=False, mlps=0))
+    layers = (train_gpt.LayerConfig(attention=False, x0=False, mlps=2),
+              train_gpt.LayerConfig(attention=False, x0=False, mlps=0))
     config = train_gpt.ModelConfig(vocab_size=512, model_dim=16, num_heads=2, head_dim=8, layers=layers, mlp_hidden=24)
     two, none = train_gpt.Block(config, 0), train_gpt.Block(config, 1)
     torch.manual_seed(0)
@@ -166,12 +169,45 @@ def test_92s_layer_geometry_holds_92s_matrices():
 
 def test_narrow_heads_and_two_mlps_train_under_tensor_and_sequence_parallelism():
     # the tiny model with narrow queries (in a paired and a DC-MHA layer), narrow values (with value embeddings), two
-    # MLPs in one layer and none in another, checked by --check_layout against one process under the layout that cuts
+    # MLPs in one layer and none in another (which takes x0 and the bigram embedding), checked by --check_layout against one process under the layout that cuts
     # attention by heads and the MLP by its width
     flags = ["--narrow_qk_layers", "1,2,3", "--narrow_v_layers", "1,2", "--double_mlp_layers", "0", "--mlp_free_layers",
-             "4", "--mlp_hidden", "96", "--rotary_follows", "own"]
+             "4", "--mlp_hidden", "96", "--rotary_follows", "own", "--x0_layers", "0,2,4,5", "--bigram_layers", "0,3,4"]
     done = subprocess.run([sys.executable, train_gpt.__file__, "--check_layout", "tp2_sp", *flags],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = [line for line in done.stdout.splitlines() if line.startswith("tp2_sp ")]
     assert len(lines) == 1 and " OK " in lines[0], done.stdout
+
+
+def test_92s_injection_sites_give_its_gate_networks_92s_lanes():
+    # #92's package: the gate network entering layer 0 gives 23 per-token coefficients (XSA of layers 1 and 3, layer
+    # 3's output gates, x0's share in layers 0-2, the n-gram's in 0 and 1), the one entering layer 4 gives 13 (layer
+    # 10's output gates, x0's share in 4, 5, 7, the n-gram's in 4, 5, 9, the skip's gate); the last layer's MUDD
+    # network 14
+    args = train_gpt.parse_args(["--preset", "record", *RECORD_92_GEOMETRY, *RECORD_92_INJECTIONS], cuda=False)
+    model = train_gpt.build_model(args, torch.device("meta"))
+    assert {k: v.bias.numel() for k, v in model.gate_networks.items()} == {"0": 23, "4": 13}
+    assert model.dense_networks["10"].bias.numel() == 14
+    slots = [i for i, block in enumerate(model.blocks) if block.attention_slot]
+    assert slots == [0, 1, 2, 3, 4, 5, 7, 8, 9, 10]  # (layer 6, no attention and no injection, has no slot)
+    assert model.blocks[6].attn_scales is None and model.blocks[4].attn_scales.output is None
+
+
+def test_a_layer_without_attention_takes_x0_and_the_bigram_embedding_after_its_scale_of_the_residual():
+    # by hand: r x + a x0 + b bigram, then the MLP's r' x + o MLP(norm x); its learned shares start at #89's 0, 0.05
+    config = train_gpt.ModelConfig(vocab_size=512, model_dim=16, num_heads=2, head_dim=8, layers=(
+        train_gpt.LayerConfig(attention=False, x0=True, bigram="output"),))
+    block = train_gpt.Block(config, 0)
+    assert {k: v.item() for k, v in block.shares.items()} == pytest.approx({"x0": 0.0, "bigram": 0.05})
+    assert block.attn_scales.output is None
+    torch.manual_seed(1)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x, x0, bigram = torch.randn(3, 1, 5, 16).unbind(0)
+    with torch.no_grad():
+        y = block(x, x0, None, None, {}, bigram=bigram)
+    mid = block.attn_scales.residual * x + block.shares["x0"] * x0 + block.shares["bigram"] * bigram
+    n = mid / (mid.square().mean(-1, keepdim=True) + torch.finfo(torch.float32).eps).sqrt()
+    mlp = torch.relu(n @ block.mlp.c_fc.weight.T).square() @ block.mlp.c_proj.weight.T
+    torch.testing.assert_close(y, block.mlp_scales.residual * mid + block.mlp_scales.output * mlp, rtol=1e-5, atol=1e-6)
