@@ -734,11 +734,14 @@ class GateNetwork(nn.Module):
     """Per-token coefficients for the layers it serves, read off the stream entering the first of them:
     (W2 gelu(W1 x) + b) s, 64 hidden units, s a learned scale starting at 0.1 (#85's gate networks), or MUDD's fixed
     0.1 (dynamic dense connections, Xiao et al. 2025; #40, #81). W2 starts at zero, so each coefficient starts at its
-    block's value. Adam trains it as a gate, at lr_scale times the gates' lr (#89's: 1/10; MUDD's 1/4)."""
+    block's value. Adam trains it as a gate, at lr_scale times the gates' lr (#89's: 1/10; MUDD's 1/4). With
+    channel_groups G (#92's head: 12), each coefficient (of width 1) is one per channel: for each of G equal groups of
+    channels, its value plus a delta of its own from a third map of the hidden units, D gelu(W1 x) times the scale, D
+    starting at zero."""
     SCALE = 0.1
 
     def __init__(self, dim: int, wanted: dict[str, dict[str, tuple[int, float]]], hidden: int = 64,
-                 lr_scale: float = 0.1, learned_scale: bool = True):
+                 lr_scale: float = 0.1, learned_scale: bool = True, channel_groups: int = 0):
         """wanted: layer -> coefficient name -> (width, starting value, or a tuple of one for each)."""
         super().__init__()
         self.widths = {layer: {name: width for name, (width, _) in coefs.items()} for layer, coefs in wanted.items()}
@@ -750,11 +753,20 @@ class GateNetwork(nn.Module):
         self.out = Gate(hidden, len(starts), lr_scale)
         self.scale = nn.Parameter(torch.tensor(self.SCALE)) if learned_scale else self.SCALE
         self.bias = nn.Parameter(torch.tensor(starts) / self.SCALE)  # in units of the scale, as #89's
+        assert not channel_groups or len(starts) == sum(len(widths) for widths in self.widths.values())
+        self.channel_groups = channel_groups
+        self.group_deltas = Gate(hidden, len(starts) * channel_groups, lr_scale) if channel_groups else None
 
     def forward(self, x: Tensor) -> dict[str, dict[str, Tensor]]:
         scale = self.scale.type_as(x) if isinstance(self.scale, Tensor) else self.scale
-        coefs = (self.out(F.gelu(self.hidden(x))) + self.bias.type_as(x)) * scale
-        parts = iter(coefs.split([w for widths in self.widths.values() for w in widths.values()], dim=-1))
+        hidden = F.gelu(self.hidden(x))
+        coefs = (self.out(hidden) + self.bias.type_as(x)) * scale
+        if self.group_deltas is None:
+            parts = iter(coefs.split([w for widths in self.widths.values() for w in widths.values()], dim=-1))
+        else:  # (..., coefficient, channel)
+            deltas = self.group_deltas(hidden).unflatten(-1, (coefs.size(-1), self.channel_groups)) * scale
+            parts = iter((coefs[..., None] + deltas).repeat_interleave(x.size(-1) // self.channel_groups, dim=-1)
+                         .unbind(-2))
         return {layer: {name: next(parts) for name in widths} for layer, widths in self.widths.items()}
 
 class SublayerScales(nn.Module):
@@ -770,6 +782,7 @@ class SublayerScales(nn.Module):
 VALUE_GATE_CHANNELS = 6  # a value embedding's gate reads this many channels of attention's input and of the embedding
 VALUE_GATE_LANES = 2  # a dense layer's value-embedding gate: one per-token coefficient for each half of the heads
 MUDD_SOURCES = 2  # the earlier states MUDD's dense layer mixes in: the first layer's input and the attended output
+MUDD_GROUP_CHANNELS = 64  # #92's head: its shares of each earlier state are per group of this many channels
 
 # a gated skip starts at #89's weight: sigmoid(-1.5) times its gate's 0.5 (the gate a gate network's coefficient, or
 # else folded into the logit)
@@ -810,6 +823,7 @@ class ModelConfig:
     skip: tuple[int, int] | None = None  # a gated skip: the first layer's output joins the second's input
     attend_over: int | None = None  # the layers after it attend over its output, and the head takes it back out
     mudd: bool = False  # MUDD's dense last layer and head (#40, #81, #85, as #89 trims it)
+    mudd_head: str = "89"  # the states the head takes in: #89's five, per token, or #92's ten, per channel group
     bigram_rows: int = 0  # rows of the bigram hash embedding (0: none)
     trigrams: bool = False  # its second half holds triples (#92's n-gram table)
     smear: bool = False  # each token's embedding takes in a gated share of the previous token's (#89)
@@ -858,7 +872,9 @@ class ModelConfig:
                  for row in [("layer", *columns), *rows]]
         joins = [f"skip: layer {self.skip[0]}'s output joins layer {self.skip[1]}'s input" if self.skip else "",
                  f"attend over: layers after {self.attend_over} attend over its output" if self.attend_over is not None
-                 else "", "MUDD: the last layer and the head take in earlier states" if self.mudd else ""]
+                 else "", ("MUDD: the last layer and the head take in earlier states" + (
+                     " (the head: #92's ten, per group of channels)" if self.mudd_head == "92" else "")) if self.mudd
+                 else ""]
         return "\n".join(lines + [join for join in joins if join])
 
 class Stream:
@@ -944,10 +960,12 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, x0: Tensor, ve: Tensor | None, mask: BlockMask | Tensor, gates: dict[str, Tensor],
                 bigram: Tensor | None = None, attend_over: Tensor | None = None, dense: list[Tensor] | None = None,
-                banded: Tensor | None = None, **for_attention) -> Tensor:
+                banded: Tensor | None = None, mlp_input: bool = False,
+                **for_attention) -> Tensor | tuple[Tensor, Tensor]:
         """gates: this layer's per-token coefficients; bigram: the embedding joining after attention; attend_over:
         the output attention reads instead of x; dense: a dense layer's earlier states; banded: a composed layer's
-        mask; for_attention: keywords handed on to attention."""
+        mask; mlp_input: hand back the MLP's (normed) input too (#92's head takes it in); for_attention: keywords
+        handed on to attention."""
         dense_value = None
         if dense is not None:  # its input, and its values, take in the earlier states and itself at per-token shares
             states = [*dense, x]
@@ -970,8 +988,9 @@ class Block(nn.Module):
         if self.mlp is None:  # (#92's layer 7: its residual scaled, nothing added)
             return residual * x
         read = norm(x)
-        return residual * x + output * (self.mlp(read) if self.second_mlp is None else
-                                        self.mlp(read) + self.second_mlp(read))
+        out = residual * x + output * (self.mlp(read) if self.second_mlp is None else
+                                       self.mlp(read) + self.second_mlp(read))
+        return (out, read) if mlp_input else out
 
     def attend(self, read: Tensor, value_input: Tensor | None, mask: BlockMask | Tensor, gates: dict[str, Tensor],
                banded: Tensor | None, **for_attention) -> Tensor:
@@ -1237,13 +1256,16 @@ class GPT(nn.Module):
         self.gate_networks = nn.ModuleDict({str(start): GateNetwork(c.model_dim, layers)
                                             for start, layers in wanted.items() if layers})
         # MUDD's networks: the dense layer's coefficients, and the head's: one for each earlier state its input takes
-        # in, as #89 orders them (the backout folded in, starting at -0.5)
-        head_sources = ("first_input", "attended", "penultimate", "value_embed", "skip")
+        # in (the backout folded in, starting at -0.5), per token, or with #92's head per group of channels
+        head_sources = ("first_input", "attended", "penultimate", "value_embed", "skip") if c.mudd_head == "89" else (
+            "first_input", "attended", "penultimate", *(f"value_embed_{i}" for i in c.value_embed_layers), "skip",
+            "last_mlp_input", "attended_normed")
         dense = {str(c.dense_layer): {c.dense_layer: self.blocks[c.dense_layer].dense_coefficients},
                  "head": {"head": {name: (1, -0.5 if name == "attended" else 0.0) for name in head_sources}}} \
             if c.mudd else {}
-        self.dense_networks = nn.ModuleDict({name: GateNetwork(c.model_dim, wanted, lr_scale=0.25,
-                                                               learned_scale=False)
+        groups = dict(head=c.model_dim // MUDD_GROUP_CHANNELS if c.mudd_head == "92" else 0)
+        self.dense_networks = nn.ModuleDict({name: GateNetwork(c.model_dim, wanted, lr_scale=0.25, learned_scale=False,
+                                                               channel_groups=groups.get(name, 0))
                                              for name, wanted in dense.items()})
         self.backout = nn.Parameter(torch.tensor(-0.5)) if c.attend_over is not None and not c.mudd else None
         # the FP8 scales are #89's, for its soft cap's logits
@@ -1297,12 +1319,18 @@ class GPT(nn.Module):
             if c.skip is not None and i == c.skip[1]:  # the gated skip joins
                 s.x = s.x + torch.sigmoid(block.skip_gate) * gates.get("skip", 1.0) * s.skip
             dense = i == c.dense_layer  # (#89's re-adds the first layer's input, the bigram embedding in it, for x0)
-            s.x = block(s.x, x0=s.first_input if dense else s.x0, ve=s.ve.get(i),
+            keep_mlp_input = dense and c.mudd_head == "92"  # (#92's head takes it in)
+            out = block(s.x, x0=s.first_input if dense else s.x0, ve=s.ve.get(i),
                         mask=masks[layer.window, 2 if layer.paired else 1], gates=gates,
                         bigram=s.bigram if layer.bigram == "output" else None,
                         attend_over=s.attended if c.attend_over is not None and i > c.attend_over else None,
                         dense=[s.first_input, s.attended] if dense else None,
-                        banded=masks["banded"] if layer.composed else None)
+                        banded=masks["banded"] if layer.composed else None,
+                        **(dict(mlp_input=True) if keep_mlp_input else {}))
+            if keep_mlp_input:
+                s.x, s.last_mlp_input = out
+            else:
+                s.x = out
             if c.skip is not None and i == c.skip[0]:  # the skip leaves
                 s.skip = s.x
             if i == c.attend_over:  # the later layers attend over it, and the head takes it back out
@@ -1317,15 +1345,23 @@ class GPT(nn.Module):
             x = x + self.backout * s.attended
         if c.mudd:  # MUDD's dense connections into the head's input
             mu = self.dense_networks["head"](x)["head"]
-            x = x + sum([mu["first_input"] * s.first_input, mu["attended"] * s.attended,
-                         mu["penultimate"] * s.penultimate, mu["value_embed"] * s.ve[c.value_embed_layers[0]][None],
-                         mu["skip"] * s.skip])
+            x = x + sum(mu[name] * source for name, source in self.head_sources(s).items())
         if self.training and self.loss_weights is not None and target_seq is not None:
             return self.lm_head(norm(x)[0], self.training_targets(target_seq), self.loss_weights,
                                 candidates=candidates)
         out = self.lm_head(norm(x)[0], target_seq, previous=None if self.training else input_seq,
                            candidates=candidates)
         return out if self.training or target_seq is None else out / len(target_seq)
+
+    def head_sources(self, s: Stream) -> dict[str, Tensor]:
+        """The earlier states MUDD's head takes in, by name (GPT.__init__ starts their shares)."""
+        c = self.config
+        if c.mudd_head == "89":
+            return dict(first_input=s.first_input, attended=s.attended, penultimate=s.penultimate,
+                        value_embed=s.ve[c.value_embed_layers[0]][None], skip=s.skip)
+        return dict(first_input=s.first_input, attended=s.attended, penultimate=s.penultimate,
+                    **{f"value_embed_{i}": s.ve[i][None] for i in c.value_embed_layers}, skip=s.skip,
+                    last_mlp_input=s.last_mlp_input, attended_normed=norm(s.attended))
 
     def attention_masks(self, input_seq: Tensor, windows: Tensor) -> dict[tuple[str, int] | str, BlockMask | Tensor]:
         """The short and the long window's masks (windows: their tokens), by window and places a token (paired
@@ -1641,6 +1677,10 @@ class Hyperparameters:
                             "take in per-token shares of the first layer's input and the attended layer's output, "
                             "and its scalars become per-token; the head's input takes in those two, the last "
                             "layer's input, the first value embedding and the skip's source (the backout folded in)")
+    mudd_head: str = flag("89", "with --mudd, what the head's input takes in: #89's five states at per-token shares, "
+                                "or #92's ten (those, every value embedding, the last layer's MLP input and the "
+                                "attended layer's output normed), each share per token and group of 64 channels",
+                          choices=("89", "92"))
     zero_attn_out: bool = flag(False, "attention's output projection starts at zero, so each block starts as the "
                                       "identity (#23's); false: uniform as the other matrices (#89's, #64)")
     key_offset: bool = flag(True, "in the long-window layers whose heads are not paired, each key's unrotated dims "
@@ -1972,6 +2012,9 @@ def check_hyperparameters(args: Hyperparameters) -> None:
          "false")
     need(not args.mudd or args.num_layers >= 2, "--mudd true makes the last layer dense and the head reads the one "
          "before it: use 2 or more layers, or --mudd false")
+    need(args.mudd_head == "89" or args.mudd and args.model_dim % MUDD_GROUP_CHANNELS == 0, f"--mudd_head 92 takes in "
+         f"each state per group of {MUDD_GROUP_CHANNELS} channels, with --mudd true: give a --model_dim that is a "
+         f"multiple of {MUDD_GROUP_CHANNELS} (not {args.model_dim}) and --mudd true ({flag_value(args, 'mudd')})")
     for name, what in (("narrow_v_layers", "its values take in model-wide states"),
                        ("mlp_free_layers", "its MLP's scales are per-token coefficients")):
         need(not args.mudd or args.num_layers - 1 not in layer_indices(args, name), f"{flag_value(args, name)} names "
@@ -2215,7 +2258,8 @@ def model_config(args: Hyperparameters) -> ModelConfig:
                        head_dim=args.head_dim, mlp_hidden=args.mlp_hidden, layers=layers,
                        skip=layer_indices(args, "skip_layers") or None,
                        attend_over=next(iter(layer_indices(args, "attend_over_layer")), None), mudd=args.mudd,
-                       bigram_rows=args.bigram_rows, trigrams=args.trigrams, smear=args.smear, mtp=args.mtp,
+                       mudd_head=args.mudd_head, bigram_rows=args.bigram_rows, trigrams=args.trigrams,
+                       smear=args.smear, mtp=args.mtp,
                        prefix_loss=args.prefix_loss, canonical_mask=args.canonical_mask, fp8_head=args.fp8_head,
                        tied_embed=args.tied_stages > 0,
                        zero_attention_out=args.zero_attn_out, soft_cap=soft_cap_terms(args),

@@ -71,10 +71,7 @@ FORKS = {"forks": [
         if dense is not None:''', '''        block_input = x
         dense_value = None
         if dense is not None:'''),
-    ('''        return residual * x + output * (self.mlp(read) if self.second_mlp is None else
-                                        self.mlp(read) + self.second_mlp(read))''', '''        out = residual * x + output * (self.mlp(read) if self.second_mlp is None else
-                                       self.mlp(read) + self.second_mlp(read))
-        return out, out - block_input'''),
+    ('''        return (out, read) if mlp_input else out''', '''        return out, out - block_input'''),
     ('''        self.soft_cap = soft_cap
         self.cross_entropy = CrossEntropy()
 ''', '''        self.soft_cap = soft_cap
@@ -125,10 +122,15 @@ FORKS = {"forks": [
 ''', '''            block, layer = self.blocks[i], c.layers[i]
             s.x = s.x * self.layer_gains[i]
 '''),
-    ('''            s.x = block(s.x, x0=''', '''            s.x, update = block(s.x, x0='''),
-    ('''                        banded=masks["banded"] if layer.composed else None)
-''', '''                        banded=masks["banded"] if layer.composed else None,
+    ('''            out = block(s.x, x0=''', '''            out, update = block(s.x, x0='''),
+    ('''                        **(dict(mlp_input=True) if keep_mlp_input else {}))
+''', '''                        **(dict(mlp_input=True) if keep_mlp_input else {}),
                         **(dict(scale=self.attention_scales[i]) if block.attn is not None else {}))
+'''),
+    ('''            else:
+                s.x = out
+''', '''            else:
+                s.x = out
             s.updates = s.updates + update
             if block.mlp_scales is not None:  # (a dense layer's scales are per token)
                 s.x = s.x + 0.1 * block.mlp_scales.output * s.x0
@@ -171,8 +173,8 @@ FORKS["bank_in_pairs"] = [NO_PAIRED_HEADS, *ATTENTION_GATE, ('''        self.sum
         bound = 3 ** 0.5 * 0.5 * c.model_dim ** -0.5  # a matrix of each kind for each layer
         self.qkv_bank = nn.Parameter(torch.empty(c.num_layers, 3, c.num_heads * c.head_dim, c.model_dim).uniform_(
             -bound, bound))
-'''), ('''                        banded=masks["banded"] if layer.composed else None)
-''', '''                        banded=masks["banded"] if layer.composed else None,
+'''), ('''                        **(dict(mlp_input=True) if keep_mlp_input else {}))
+''', '''                        **(dict(mlp_input=True) if keep_mlp_input else {}),
                         **(dict(qkv=self.qkv_bank[i]) if block.attn is not None else {}))
 ''')]
 # a token shift inside each block: where sequence parallelism cuts the stream, so it must refuse it

@@ -1,7 +1,8 @@
 """#92's layer geometry and injection sites: narrow heads (queries and keys of half a head, rotating in every dim; values of half a head
 taking half of each head's value embedding), a rotary per window that YaRN stretches, the attention scales, the MLP's
 width, a layer without an MLP and one with two, the layers x0 and the n-gram embedding join (and the gate lanes they
-take); each against a hand computation or #92's own figures."""
+take), and #92's head taking in ten earlier states per group of channels; each against a hand computation or #92's
+own figures."""
 import math
 import subprocess
 import sys
@@ -169,11 +170,12 @@ def test_92s_layer_geometry_holds_92s_matrices():
 
 def test_narrow_heads_and_two_mlps_train_under_tensor_and_sequence_parallelism():
     # the tiny model with narrow queries (in a paired and a DC-MHA layer), narrow values (with value embeddings), two
-    # MLPs in one layer and none in another (which takes x0 and the bigram embedding), checked by --check_layout against one process under the layout that cuts
+    # MLPs in one layer and none in another (which takes x0 and the bigram embedding), #92's head, checked by --check_layout against one process under the layout that cuts
     # attention by heads and the MLP by its width
     flags = ["--narrow_qk_layers", "1,2,3", "--narrow_v_layers", "1,2", "--double_mlp_layers", "0", "--mlp_free_layers",
-             "4", "--mlp_hidden", "96", "--rotary_follows", "own", "--x0_layers", "0,2,4,5", "--bigram_layers", "0,3,4"]
-    done = subprocess.run([sys.executable, train_gpt.__file__, "--check_layout", "tp2_sp", *flags],
+             "4", "--mlp_hidden", "96", "--rotary_follows", "own", "--x0_layers", "0,2,4,5", "--bigram_layers", "0,3,4",
+             "--mudd_head", "92", "--model_dim", "64", "--head_dim", "16"]
+    done = subprocess.run([sys.executable, train_gpt.__file__, "--preset", "tiny", "--check_layout", "tp2_sp", *flags],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = [line for line in done.stdout.splitlines() if line.startswith("tp2_sp ")]
@@ -211,3 +213,52 @@ def test_a_layer_without_attention_takes_x0_and_the_bigram_embedding_after_its_s
     n = mid / (mid.square().mean(-1, keepdim=True) + torch.finfo(torch.float32).eps).sqrt()
     mlp = torch.relu(n @ block.mlp.c_fc.weight.T).square() @ block.mlp.c_proj.weight.T
     torch.testing.assert_close(y, block.mlp_scales.residual * mid + block.mlp_scales.output * mlp, rtol=1e-5, atol=1e-6)
+
+
+def test_92s_head_network_gives_each_state_a_share_per_token_and_group_of_channels_as_written_out_by_hand():
+    # fp64 by hand: h = gelu(W1 x); share_k = 0.1 (W2 h + b)_k, plus for channel c in group g = c // (D / G) a delta
+    # 0.1 (D h)_(k, g); the deltas start at zero, so each share starts at its value (the backout's -0.5)
+    wanted = {"head": {"a": (1, 0.0), "attended": (1, -0.5), "c": (1, 0.0)}}
+    network = train_gpt.GateNetwork(128, wanted, lr_scale=0.25, learned_scale=False, channel_groups=2).double()
+    x = torch.randn(1, 5, 128, dtype=torch.float64)
+    with torch.no_grad():
+        start = network(x)["head"]
+        assert (start["attended"] == -0.5).all() and (start["a"] == 0).all()
+        for p in network.parameters():
+            torch.nn.init.normal_(p, std=0.2)
+        got = network(x)["head"]
+    h = torch.nn.functional.gelu(x @ network.hidden.weight.T)
+    shares = 0.1 * (h @ network.out.weight.T + network.bias)
+    deltas = 0.1 * (h @ network.group_deltas.weight.T).view(1, 5, 3, 2)
+    for k, name in enumerate(("a", "attended", "c")):
+        expected = torch.cat([(shares[..., k] + deltas[..., k, g])[..., None].expand(1, 5, 64) for g in (0, 1)], -1)
+        torch.testing.assert_close(got[name], expected, rtol=1e-12, atol=1e-12)
+    assert (got["a"][..., :64] - got["a"][..., 64:]).abs().max() > 1e-3  # (the groups differ)
+
+
+def test_92s_head_takes_in_its_ten_states():
+    # #92's: the first layer's input, layer 7's output (from -0.5: the backout), layer 9's output, the four value
+    # embeddings, layer 3's output, the last layer's MLP input and layer 7's output normed; 12 groups of 64 channels.
+    # The wiring on the tiny model: the last layer's MLP input is what its MLP read, the normed state layer 3's output
+    args = train_gpt.parse_args(["--preset", "record", *RECORD_92_GEOMETRY, *RECORD_92_INJECTIONS, "--mudd_head",
+                                 "92"], cuda=False)
+    head = train_gpt.build_model(args, torch.device("meta")).dense_networks["head"]
+    assert list(head.widths["head"]) == ["first_input", "attended", "penultimate", "value_embed_1", "value_embed_2",
+                                         "value_embed_8", "value_embed_10", "skip", "last_mlp_input",
+                                         "attended_normed"]
+    assert head.channel_groups == 12 and head.group_deltas.weight.shape == (10 * 12, 64)
+    args = train_gpt.parse_args(["--preset", "tiny", "--mudd_head", "92", "--model_dim", "64", "--head_dim", "16"],
+                                cuda=False)
+    model = train_gpt.build_model(args, torch.device("cpu"))
+    seen = {}
+    model.blocks[-1].mlp.register_forward_pre_hook(lambda m, a: seen.__setitem__("mlp", a[0]))
+    model.blocks[3].register_forward_hook(lambda m, a, out: seen.__setitem__("attended", out))
+    sources = model.head_sources
+    model.head_sources = lambda s: seen.setdefault("sources", sources(s))
+    tokens = torch.randint(0, args.vocab_size, (257,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(tokens[:-1], tokens[1:], train_gpt.window_tensor((128, 256), torch.device("cpu")))
+    got = seen["sources"]
+    assert torch.equal(got["last_mlp_input"], seen["mlp"]) and torch.equal(got["attended"], seen["attended"])
+    torch.testing.assert_close(got["attended_normed"], train_gpt.norm(seen["attended"]), rtol=0, atol=0)
+    assert sorted(k for k in got if k.startswith("value_embed")) == ["value_embed_1", "value_embed_2", "value_embed_5"]
