@@ -38,3 +38,13 @@ def tiny_flags(files, **overrides):
 TWO_LAYERS = ["--num_layers", "2", "--window_pattern", "SL", "--value_embed_layers", "1", "--mudd", "false"] + [
     f"--{name}=" for name in ("attention_free_layers", "paired_head_layers", "dc_layers", "gate_network_layers",
                               "xsa_layers", "output_gate_layers", "skip_layers", "attend_over_layer")]
+
+
+# record #92's model as this file's flags, over the record preset (#89's): its layer geometry, where x0 and the n-gram
+# embedding join, its head's ten states and its n-gram table (its gates and value embeddings follow from these)
+RECORD_92_MODEL = ["--attention_free_layers", "4,6,7,9", "--narrow_qk_layers", "0,1,2,5,8", "--narrow_v_layers", "1,8",
+                   "--mlp_hidden", "2816", "--mlp_free_layers", "7", "--double_mlp_layers", "8",
+                   "--attention_scale", "0.085", "--narrow_attention_scale", "0.13", "--rotary_follows", "own",
+                   "--xsa_layers", "1,3", "--paired_head_layers", "0,2,5", "--value_embed_layers", "1,2,8,10",
+                   "--dc_layers=", "--x0_layers", "0,1,2,4,5,7,10", "--bigram_layers", "0,1,4,5,9,10",
+                   "--mudd_head", "92", "--trigrams", "true", "--bigram_rows", "84602880"]

@@ -12,15 +12,9 @@ import pytest
 import torch
 
 import train_gpt
+from synthetic import RECORD_92_MODEL
 from train_gpt import EOT_TOKEN, CausalSelfAttention, Rotary, document_causal_masks
 
-# #92's layer geometry as flags over the record preset (its gates, injections and MUDD are not these flags')
-RECORD_92_GEOMETRY = ["--attention_free_layers", "4,6,7,9", "--narrow_qk_layers", "0,1,2,5,8", "--narrow_v_layers",
-                      "1,8", "--mlp_hidden", "2816", "--mlp_free_layers", "7", "--double_mlp_layers", "8",
-                      "--attention_scale", "0.085", "--narrow_attention_scale", "0.13", "--rotary_follows", "own",
-                      "--xsa_layers", "1,3", "--paired_head_layers", "0,2,5", "--value_embed_layers", "1,2,8,10",
-                      "--dc_layers", ""]
-RECORD_92_INJECTIONS = ["--x0_layers", "0,1,2,4,5,7,10", "--bigram_layers", "0,1,4,5,9,10"]
 
 
 def attention_by_hand(attn, x, seq, window, pairs, scale):
@@ -155,7 +149,7 @@ def test_92s_layer_geometry_holds_92s_matrices():
     # #92's package's shapes (its banks hold every head 128 wide; a narrow layer reads the first 64 rows): the live
     # parts are queries and keys 5,308,416, values and outputs 7,077,888, MLPs (10 layers and layer 8's second)
     # 47,579,136
-    args = train_gpt.parse_args(["--preset", "record", *RECORD_92_GEOMETRY], cuda=False)
+    args = train_gpt.parse_args(["--preset", "record", *RECORD_92_MODEL], cuda=False)
     model = train_gpt.build_model(args, torch.device("meta"))
     attns = [b.attn for b in model.blocks if b.attn is not None]
     assert [i for i, b in enumerate(model.blocks) if b.attn is not None] == [0, 1, 2, 3, 5, 8, 10]
@@ -187,7 +181,7 @@ def test_92s_injection_sites_give_its_gate_networks_92s_lanes():
     # 3's output gates, x0's share in layers 0-2, the n-gram's in 0 and 1), the one entering layer 4 gives 13 (layer
     # 10's output gates, x0's share in 4, 5, 7, the n-gram's in 4, 5, 9, the skip's gate); the last layer's MUDD
     # network 14
-    args = train_gpt.parse_args(["--preset", "record", *RECORD_92_GEOMETRY, *RECORD_92_INJECTIONS], cuda=False)
+    args = train_gpt.parse_args(["--preset", "record", *RECORD_92_MODEL], cuda=False)
     model = train_gpt.build_model(args, torch.device("meta"))
     assert {k: v.bias.numel() for k, v in model.gate_networks.items()} == {"0": 23, "4": 13}
     assert model.dense_networks["10"].bias.numel() == 14
@@ -240,8 +234,7 @@ def test_92s_head_takes_in_its_ten_states():
     # #92's: the first layer's input, layer 7's output (from -0.5: the backout), layer 9's output, the four value
     # embeddings, layer 3's output, the last layer's MLP input and layer 7's output normed; 12 groups of 64 channels.
     # The wiring on the tiny model: the last layer's MLP input is what its MLP read, the normed state layer 3's output
-    args = train_gpt.parse_args(["--preset", "record", *RECORD_92_GEOMETRY, *RECORD_92_INJECTIONS, "--mudd_head",
-                                 "92"], cuda=False)
+    args = train_gpt.parse_args(["--preset", "record", *RECORD_92_MODEL], cuda=False)
     head = train_gpt.build_model(args, torch.device("meta")).dense_networks["head"]
     assert list(head.widths["head"]) == ["first_input", "attended", "penultimate", "value_embed_1", "value_embed_2",
                                          "value_embed_8", "value_embed_10", "skip", "last_mlp_input",
