@@ -488,12 +488,23 @@ class AttentionMask:
         return blocks(self.full_num, self.full_idx) | (blocks(self.partial_num, self.partial_idx) &
                                                        self.mask_mod(None, None, pos[:, None], pos[None, :]))
 
-def document_causal_masks(input_seq: Tensor, windows: Tensor, places: int = 1) -> tuple[AttentionMask,
-                                                                                         AttentionMask]:
-    """The short and the long window's masks for one sequence (windows: (2,) int32, their tokens); documents start
-    at EOT_TOKEN. places 2: over the sequence paired heads attend over, each token in two places (2t, 2t + 1), the
-    window counted in places."""
-    docs = (input_seq == EOT_TOKEN).cumsum(0)
+def attention_segments(input_seq: Tensor, max_tokens: int = 0) -> Tensor:
+    """(T,) the segment attention keeps each token within, by number: its document (documents start at EOT_TOKEN);
+    with max_tokens, a piece of it, the document cut every max_tokens tokens from its start (#92's cap on what a
+    token attends over in long documents: the tokens themselves are not cut)."""
+    starts = input_seq == EOT_TOKEN
+    if max_tokens:
+        position = torch.arange(len(input_seq), device=input_seq.device)
+        from_doc_start = position - torch.where(starts, position, 0).cummax(0).values
+        starts = starts | (from_doc_start % max_tokens == 0)
+    return starts.cumsum(0)
+
+def document_causal_masks(input_seq: Tensor, windows: Tensor, places: int = 1,
+                          max_tokens: int = 0) -> tuple[AttentionMask, AttentionMask]:
+    """The short and the long window's masks for one sequence (windows: (2,) int32, their tokens), within its
+    attention_segments. places 2: over the sequence paired heads attend over, each token in two places (2t, 2t + 1),
+    the window counted in places."""
+    docs = attention_segments(input_seq, max_tokens)
     docs = docs.repeat_interleave(places) if places > 1 else docs
     nb, bs = len(docs) // ATTENTION_BLOCK_SIZE, ATTENTION_BLOCK_SIZE
     block = torch.arange(nb, dtype=torch.int32, device=input_seq.device)
@@ -518,10 +529,10 @@ def document_causal_masks(input_seq: Tensor, windows: Tensor, places: int = 1) -
 
 DC_WINDOW = 112  # tokens: DC-MHA's composition reads the keys s of a query t with 0 <= t - s < 112 (#85)
 
-def banded_mask(input_seq: Tensor, window: int) -> Tensor:
+def banded_mask(input_seq: Tensor, window: int, max_tokens: int = 0) -> Tensor:
     """(T/C, C, 2C), C = ATTENTION_BLOCK_SIZE >= window: whether query i of chunk b sees key j of chunks b - 1 and b
-    (j < C: the one before), in its document with 0 <= t - s < window tokens."""
-    docs = (input_seq == EOT_TOKEN).cumsum(0)
+    (j < C: the one before), in its attention_segments' segment with 0 <= t - s < window tokens."""
+    docs = attention_segments(input_seq, max_tokens)
     n, C = len(input_seq) // ATTENTION_BLOCK_SIZE, ATTENTION_BLOCK_SIZE
     t = torch.arange(n * C, device=input_seq.device).view(n, C, 1)
     s = (t[:, :1] // C - 1) * C + torch.arange(2 * C, device=input_seq.device)
@@ -837,6 +848,7 @@ class ModelConfig:
     mlp_hidden: int = 0  # the MLP's hidden width (0: 4 x model_dim)
     attention_scales: tuple[float, float] = (0.1, 0.1)  # of full-width and narrow queries, before YaRN
     rotary_follows_own_window: bool = False  # YaRN stretches a layer's rotary for its own window (#92); else the long
+    attention_max_tokens: int = 0  # training's attention sees documents cut into pieces this long (0: whole)
 
     def head_dims(self, i: int) -> tuple[int, int]:
         """Layer i's width of a head's queries and keys, and of its values."""
@@ -1366,13 +1378,15 @@ class GPT(nn.Module):
     def attention_masks(self, input_seq: Tensor, windows: Tensor) -> dict[tuple[str, int] | str, BlockMask | Tensor]:
         """The short and the long window's masks (windows: their tokens), by window and places a token (paired
         heads': 2), FlexAttention's block masks on CUDA, elsewhere the dense twin (FlexAttention has no CPU
-        backward); and where a layer composes its heads, the banded mask of DC-MHA's window."""
+        backward); and where a layer composes its heads, the banded mask of DC-MHA's window. Training cuts long
+        documents for attention (config.attention_max_tokens); evaluation sees them whole, as #92's does."""
+        cut = self.config.attention_max_tokens if self.training else 0
         masks = {}
         for places in sorted({2 if layer.paired else 1 for layer in self.config.layers}):
             masks.update({(letter, places): mask.flex() if input_seq.is_cuda else mask.dense() for letter, mask
-                          in zip("SL", document_causal_masks(input_seq, windows, places))})
+                          in zip("SL", document_causal_masks(input_seq, windows, places, cut))})
         if any(layer.composed for layer in self.config.layers):
-            masks["banded"] = banded_mask(input_seq, DC_WINDOW)
+            masks["banded"] = banded_mask(input_seq, DC_WINDOW, cut)
         return masks
 
     def stretch_rotary(self, windows: tuple[tuple[int, int], ...]) -> None:
@@ -1658,8 +1672,10 @@ class Hyperparameters:
                            "on the same logits, at weights that #89's schedule takes to 0 by two thirds of the run "
                            "(#53)")
     prefix_loss: bool = flag(True, "training also predicts each next token's prefix token (the longest proper prefix "
-                                   "of its bytes that is a token), at #89's weight 0.25 until a third of the run, "
-                                   "down to 0 by two thirds (#88)")
+                                   "of its bytes that is a token), at #89's weight 0.25 through the first stage, "
+                                   "down to 0 over the second (#88)")
+    prefix_quarters: bool = flag(False, "the prefix token's weight in the second stage is 0.20, 0.15, 0.10, then 0.05 "
+                                        "in its quarters (#92's), not linear")
     canonical_mask: bool = flag(True, "the final validation sets to -60, after the soft cap, the logit of each next "
                                       "token GPT-2's tokenizer never writes after the token before it (#91)")
     sampled_softmax: str = flag("", "training's loss is a softmax over a set of candidate entries of the vocabulary "
@@ -1688,20 +1704,23 @@ class Hyperparameters:
     soft_cap: str = flag(",".join(f"{term:g}" for term in RECORD_SOFT_CAP), "the logits' soft cap C,S,D: C x "
                          "sigmoid((logits + S) / D) (#89's, #54; record #23's was 30,0,7.5 x the root of the width)")
     window_blocks: str = flag("1:3,3:7,5:11,6:13", "the short and long sliding windows in 128-token blocks in each "
-                              "third of the scheduled steps, then in the extension (#89's); YaRN stretches the rotary "
-                              "at each change of the long one (#31)")
+                              "stage, then in the extension (#89's); YaRN stretches the rotary at each change of the "
+                              "window it follows (#31)")
     final_window_blocks: float = flag(20.0, "blocks: the long window of the final validation (a fraction: that share "
                                             "of a block's tokens), the rotary as the last stage left it (#89's)")
     fp8_head: bool = flag(True, "FP8 matmul for the head in training")
     num_iterations: int = flag(1285, "optimizer steps", "optimizer and schedule")
-    extension_steps: int = flag(15, "the last of the steps, after the schedule's three stages and cooldown: at "
-                                    "lr_final and the extension's windows (#89's 15)")
-    stage_lr: str = flag("1,1.52,1.73", "lr multipliers of the three thirds of the scheduled steps, as the batch grows "
-                                        "(#46: 2**0.6 and 3**0.5 for twice and three times the tokens)")
+    extension_steps: int = flag(15, "the last of the steps, after the schedule's stages and cooldown: at lr_final "
+                                    "and the extension's windows (#89's 15)")
+    stage_steps: str = flag("", "the first step of each stage after the first, before the extension's: when the "
+                                "batch, the documents' cut, the lr multiplier and the windows change (unset: thirds "
+                                "of the steps before the extension, #89's; #92's: 320,681,1107 of 1,194, the last a "
+                                "taper of the batch)")
+    stage_lr: str = flag("1,1.52,1.73", "lr multipliers of the stages before the extension, as the batch grows (#46: "
+                                        "2**0.6 and 3**0.5 for twice and three times the tokens)")
     tied_stages: int = flag(2, "the head and the token embedding start as one table and stay one through this many "
-                               "thirds of the scheduled steps (and the Adam step ending them), then train apart from "
-                               "the same Adam state (#89's 2, #51, #53; 0: apart from the start)",
-                            choices=(0, 1, 2, 3))
+                               "stages (and the Adam step ending them), then train apart from the same Adam state "
+                               "(#89's 2 of 3, #51, #53; #92's 4 of 4; 0: apart from the start)")
     cooldown_frac: float = flag(0.6, "final fraction of the scheduled steps, with the lr falling linearly from the "
                                      "stage's to lr_final")
     lr_final: float = flag(0.15, "the lr multiplier the cooldown ends at")
@@ -1729,12 +1748,15 @@ class Hyperparameters:
     seed: int = flag(0, "seed of the model's initialisation")
     train_files: str = flag("data/fineweb10B/fineweb_train_*.bin", "glob pattern of the training shards", "data")
     train_seq_len: str = flag("16384,32768,49152,49152", "tokens per micro-batch (one sequence, a multiple of 128) in "
-                              "each third of the scheduled steps, then in the extension, or one number for all (#46's "
-                              "staged batch: 16K, 32K, then 48K tokens a rank)")
+                              "each stage, then in the extension, or one number for all (#46's staged batch: 16K, "
+                              "32K, then 48K tokens a rank)")
     seqs_per_step: int = flag(8, "sequences per step; ranks short of it accumulate gradients")
     doc_max_tokens: str = flag("896,2048,2048,2048", "training sequences start at a document and hold whole "
                                "documents cut after this many tokens (0: the shards read as one stream), in each "
-                               "third of the scheduled steps, then in the extension, or one number for all (#72)")
+                               "stage, then in the extension, or one number for all (#72)")
+    attention_max_tokens: int = flag(0, "in training, attention sees a document in pieces of this many tokens from its "
+                                        "start (#92's 2560, its documents cut at 3072; 0: whole); evaluation sees "
+                                        "documents whole")
     val_files: str = flag("data/fineweb10B/fineweb_val_*.bin", "glob pattern of the validation shards",
                           "evaluation")
     val_tokens: int = flag(10485760, "tokens per evaluation, split over the ranks")
@@ -1951,6 +1973,9 @@ def check_hyperparameters(args: Hyperparameters) -> None:
     need(args.extension_steps < args.num_iterations, f"{flag_value(args, 'extension_steps')} must be below "
          f"{flag_value(args, 'num_iterations')}: the extension follows the scheduled steps")
     stage_windows(args)
+    need(args.tied_stages <= stages_before_extension(args), f"{flag_value(args, 'tied_stages')}: the run has "
+         f"{stages_before_extension(args)} stages before the extension; give at most that many (that many: one table "
+         "until the extension)")
     need(1 <= final_window(args) < 2**31, f"--final_window_blocks {args.final_window_blocks:g} must be a token or more "
          f"({ATTENTION_BLOCK_SIZE}-token blocks) and below 2**31 tokens")
     need(args.muon_beta2 < 1, f"--muon_beta2 must be in [0, 1), got {args.muon_beta2}")
@@ -2075,32 +2100,47 @@ def check_world_size(args: Hyperparameters, world_size: int) -> int:
 # Schedules: stages, learning rate, sliding windows and the rotary, loss weights, Muon momentum (functions of the step)
 
 def stage_starts(args: Hyperparameters) -> list[int]:
-    """The first step of each of #89's stages: 0, 1 and 2 are thirds of the scheduled steps (all but the
-    extension's), 3 the extension after them; then the step after the last."""
+    """The first step of each stage: those before the extension start at 0 and at --stage_steps (unset: #89's thirds
+    of the scheduled steps, all but the extension's), the extension after them; then the step after the last."""
     scheduled = args.num_iterations - args.extension_steps
-    return [round(i * scheduled / 3) for i in range(4)] + [args.num_iterations]
+    if not args.stage_steps.strip():
+        return [round(i * scheduled / 3) for i in range(4)] + [args.num_iterations]
+    try:
+        starts = [int(text) for text in args.stage_steps.split(",")]
+    except ValueError:
+        starts = []
+    need(starts and 0 < starts[0] and all(a < b for a, b in itertools.pairwise(starts + [scheduled])),
+         f"{flag_value(args, 'stage_steps')}: expected the first step of each stage after the first, rising, each "
+         f"above 0 and below the extension's first step, {scheduled} (--num_iterations {args.num_iterations} less "
+         f"--extension_steps {args.extension_steps}), such as #92's '320,681,1107' of 1,194 steps")
+    return [0, *starts, scheduled, args.num_iterations]
+
+def stages_before_extension(args: Hyperparameters) -> int:
+    return len(stage_starts(args)) - 2
 
 def training_stage(step: int, args: Hyperparameters) -> tuple[int, float]:
     """The stage of `step` (the final validation's: the extension's), and how far through the stage it is."""
-    starts = stage_starts(args)
-    if step >= starts[3]:
-        return 3, 1.0
-    stage = next(i for i in range(3) if step < starts[i + 1])
+    starts, extension = stage_starts(args), stages_before_extension(args)
+    if step >= starts[extension]:
+        return extension, 1.0
+    stage = next(i for i in range(extension) if step < starts[i + 1])
     return stage, (step - starts[stage]) / (starts[stage + 1] - starts[stage])
 
-# the flags of a value per stage: how many stages they set (the extension's lr is lr_final), and the values' type
-STAGE_FLAGS = dict(train_seq_len=(4, int), doc_max_tokens=(4, int), stage_lr=(3, float))
+# the flags of a value per stage: whether they set the extension's too (its lr is lr_final), and the values' type
+STAGE_FLAGS = dict(train_seq_len=(True, int), doc_max_tokens=(True, int), stage_lr=(False, float))
 
 def per_stage(args: Hyperparameters, name: str) -> list:
     """A flag's value in each stage: it gives one for every stage, or one for each."""
-    (count, kind), record = STAGE_FLAGS[name], Hyperparameters.__dataclass_fields__[name].default
+    (extension, kind), record = STAGE_FLAGS[name], Hyperparameters.__dataclass_fields__[name].default
+    count = stages_before_extension(args) + extension
     try:
         values = [kind(text) for text in str(getattr(args, name)).split(",")]
     except ValueError:
         values = []
     need(len(values) in (1, count) and all(0 <= v < 2**31 for v in values), f"{flag_value(args, name)}: expected "
-         f"{count} {'whole ' * (kind is int)}numbers of 0 or more, for the three thirds of the scheduled steps"
-         f"{', then the extension' * (count == 4)}, or one for all, such as the record's {record!r}")
+         f"{count} {'whole ' * (kind is int)}numbers of 0 or more, for the {count - extension} stages before the "
+         f"extension (--stage_steps){', then the extension' * extension}, or one for all, such as the record's "
+         f"{record!r}")
     return values * count if len(values) == 1 else values
 
 def stage_seq_lens(args: Hyperparameters) -> list[int]:
@@ -2119,7 +2159,7 @@ def lr_multiplier(step: int, args: Hyperparameters) -> float:
     """The stage's multiplier (#46), then linear from it to lr_final over the final cooldown_frac of the scheduled
     steps, from the whole step where that starts (#89's); lr_final in the extension."""
     scheduled = args.num_iterations - args.extension_steps
-    stage_lr = per_stage(args, "stage_lr")[min(training_stage(step, args)[0], 2)]
+    stage_lr = per_stage(args, "stage_lr")[min(training_stage(step, args)[0], stages_before_extension(args) - 1)]
     start = int(scheduled * (1 - args.cooldown_frac))
     t = min(max(step - start, 0) / (scheduled - start), 1.0) if start < scheduled else float(step >= scheduled)
     return (1 - t) * stage_lr + t * args.lr_final
@@ -2131,10 +2171,12 @@ def stage_windows(args: Hyperparameters) -> list[tuple[int, int]]:
                   for pair in args.window_blocks.split(",")]
     except (ValueError, OverflowError):  # (not a number; infinite)
         stages = []
-    need(len(stages) == 4 and all(len(pair) == 2 and 0 < min(pair) and max(pair) < 2**31 for pair in stages),
-         f"{flag_value(args, 'window_blocks')}: expected four pairs short:long of {ATTENTION_BLOCK_SIZE}-token blocks "
-         "(a fraction: that share of a block's tokens; the windows are token-exact), a token or more each, for the "
-         "three thirds of the scheduled steps and the extension, such as '1:3,3:7,5:11,6:13'")
+    count = stages_before_extension(args) + 1
+    need(len(stages) == count and all(len(pair) == 2 and 0 < min(pair) and max(pair) < 2**31 for pair in stages),
+         f"{flag_value(args, 'window_blocks')}: expected {count} pairs short:long of {ATTENTION_BLOCK_SIZE}-token "
+         "blocks (a fraction: that share of a block's tokens; the windows are token-exact), a token or more each, "
+         f"for the {count - 1} stages before the extension (--stage_steps) and the extension, such as "
+         "'1:3,3:7,5:11,6:13' (#89's) or '1:3,3:7,5:11,5:11,6:13' (#92's)")
     return stages
 
 def window_tokens(step: int, args: Hyperparameters) -> tuple[int, int]:
@@ -2157,20 +2199,25 @@ def window_tensor(tokens: tuple[int, int], device: torch.device) -> Tensor:
     # a tensor, not ints, so torch.compile(dynamic=False) does not recompile as the windows change
     return torch.tensor(tokens, dtype=torch.int32, device=device)
 
-# #89's loss weights by stage (#53, #88): the next token's loss and the two later tokens' (with --mtp), and the prefix
-# token's (with --prefix_loss), each weight linear from its stage's start to its end
+# #89's loss weights in the first stage, the second and every later one (#53, #88): the next token's loss and the two
+# later tokens' (with --mtp), and the prefix token's (with --prefix_loss), each weight linear from its stage's start to
+# its end; or, with --prefix_quarters, the prefix token's in the second stage a weight for each quarter of it (#92's)
 LOSS_STAGES = (dict(mtp=((1, 0.5, 0.25), (1, 0.5, 0)), prefix=(0.25, 0.25)),
                dict(mtp=((1, 0.5, 0), (1, 0, 0)), prefix=(0.25, 0)),
-               dict(mtp=((1, 0, 0), (1, 0, 0)), prefix=(0, 0)),
                dict(mtp=((1, 0, 0), (1, 0, 0)), prefix=(0, 0)))
+PREFIX_QUARTERS = (0.20, 0.15, 0.10, 0.05)
 
 def loss_weights(step: int, args: Hyperparameters) -> list[float]:
     """The head's loss weights at `step`: the next token's, with --mtp the later tokens', with --prefix_loss the
     prefix token's."""
     stage, t = training_stage(step, args)
-    (mtp_start, mtp_end), prefix = LOSS_STAGES[stage]["mtp"], LOSS_STAGES[stage]["prefix"]
+    (mtp_start, mtp_end), prefix = LOSS_STAGES[min(stage, 2)]["mtp"], LOSS_STAGES[min(stage, 2)]["prefix"]
     weights = [a + (b - a) * t for a, b in zip(mtp_start, mtp_end)][:MTP_TOKENS if args.mtp else 1]
-    return weights + ([prefix[0] + (prefix[1] - prefix[0]) * t] if args.prefix_loss else [])
+    if not args.prefix_loss:
+        return weights
+    if args.prefix_quarters and stage == 1:
+        return weights + [PREFIX_QUARTERS[min(int(t * 4), 3)]]
+    return weights + [prefix[0] + (prefix[1] - prefix[0]) * t]
 
 def candidate_counts(args: Hyperparameters) -> list[tuple[int, int]]:
     """--sampled_softmax: (first step, candidate count) pairs, the steps rising."""
@@ -2218,7 +2265,8 @@ def next_adam_step(step: int, args: Hyperparameters) -> int:
 
 def last_tied_step(args: Hyperparameters) -> int:
     """The last step on which the head and the token embedding are one table (-1: none): the first on which Adam
-    steps from the start of the stage after --tied_stages thirds (#89's: the third stage's first odd step)."""
+    steps from the start of the stage after --tied_stages stages (#89's: the third stage's first odd step; #92's:
+    the extension's)."""
     if not args.tied_stages:
         return -1
     start = stage_starts(args)[args.tied_stages]
@@ -2264,7 +2312,8 @@ def model_config(args: Hyperparameters) -> ModelConfig:
                        tied_embed=args.tied_stages > 0,
                        zero_attention_out=args.zero_attn_out, soft_cap=soft_cap_terms(args),
                        attention_scales=(args.attention_scale, args.narrow_attention_scale),
-                       rotary_follows_own_window=args.rotary_follows == "own")
+                       rotary_follows_own_window=args.rotary_follows == "own",
+                       attention_max_tokens=args.attention_max_tokens)
 
 def build_model(args: Hyperparameters, device: torch.device, cuda_dtypes: bool | None = None) -> GPT:
     """The one-process model, the same on every rank: built on the CPU from the seed (on meta for the plan), then
@@ -3403,7 +3452,7 @@ def check_schedule_kept(args: Hyperparameters, saved: Hyperparameters, checkpoin
     step, was, now = checkpoint["step"], last_tied_step(saved), last_tied_step(args)
     if (was < step) != (now < step):
         changed = " ".join(f"--{name} {getattr(args, name)}" for name in ("num_iterations", "extension_steps",
-                           "tied_stages", "adam_every") if getattr(args, name) != getattr(saved, name))
+                           "stage_steps", "tied_stages", "adam_every") if getattr(args, name) != getattr(saved, name))
         where = lambda last: "never" if last < 0 else f"after step {last + 1}"
         raise UserError(f"{changed} moves the "
                         f"untie of the head and the embedding from {where(was)} to {where(now)}, across the step of "
@@ -3579,9 +3628,10 @@ def check_data(args: Hyperparameters, dp: int, checkpoint: dict | None) -> None:
     steps, read = steps_held(args, train_files, sizes, position, start, starts)
     if steps < needed:
         fewer, most = start, needed - 1  # the most steps that fit: their stages shorter, the same batches fit fewer
+        last_start = stage_starts(args)[-3] if args.stage_steps.strip() else 0  # (--stage_steps' stay where given)
         while fewer < most:
             n = (fewer + most + 1) // 2
-            if n > args.extension_steps and steps_held(dataclasses.replace(args, num_iterations=n), train_files, sizes,
+            if n > args.extension_steps + last_start and steps_held(dataclasses.replace(args, num_iterations=n), train_files, sizes,
                                                        position, start, starts)[0] >= n:
                 fewer = n
             else:

@@ -29,19 +29,11 @@ import torch  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 import train_gpt  # noqa: E402
-from synthetic import RECORD_92_MODEL  # noqa: E402
+from synthetic import RECORD_92_MODEL, RECORD_92_SCHEDULE  # noqa: E402
 from tool_inputs import run_tool  # noqa: E402
 
-# record #92's configuration: its model, its sampled softmax's counts and its optimizer
-RECORD_92_FLAGS = [*RECORD_92_MODEL, "--sampled_softmax", "0:10240,681:14336,965:24576,1107:0",
-                   "--matrix_optimizer", "anvil"]
-
-# record #92's schedule (its package's schedule.py; its log prints these stage ends), not yet flags of this file:
-# (first step, step after the last, tokens a rank, (short, long) window in tokens). Its sampled softmax's counts are
-# the flag's.
-RECORD_92_STAGES = ((0, 320, 16384, (128, 384)), (320, 681, 32768, (384, 896)), (681, 1107, 49152, (640, 1408)),
-                    (1107, 1174, 40960, (640, 1408)), (1174, 1194, 16384, (768, 1664)))
-RECORD_92_STEPS = 1194
+# record #92's configuration: its model, its schedule (with its sampled softmax's counts) and its optimizer
+RECORD_92_FLAGS = [*RECORD_92_MODEL, *RECORD_92_SCHEDULE, "--matrix_optimizer", "anvil"]
 
 BLOCK = train_gpt.ATTENTION_BLOCK_SIZE
 
@@ -137,21 +129,13 @@ def build(args) -> train_gpt.GPT:
     return model
 
 
-def shapes_89(args) -> dict:
-    """(tokens, windows, rows) -> the steps of #89's schedule, as this file runs it, that have it."""
+def step_shapes(args) -> dict:
+    """(tokens, windows, rows) -> the steps of the run's schedule that have it."""
     shapes = {}
     for step in range(args.num_iterations):
         key = (train_gpt.batch_shape(step, args)[0], train_gpt.window_tokens(step, args),
                train_gpt.candidate_count(step, args))
         shapes.setdefault(key, []).append(step)
-    return shapes
-
-
-def shapes_92(args) -> dict:
-    shapes = {}
-    for first, end, tokens, windows in RECORD_92_STAGES:
-        for step in range(first, end):
-            shapes.setdefault((tokens, windows, train_gpt.candidate_count(step, args)), []).append(step)
     return shapes
 
 
@@ -201,10 +185,10 @@ def main():
           "FLOP counter, meta device)\nand attention by hand (the pairs its sliding window allows, ignoring documents: "
           "an upper bound; 'blocks': the 128 x 128 blocks\nit touches, what FlexAttention computes). Head: its input "
           "to the loss, on the rows it scores (FP8 on a GPU, counted as bf16).\n")
-    old = report("record #89 (the record preset)", build(args_89), args_89, shapes_89(args_89))
+    old = report("record #89 (the record preset)", build(args_89), args_89, step_shapes(args_89))
     print()
-    new = report("record #92 (the record preset with RECORD_92_FLAGS, on #92's schedule)", build(args_92), args_92,
-                 shapes_92(args_92))
+    new = report("record #92 (the record preset with RECORD_92_FLAGS)", build(args_92), args_92,
+                 step_shapes(args_92))
     print()
 
     def total(run: dict, attention: str = "attention", head_cost: float = 1.0) -> float:

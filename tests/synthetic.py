@@ -48,3 +48,14 @@ RECORD_92_MODEL = ["--attention_free_layers", "4,6,7,9", "--narrow_qk_layers", "
                    "--xsa_layers", "1,3", "--paired_head_layers", "0,2,5", "--value_embed_layers", "1,2,8,10",
                    "--dc_layers=", "--x0_layers", "0,1,2,4,5,7,10", "--bigram_layers", "0,1,4,5,9,10",
                    "--mudd_head", "92", "--trigrams", "true", "--bigram_rows", "84602880"]
+
+# record #92's schedule as this file's flags (its package's config.py and schedule.py; its log prints these stage
+# ends): 1,122 steps in three stages, 52 more in the third, its last 67 a taper to 20/24 of the batch at lr x the root
+# of that, then 20 at a batch of 8 sequences; documents cut at 3072 tokens, attention at 2560; its sampled softmax's
+# counts by step
+RECORD_92_SCHEDULE = ["--num_iterations", "1194", "--extension_steps", "20", "--stage_steps", "320,681,1107",
+                      "--train_seq_len", "16384,32768,49152,40960,16384", "--doc_max_tokens", "896,2048,3072,3072,3072",
+                      "--attention_max_tokens", "2560", "--stage_lr", f"1,1.52,1.73,{1.73 * (20 / 24) ** 0.5!r}",
+                      "--window_blocks", "1:3,3:7,5:11,5:11,6:13", "--cooldown_frac", "0.8", "--lr_final", "0.3",
+                      "--tied_stages", "4", "--prefix_quarters", "true",
+                      "--sampled_softmax", "0:10240,681:14336,965:24576,1107:0"]

@@ -22,13 +22,16 @@ DOC_STARTS = [0, 70, 128, 129, 300, 700, 701, 1000]
 WINDOWS = [0, 1, 64, 126, 127, 128, 129, 200, 254, 384, 1000, 2048]
 
 
-def reference_mask(seq, window, places=1):
+def reference_mask(seq, window, places=1, cut=0):
     """Query t sees key s when s is in t's document and 0 <= t - s <= window, token by token; with places 2, over
-    each token's two places (2t, 2t + 1) of paired heads' sequence, the window counted in places."""
-    docs, d = [], 0
-    for t in seq.tolist():
-        d += t == EOT_TOKEN
-        docs += [d] * places
+    each token's two places (2t, 2t + 1) of paired heads' sequence, the window counted in places; with cut, in t's
+    piece of its document, the pieces `cut` tokens long from its start (the sequence's start, or an EOT_TOKEN)."""
+    docs, d, start = [], 0, 0
+    for i, t in enumerate(seq.tolist()):
+        if t == EOT_TOKEN:
+            d, start = d + 1, i
+        docs += [(d, (i - start) // cut if cut else 0)] * places
+    docs = torch.tensor([d * len(seq) + piece for d, piece in docs])
     docs, pos = torch.tensor(docs), torch.arange(len(docs))
     gap = pos[:, None] - pos[None, :]
     return (gap >= 0) & (gap <= window) & (docs[:, None] == docs[None, :])
@@ -54,6 +57,38 @@ def test_block_lists_hold_exactly_the_blocks_the_reference_needs(window, places)
         assert torch.equal(full, pairs.all(-1)), (window, tokens)
         assert torch.equal(partial, pairs.any(-1) & ~pairs.all(-1)), (window, tokens)
         assert torch.equal(mask.dense(), reference), (window, tokens)  # the twin: full blocks whole, mask_mod in partial
+
+
+@pytest.mark.parametrize("places", [1, 2])
+@pytest.mark.parametrize("cut", [100, 128, 256])
+@pytest.mark.parametrize("starts", [DOC_STARTS, [300, 700]])  # (the second: a sequence starting mid-document)
+def test_documents_cut_for_attention_hold_exactly_the_reference_s_pieces(cut, starts, places):
+    # #92's cap: a document cut every `cut` tokens from its start, token by token
+    seq = sequence_with_documents(starts, 8 * BS, seed=cut)
+    nb = places * len(seq) // BS
+    windows = torch.tensor([150, 2048], dtype=torch.int32)
+    for mask, tokens in zip(document_causal_masks(seq, windows, places, max_tokens=cut), windows.tolist()):
+        reference = reference_mask(seq, tokens, places, cut)
+        assert not torch.equal(reference, reference_mask(seq, tokens, places))  # (the cut matters)
+        pairs = reference.view(nb, BS, nb, BS).permute(0, 2, 1, 3).reshape(nb, nb, BS * BS)
+        full, partial = listed_blocks(mask.full_num, mask.full_idx), listed_blocks(mask.partial_num, mask.partial_idx)
+        assert torch.equal(full, pairs.all(-1)) and torch.equal(partial, pairs.any(-1) & ~pairs.all(-1)), tokens
+        assert torch.equal(mask.dense(), reference), tokens
+    # DC-MHA's band is cut alike: each query's keys are its cut mask's within the band's window
+    band, cut_mask = banded_mask(seq, 100, cut), reference_mask(seq, 99, 1, cut)
+    t = torch.arange(len(seq)).view(-1, BS, 1)
+    keys = (t[:, :1] // BS - 1) * BS + torch.arange(2 * BS)
+    assert torch.equal(band, (keys >= 0) & cut_mask[t, keys.clamp(min=0)])
+
+
+def test_the_model_cuts_documents_for_attention_in_training_only():
+    seq = sequence_with_documents([0, 700], 8 * BS)
+    args = train_gpt.parse_args(["--preset", "tiny", "--attention_max_tokens", "300"], cuda=False)
+    model = train_gpt.build_model(args, torch.device("cpu"))
+    windows = torch.tensor([2048, 2048], dtype=torch.int32)
+    assert torch.equal(model.attention_masks(seq, windows)["L", 1], reference_mask(seq, 2048, 1, 300))
+    model.eval()
+    assert torch.equal(model.attention_masks(seq, windows)["L", 1], reference_mask(seq, 2048))
 
 
 def test_a_window_past_the_sequence_is_plain_document_causal():

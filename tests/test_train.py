@@ -11,7 +11,7 @@ import train_gpt
 from conftest import REPO_ROOT
 from train_gpt import run_on_ranks
 from layouts import train_step
-from synthetic import tiny_flags, write_synthetic_shards
+from synthetic import RECORD_92_SCHEDULE, tiny_flags, write_synthetic_shards
 
 
 def test_flags_override_preset_values():
@@ -30,7 +30,17 @@ def test_flags_override_preset_values():
     (["--train_seq_len", "100"], "--train_seq_len '100': each stage's must be a multiple of 128 (the attention block), not 100"),
     (["--train_seq_len", "128,256,384"], "--train_seq_len '128,256,384': expected 4 whole numbers of 0 or more"),
     (["--doc_max_tokens", "896,x,2048,2048"], "--doc_max_tokens '896,x,2048,2048': expected 4 whole numbers"),
-    (["--stage_lr", "1,1.5"], "--stage_lr '1,1.5': expected 3 numbers of 0 or more, for the three thirds"),
+    (["--stage_lr", "1,1.5"], "--stage_lr '1,1.5': expected 3 numbers of 0 or more, for the 3 stages before the "
+     "extension (--stage_steps), or one for all"),
+    (["--stage_steps", "8,5", "--num_iterations", "20"], "--stage_steps '8,5': expected the first step of each stage "
+     "after the first, rising, each above 0 and below the extension's first step, 20"),
+    (["--stage_steps", "5,20", "--num_iterations", "20"], "--stage_steps '5,20': expected the first step"),
+    (["--stage_steps", "0,5"], "--stage_steps '0,5': expected the first step"),
+    (["--stage_steps", "4,x"], "--stage_steps '4,x': expected the first step"),
+    (["--stage_steps", "4,8,12"], "--window_blocks '1:1,1:2,2:2,2:2' (the tiny preset's): expected 5 pairs "
+     "short:long of 128-token blocks"),
+    (["--stage_steps", "4", "--window_blocks", "1:1,1:2,2:2", "--tied_stages", "3"], "--tied_stages 3: the run has 2 "
+     "stages before the extension; give at most that many"),
     (["--window_pattern", "LLS"], "--window_pattern 'LLS' must have one letter"),
     (["--num_iterations", "0"], "--num_iterations must be a whole number > 0 and below 2**31, got 0"),
     (["--cooldown_frac", "1.5"], "--cooldown_frac must be in"),
@@ -45,8 +55,8 @@ def test_flags_override_preset_values():
     (["--num_layers", "4", "--window_pattern", "LSSL"],
      "--skip_layers '1,4' (the tiny preset's; set it to fit --num_layers) names layers [4]"),
     (["--val_tokens", "1000"], "--val_tokens 1000 must be a multiple of --val_seq_len"),
-    (["--window_blocks", "1:3,3:7"], "--window_blocks '1:3,3:7': expected four pairs short:long"),
-    (["--window_blocks", "1:1,1:2,2:x,2:2"], "--window_blocks '1:1,1:2,2:x,2:2': expected four pairs"),
+    (["--window_blocks", "1:3,3:7"], "--window_blocks '1:3,3:7': expected 4 pairs short:long"),
+    (["--window_blocks", "1:1,1:2,2:x,2:2"], "--window_blocks '1:1,1:2,2:x,2:2': expected 4 pairs"),
     (["--extension_steps", "20"], "--extension_steps 20 must be below --num_iterations 20 (the tiny preset's)"),
     (["--train_seq_len", "2147483520"], "--train_seq_len '2147483520': a sequence's attention block mask holds a "
      "block index for each pair of its 128-token blocks, 1 TiB of them at 67,108,864 tokens"),
@@ -118,6 +128,45 @@ def test_schedules_at_hand_computed_points():
     assert train_gpt.last_tied_step(dataclasses.replace(args, tied_stages=1)) == 333
     assert train_gpt.last_tied_step(dataclasses.replace(args, tied_stages=0)) == -1
     assert train_gpt.last_tied_step(dataclasses.replace(args, tied_stages=1, adam_every=3)) == 335
+
+
+def test_92s_schedule_as_flags_at_hand_computed_points():
+    args = train_gpt.parse_args(["--preset", "record", *RECORD_92_SCHEDULE], cuda=False)
+    # #92's stage ends: its fractions 0.2854, 0.3209 and 0.3931 less the taper's 0.06 (over their sum) of 1,122 steps,
+    # 52 more steps in the third stage, then its 20 of extension
+    fractions = [0.2854 / 0.9994, 0.3209 / 0.9994, (0.3931 - 0.06) / 0.9994]
+    ends = [round(sum(fractions[:i + 1]) * 1122) for i in range(3)]
+    assert ends == [320, 681, 1055]
+    assert train_gpt.stage_starts(args) == [0, 320, 681, 1055 + 52, 1122 + 52, 1194]
+    # its lr: the stage's multiplier, falling over the last 80% of the 1,174 steps before the extension from step
+    # int(1174 x 0.2) = 234 to 0.30 (computed by hand from its schedule.py's rule)
+    lrs = {233: 1.0, 319: 0.937, 320: 1.408, 680: 0.941, 681: 1.050, 1106: 0.403, 1107: 0.391, 1174: 0.30, 1193: 0.30}
+    assert {s: round(train_gpt.lr_multiplier(s, args), 3) for s in lrs} == lrs
+    # a rank's tokens (8, 16, 24, 20 then 8 sequences of 2048 over 8 ranks), the documents' cut and the windows
+    shapes = {319: (16384, 896, (1, 3)), 320: (32768, 2048, (3, 7)), 681: (49152, 3072, (5, 11)),
+              1107: (40960, 3072, (5, 11)), 1173: (40960, 3072, (5, 11)), 1174: (16384, 3072, (6, 13))}
+    for step, (tokens, cut, (short, long)) in shapes.items():
+        assert train_gpt.batch_shape(step, args) == (tokens, cut), step
+        assert train_gpt.window_tokens(step, args) == (128 * short, 128 * long), step
+    # the taper keeps the windows, so YaRN stretches nothing there: the rotaries of step 1107 are those of 1106
+    model = train_gpt.build_model(train_gpt.parse_args(["--preset", "tiny", "--narrow_qk_layers", "2",
+                                                        "--rotary_follows", "own"], cuda=False), torch.device("cpu"))
+    rotaries = [m for m in model.modules() if isinstance(m, train_gpt.Rotary)]
+    stretched = {}
+    for step in (681, 1106, 1107, 1174):
+        model.stretch_rotary(train_gpt.windows_so_far(step, args))
+        stretched[step] = [(r.angular_freq.clone(), r.attention_scale.item()) for r in rotaries]
+    for (f1, s1), (f2, s2), (f3, s3) in zip(stretched[681], stretched[1107], stretched[1174]):
+        assert torch.equal(f1, f2) and s1 == s2 and s3 > s2  # (the extension's windows stretch again)
+    # the loss weights: three tokens, then two, then one; the prefix token's 0.25, then 0.20, 0.15, 0.10 and 0.05 in
+    # the quarters of steps 320..680 (361 steps: from 320, 411, 501 and 591), then none
+    prefix = {0: 0.25, 319: 0.25, 320: 0.20, 410: 0.20, 411: 0.15, 500: 0.15, 501: 0.10, 590: 0.10, 591: 0.05,
+              680: 0.05, 681: 0.0, 1193: 0.0}
+    assert {s: train_gpt.loss_weights(s, args)[-1] for s in prefix} == prefix
+    assert train_gpt.loss_weights(0, args)[:3] == [1, 0.5, 0.25] and train_gpt.loss_weights(320, args)[:3] == [1, 0.5, 0]
+    assert train_gpt.loss_weights(700, args)[:3] == [1, 0, 0]
+    # the head and the embedding one table until the extension's first odd step, #92's split step
+    assert train_gpt.last_tied_step(args) == 1175
 
 
 def build(files, **overrides):
