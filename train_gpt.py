@@ -321,49 +321,77 @@ class Adam(torch.optim.Adam):
     """torch's Adam with cautious weight decay, as record #89 has it: where the step moves a weight towards zero, the
     weight also loses cautious_weight_decay x lr^2 of itself. A group with that decay steps here, step and decay
     added before one rounding (a bf16 embedding would round a decay this small away on its own); torch's fused step
-    takes the others."""
+    takes the others. Two options of a group's, #92's: `own_cadence`, it steps only where set_schedules makes it
+    `due`, on the sum of its gradients of Adam's steps since its last (state "held"); `rows`, no momentum and one
+    second moment a row, the mean square of the row's gradient (#92's n-gram table)."""
 
-    def __init__(self, params, lr=0.008, betas=(0.8, 0.95), eps=1e-10, cautious_weight_decay=0.0, fused=True):
+    OPTIONS = dict(cautious_weight_decay=0.0, own_cadence=False, due=True, rows=False)
+
+    def __init__(self, params, lr=0.008, betas=(0.8, 0.95), eps=1e-10, fused=True, **options):
         super().__init__(params, lr=lr, betas=betas, eps=eps, fused=fused)
-        self.defaults["cautious_weight_decay"] = cautious_weight_decay
-        for group in self.param_groups:
-            group.setdefault("cautious_weight_decay", cautious_weight_decay)
+        for key, default in self.OPTIONS.items():
+            self.defaults[key] = options.get(key, default)
+            for group in self.param_groups:
+                group.setdefault(key, self.defaults[key])
 
     @torch.no_grad()
     def step(self):
-        decayed = []
+        stepped_here = []
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]  # (none: another rank's to update)
-            if group["cautious_weight_decay"] and params:
-                self.cautious_step(params, group)
-                decayed += params
-        grads = [p.grad for p in decayed]
-        for p in decayed:  # torch's step skips a parameter without a gradient
+            if not params or not (group["cautious_weight_decay"] or group["own_cadence"] or group["rows"]):
+                continue
+            grads = [p.grad for p in params]
+            if group["own_cadence"]:
+                grads = [self.state_of(p, group)["held"] for p in params]
+                torch._foreach_add_(grads, [p.grad for p in params])
+            if group["due"]:
+                self.cautious_step(params, grads, group)
+                if group["own_cadence"]:
+                    torch._foreach_zero_(grads)
+            stepped_here += params
+        grads = [p.grad for p in stepped_here]
+        for p in stepped_here:  # torch's step skips a parameter without a gradient
             p.grad = None
         super().step()
-        for p, grad in zip(decayed, grads):
+        for p, grad in zip(stepped_here, grads):
             p.grad = grad
 
-    def cautious_step(self, params: list[Tensor], group: dict) -> None:
+    def state_of(self, p: Tensor, group: dict) -> dict:
+        """p's state, started where it has none: torch's, or with `rows` a second moment a row and no momentum."""
+        state = self.state[p]
+        if not state:
+            state.update(step=torch.zeros((), dtype=torch.float32, device=p.device),
+                         exp_avg_sq=p.new_zeros(p.shape[:-1] if group["rows"] else p.shape))
+            state.update({} if group["rows"] else dict(exp_avg=torch.zeros_like(p)))
+            state.update(dict(held=torch.zeros_like(p)) if group["own_cadence"] else {})
+        return state
+
+    def cautious_step(self, params: list[Tensor], grads: list[Tensor], group: dict) -> None:
         """torch's Adam update u of these parameters (its state kept as torch keeps it), and p -= u + decay where u
-        and p share a sign; on the device throughout (no host sync)."""
-        (beta1, beta2), lr, states = group["betas"], group["lr"], [self.state[p] for p in params]
-        for p, state in zip(params, states):
-            if not state:
-                state.update(step=torch.zeros((), dtype=torch.float32, device=p.device),
-                             exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
-        grads, exp_avgs, exp_avg_sqs, steps = ([p.grad for p in params], [s["exp_avg"] for s in states],
-                                               [s["exp_avg_sq"] for s in states], [s["step"] for s in states])
+        and p share a sign; on the device throughout (no host sync). With `rows`, u is lr x the bias correction
+        sqrt(1 - beta2^t) x the gradient over (sqrt of its row's second moment + eps), as #92 steps its table."""
+        (beta1, beta2), lr, states = group["betas"], group["lr"], [self.state_of(p, group) for p in params]
+        exp_avg_sqs, steps = [s["exp_avg_sq"] for s in states], [s["step"] for s in states]
         torch._foreach_add_(steps, 1)
-        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-        torch._foreach_mul_(exp_avg_sqs, beta2)
-        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
         step = steps[0]  # a group's parameters step together
-        denominators = torch._foreach_sqrt(exp_avg_sqs)
-        torch._foreach_div_(denominators, (1 - beta2 ** step).sqrt())
-        torch._foreach_add_(denominators, group["eps"])
-        updates = torch._foreach_div(exp_avgs, denominators)
-        torch._foreach_mul_(updates, lr / (1 - beta1 ** step))
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        if group["rows"]:
+            torch._foreach_add_(exp_avg_sqs, [g.float().square().mean(-1).type_as(g) for g in grads],
+                                alpha=1 - beta2)
+            denominators = [row.sqrt()[..., None] for row in exp_avg_sqs]
+            torch._foreach_add_(denominators, group["eps"])
+            updates = torch._foreach_div(grads, denominators)
+            torch._foreach_mul_(updates, lr * (1 - beta2 ** step).sqrt())
+        else:
+            exp_avgs = [s["exp_avg"] for s in states]
+            torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+            denominators = torch._foreach_sqrt(exp_avg_sqs)
+            torch._foreach_div_(denominators, (1 - beta2 ** step).sqrt())
+            torch._foreach_add_(denominators, group["eps"])
+            updates = torch._foreach_div(exp_avgs, denominators)
+            torch._foreach_mul_(updates, lr / (1 - beta1 ** step))
         decays = torch._foreach_mul(updates, params)
         torch._foreach_sign_(decays)
         torch._foreach_clamp_min_(decays, 0)  # 1 where the step pulls the weight towards zero, else 0
@@ -1733,6 +1761,14 @@ class Hyperparameters:
                                        "record #23 or #89 sets them", choices=("23", "89"))
     adam_every: int = flag(2, "Adam steps on every Nth step, with the gradients summed since its last step, so "
                               "that the data-parallel ranks exchange them N times less often (#39, #50)")
+    table_cadence: str = flag("", "the n-gram table and the value embeddings step on a cadence of their own, on some "
+                                  "of Adam's steps: every EVERY steps from step STEP on, as STEP:EVERY,... (#92's: "
+                                  "0:2,336:4; empty: Adam's), on their gradients summed over the cycle; a longer "
+                                  "cycle raises their betas to its length over the first's and multiplies their decay "
+                                  "by it")
+    bigram_optimizer: str = flag("adam", "the bigram (n-gram) table's update: Adam's, or #92's rows: no momentum and "
+                                         "one second moment a row, the mean square of the row's gradient",
+                                 choices=("adam", "rows"))
     lr_muon: float = flag(0.023, "Muon lr of the hidden matrices")
     muon_weight_decay: float = flag(1.2, "Muon's cautious weight decay, per unit lr squared")
     muon_beta2: float = flag(0.9, "decay of Muon's running mean square of each neuron's update (NorMuon)")
@@ -1968,6 +2004,7 @@ def check_hyperparameters(args: Hyperparameters) -> None:
          f"got {args.top_k}")
     need(args.cooldown_frac <= 1, f"--cooldown_frac must be in [0, 1], got {args.cooldown_frac}")
     candidate_counts(args)
+    table_cadence(args)
     need(args.collective_timeout < 2**31, f"--collective_timeout must be below 2**31 seconds (68 years), got "
          f"{args.collective_timeout:g}")
     need(args.extension_steps < args.num_iterations, f"{flag_value(args, 'extension_steps')} must be below "
@@ -2272,11 +2309,37 @@ def last_tied_step(args: Hyperparameters) -> int:
     start = stage_starts(args)[args.tied_stages]
     return min(next_adam_step(start, args), args.num_iterations)
 
+def table_cadence(args: Hyperparameters) -> list[tuple[int, int]]:
+    """--table_cadence: (first step, steps a cycle) pairs, the steps rising from 0."""
+    try:
+        pairs = [tuple(int(n) for n in pair.split(":")) for pair in args.table_cadence.split(",")] \
+            if args.table_cadence.strip() else []
+    except ValueError:
+        pairs = None
+    need(pairs is not None and all(len(pair) == 2 and pair[1] > 0 and pair[1] % args.adam_every == 0
+                                   for pair in pairs) and (not pairs or pairs[0][0] == 0)
+         and all(a[0] < b[0] for a, b in itertools.pairwise(pairs)), f"{flag_value(args, 'table_cadence')}: expected "
+         f"STEP:EVERY pairs, the first step 0 and the steps rising, each EVERY a multiple of "
+         f"{flag_value(args, 'adam_every')}: the tables step on some of Adam's steps; such as #92's '0:2,336:4', or "
+         "'' for Adam's")
+    return pairs
+
+def table_cadence_at(step: int, args: Hyperparameters) -> tuple[bool, float]:
+    """With --table_cadence: whether the tables step after step `step` (on the last step of each cycle of EVERY), and
+    the cycle's length over the first's, which their betas are raised to and their decay multiplied by, so that both
+    act per step as in the first cycles (#92's: its betas squared and its decay doubled from step 336)."""
+    every = next(every for start, every in reversed(table_cadence(args)) if step >= start)
+    return (step + 1) % every == 0, every / table_cadence(args)[0][1]
+
 def set_schedules(optimizers: list[torch.optim.Optimizer], step: int, args: Hyperparameters) -> None:
     multiplier = lr_multiplier(step, args)
     for opt in optimizers:
         for group in opt.param_groups:
             group["lr"] = group["initial_lr"] * multiplier
+    for group in (g for g in optimizers[0].param_groups if g["own_cadence"]):
+        due, cycle = table_cadence_at(step, args)
+        group.update(due=due, betas=tuple(beta ** cycle for beta in group["initial_betas"]),
+                     cautious_weight_decay=group["initial_decay"] * cycle)
     for group in optimizers[1].param_groups:
         group["momentum"] = muon_momentum(step, args)
         if args.matrix_optimizer == "anvil":
@@ -2338,7 +2401,7 @@ def is_head(module: nn.Module, vocab_size: int) -> bool:
 
 # Each parameter goes to one group, by the kind of module that holds it (an embedding tied to the head: the head's);
 # where two modules hold it (tied weights), the first kind in this order wins
-OPTIMIZER_GROUPS = ("scalar", "residual_scale", "output_scale", "gate", "head", "embed", "muon")
+OPTIMIZER_GROUPS = ("scalar", "residual_scale", "output_scale", "gate", "head", "ngram", "embed", "muon")
 
 # Adam's momenta, cautious weight decay (x lr^2) and lr_scale (of its kind's lr flag) by kind, as a record sets them
 # (--optimizer_recipe): #23's (its scalars' betas for every kind of scalar and for gates, which it had none of), and
@@ -2346,13 +2409,14 @@ OPTIMIZER_GROUPS = ("scalar", "residual_scale", "output_scale", "gate", "head", 
 # scalars that of its scalars (0.04), as its residual scales do, and its output scales a fifth of it (its base 0.008);
 # the head #89's (its decay 150 x its base 0.005), at its lr 0.008, which the token embedding tied to it takes too
 # (#89's, apart or not); the gates its base lr 0.008 and decay 0.005 (the smear's gate has none there: 0.005 x
-# (0.01 x 0.008)^2 is nothing)
+# (0.01 x 0.008)^2 is nothing). The hashed n-gram table (ngram) is an embedding to both
 ADAM_RECIPES = {
-    "23": dict(head=dict(betas=(0.8, 0.95)), embed=dict(betas=(0.8, 0.95)), scalar=dict(betas=(0.8, 0.95)),
-               residual_scale=dict(betas=(0.8, 0.95)), output_scale=dict(betas=(0.8, 0.95)),
-               gate=dict(betas=(0.8, 0.95))),
+    "23": dict(head=dict(betas=(0.8, 0.95)), embed=dict(betas=(0.8, 0.95)), ngram=dict(betas=(0.8, 0.95)),
+               scalar=dict(betas=(0.8, 0.95)), residual_scale=dict(betas=(0.8, 0.95)),
+               output_scale=dict(betas=(0.8, 0.95)), gate=dict(betas=(0.8, 0.95))),
     "89": dict(head=dict(betas=(0.5, 0.95), cautious_weight_decay=0.75),
-               embed=dict(betas=(0.75, 0.95), cautious_weight_decay=0.025), scalar=dict(betas=(0.9, 0.99)),
+               embed=dict(betas=(0.75, 0.95), cautious_weight_decay=0.025),
+               ngram=dict(betas=(0.75, 0.95), cautious_weight_decay=0.025), scalar=dict(betas=(0.9, 0.99)),
                residual_scale=dict(betas=(0.9, 0.95)), output_scale=dict(betas=(0.9, 0.95), lr_scale=0.2),
                gate=dict(betas=(0.9, 0.99), cautious_weight_decay=0.005)),
 }
@@ -2361,6 +2425,7 @@ def optimizer_param_groups(model: nn.Module, vocab_size: int, model_dim: int) ->
     """The names of each optimizer group's parameters, by the kind of module holding each. A matrix (or a bank of
     them) that no module kind claims is a hidden matrix when it is one of the stream's width; otherwise refused."""
     kinds, lr_scales = collections.defaultdict(set), collections.defaultdict(set)
+    hashed = {m.table.weight for m in model.modules() if isinstance(m, BigramHashEmbedding)}
     for module in model.modules():
         linear = isinstance(module, (CastedLinear, nn.Linear))
         for part, p in module.named_parameters(recurse=False):
@@ -2368,7 +2433,7 @@ def optimizer_param_groups(model: nn.Module, vocab_size: int, model_dim: int) ->
             kinds[p].add(f"{part}_scale" if isinstance(module, SublayerScales) else
                          "gate" if isinstance(module, (Gate, GateNetwork)) else "scalar" if p.ndim < 2 else
                          "head" if is_head(module, vocab_size) or getattr(module, "tied_to_head", False) else
-                         "muon" if linear
+                         "muon" if linear else "ngram" if p in hashed
                          else "embed" if isinstance(module, nn.Embedding) else
                          "muon" if model_dim in p.shape[-2:] else None)
     groups = {kind: [] for kind in OPTIMIZER_GROUPS}
@@ -2390,13 +2455,17 @@ def build_optimizers(model: nn.Module, groups: dict[str, list[str]], args: Hyper
                      cuda_dtypes: bool) -> list[torch.optim.Optimizer]:
     """Adam for the heads, embeddings, scalars and gates, Muon for the hidden matrices: of each group, the parameters
     this rank's part of the model holds. A module's `lr_scale` (a Gate's) scales its parameters' Adam lr, as a
-    recipe's does its kind's."""
+    recipe's does its kind's. With --table_cadence the embeddings step on their own cadence; with --bigram_optimizer
+    rows the n-gram table steps as #92's does."""
     params = dict(model.named_parameters())
     held = {kind: [params[name] for name in names if name in params] for kind, names in groups.items()}
     lr_scale = held_attribute(model, "lr_scale", 1.0)
-    lrs = dict(head=args.lr_head, embed=args.lr_embed, scalar=args.lr_scalar, residual_scale=args.lr_scalar,
-               output_scale=args.lr_scalar, gate=args.lr_gate)
+    lrs = dict(head=args.lr_head, ngram=args.lr_embed, embed=args.lr_embed, scalar=args.lr_scalar,
+               residual_scale=args.lr_scalar, output_scale=args.lr_scalar, gate=args.lr_gate)
     recipes = {kind: dict(ADAM_RECIPES[args.optimizer_recipe][kind]) for kind in lrs}
+    for kind in ("ngram", "embed") if args.table_cadence.strip() else ():
+        recipes[kind]["own_cadence"] = True
+    recipes["ngram"]["rows"] = args.bigram_optimizer == "rows"
     lrs = {kind: lr * recipes[kind].pop("lr_scale", 1.0) for kind, lr in lrs.items()}
     adam = Adam([dict(params=[p for p in held[kind] if lr_scale[p] == scale], lr=lrs[kind] * scale, **recipes[kind])
                  for kind in lrs for scale in sorted({lr_scale[p] for p in held[kind]})],
@@ -2414,6 +2483,8 @@ def build_optimizers(model: nn.Module, groups: dict[str, list[str]], args: Hyper
     for opt in (adam, muon):
         for group in opt.param_groups:
             group["initial_lr"] = group["lr"]
+    for group in adam.param_groups:  # (what a cadence's cycles raise to their length: table_cadence_at)
+        group["initial_betas"], group["initial_decay"] = group["betas"], group["cautious_weight_decay"]
     return [adam, muon]
 
 @dataclass
@@ -2803,12 +2874,12 @@ def gather_training_state(trainer: "Trainer", weights_only: bool = False) -> dic
         held = dict(model=whole(p, p.detach())) if ctx.dp.rank == 0 else {}
         rows, state = trainer.layout.zero.rows.get(p), None  # (state: p's Adam moments, where this rank sends them)
         if not weights_only and rows is not None:  # a table's, gathered from its rows' ranks, sent by the first
-            state = {k: rows.whole(v) if k.startswith("exp_avg") else v for k, v in adam.state[rows.rows].items()}
+            state = {k: v if k == "step" else rows.whole(v) for k, v in adam.state[rows.rows].items()}
             state = state if ctx.dp.rank == 0 else None
         elif not weights_only and p in adam_owners and ctx.dp.rank == (adam_owners[p] or 0):
             state = adam.state[p]
-        if state is not None:  # moments shaped like p
-            held["adam"] = {k: whole(p, v) if k.startswith("exp_avg") else v for k, v in state.items()}
+        if state is not None:  # moments (and held gradient sums) by p's rows
+            held["adam"] = {k: v if k == "step" else whole(p, v) for k, v in state.items()}
         if not weights_only and ctx.dp.rank == muon_owners.get(p):  # Muon keeps whole matrices
             held["muon"] = dict(muon.state[p])
         if p in held_gradients and ctx.dp.rank == 0:
@@ -4913,8 +4984,8 @@ class TableRows:
         count_comm("all_gather_single", gathered)
         return gathered, all_gather_single(gathered, t.contiguous().view(-1), group=self.dp.group, async_op=True)
 
-    def _in_table_order(self, gathered: Tensor) -> Tensor:
-        return rows_in_table_order(gathered.view(self.dp.size, self.most, *self.table.shape[1:]), len(self.table))
+    def _in_table_order(self, gathered: Tensor, row_shape: tuple) -> Tensor:
+        return rows_in_table_order(gathered.view(self.dp.size, self.most, *row_shape), len(self.table))
 
     def gather(self) -> "TableRows":
         """Async: every rank's rows into the table (wait() puts them there)."""
@@ -4924,14 +4995,14 @@ class TableRows:
     def wait(self) -> None:
         gathered, handle = self.pending
         handle.wait()
-        self.table.data.copy_(self._in_table_order(gathered))
+        self.table.data.copy_(self._in_table_order(gathered, self.table.shape[1:]))
         self.pending = None
 
     def whole(self, t: Tensor) -> Tensor:
-        """A tensor shaped like this rank's rows (its Adam state), every rank's together, shaped like the table."""
+        """A tensor by this rank's rows (its Adam state), every rank's together, by the table's rows."""
         gathered, handle = self._all_gather(t)
         handle.wait()
-        return self._in_table_order(gathered)
+        return self._in_table_order(gathered, t.shape[1:])
 
 class ShardedParameters:
     """ZeRO 3: each unit (a block, or another module holding parameters) is gathered from the owners just before

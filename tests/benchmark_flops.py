@@ -29,11 +29,11 @@ import torch  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 import train_gpt  # noqa: E402
-from synthetic import RECORD_92_MODEL, RECORD_92_SCHEDULE  # noqa: E402
+from synthetic import RECORD_92_MODEL, RECORD_92_OPTIMIZER, RECORD_92_SCHEDULE  # noqa: E402
 from tool_inputs import run_tool  # noqa: E402
 
 # record #92's configuration: its model, its schedule (with its sampled softmax's counts) and its optimizer
-RECORD_92_FLAGS = [*RECORD_92_MODEL, *RECORD_92_SCHEDULE, "--matrix_optimizer", "anvil"]
+RECORD_92_FLAGS = [*RECORD_92_MODEL, *RECORD_92_SCHEDULE, *RECORD_92_OPTIMIZER]
 
 BLOCK = train_gpt.ATTENTION_BLOCK_SIZE
 

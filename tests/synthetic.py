@@ -59,3 +59,9 @@ RECORD_92_SCHEDULE = ["--num_iterations", "1194", "--extension_steps", "20", "--
                       "--window_blocks", "1:3,3:7,5:11,5:11,6:13", "--cooldown_frac", "0.8", "--lr_final", "0.3",
                       "--tied_stages", "4", "--prefix_quarters", "true",
                       "--sampled_softmax", "0:10240,681:14336,965:24576,1107:0"]
+
+# record #92's optimizers as this file's flags: ANVIL for the hidden matrices; its n-gram table stepped by rows and,
+# with its value embeddings, on odd steps, then every fourth from step 336, at 70 x its base Adam lr 0.008
+RECORD_92_OPTIMIZER = ["--matrix_optimizer", "anvil", "--muon_weight_decay", "2.25", "--muon_momentum_peak", "0.93",
+                       "--muon_momentum_warmup_steps", "240", "--table_cadence", "0:2,336:4",
+                       "--bigram_optimizer", "rows", "--lr_embed", "0.56"]

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+import train_gpt
 from train_gpt import Adam
 
 
@@ -107,3 +108,59 @@ def test_a_bf16_weight_keeps_its_small_decay_on_average():
     shrink = (undecayed.abs() - decayed.abs()).mean()
     exact_shrink = (exact_undecayed.abs() - exact_decayed.abs()).mean()
     assert exact_shrink > 0 and abs(shrink - exact_shrink) < 0.25 * exact_shrink, (shrink, exact_shrink)
+
+
+def test_92s_tables_on_their_own_cadence_equal_the_formula_by_hand():
+    """#92's n-gram table (no momentum, one second moment a row, the mean square of its gradient) and value
+    embeddings (Adam), on the cadence 0:2,8:4 with Adam on odd steps: they step after steps 1, 3, 5, 7, then 11 and
+    15 on the sums of their gradients of Adam's steps in the cycle (9 + 11, 13 + 15), with betas squared and decay
+    doubled in the 4-step cycles. By hand in float64 from #92's formula; the optimizers as the trainer builds them."""
+    args = train_gpt.parse_args(["--preset", "tiny", "--table_cadence", "0:2,8:4", "--bigram_optimizer", "rows",
+                                 "--num_iterations", "16", "--lr_embed", "3"], cuda=False)  # (a lr at which the
+    # decay, x lr^2, shows)
+    torch.manual_seed(0)
+    model = train_gpt.build_model(args, torch.device("cpu"))
+    groups = train_gpt.optimizer_param_groups(model, args.vocab_size, args.model_dim)
+    optimizers = train_gpt.build_optimizers(model, groups, args, torch.device("cpu"), cuda_dtypes=False)
+    table, embed = model.bigram.table.weight, model.value_embeds["1"].weight
+    with torch.no_grad():
+        table.normal_()  # (zero at the start, it would never decay)
+    g = torch.Generator().manual_seed(4)
+    touched = torch.rand(table.shape[0], generator=g) < 0.3  # a step's lookups: some rows, the rest no gradient
+    gradients = {s: (torch.randn(table.shape, generator=g) * touched[:, None], torch.randn(embed.shape, generator=g))
+                 for s in range(1, 16, 2)}
+    start, moved = (table.detach().double().clone(), embed.detach().double().clone()), {}
+    for s in range(16):
+        if not train_gpt.adam_steps(s, args):
+            continue
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        table.grad, embed.grad = (grad.clone() for grad in gradients[s])
+        train_gpt.set_schedules(optimizers, s, args)
+        optimizers[0].step()
+        moved[s] = table.detach().clone()
+    assert torch.equal(moved[9], moved[7]) and not torch.equal(moved[11], moved[9])  # (held through step 9)
+    assert optimizers[0].state[table]["exp_avg_sq"].shape == (table.shape[0],)  # one a row
+    events, held = 0, [torch.zeros_like(start[0]), torch.zeros_like(start[1])]
+    p, q = start[0].clone(), start[1].clone()
+    v_rows, m, v = torch.zeros(len(p), dtype=torch.float64), torch.zeros_like(q), torch.zeros_like(q)
+    for s in range(1, 16, 2):
+        held = [h + grad.double() for h, grad in zip(held, gradients[s])]
+        cycle = 2 if s >= 8 else 1  # (4 steps over the first cycles' 2)
+        if (s + 1) % (2 * cycle):
+            continue
+        events += 1
+        lr = args.lr_embed * train_gpt.lr_multiplier(s, args)
+        beta1, beta2, decay = 0.75 ** cycle, 0.95 ** cycle, 0.025 * cycle  # #89's embedding recipe per 2 steps
+        v_rows = beta2 * v_rows + (1 - beta2) * held[0].square().mean(-1)
+        u = held[0] / (v_rows.sqrt() + 1e-10)[:, None] * lr * (1 - beta2 ** events) ** 0.5
+        p = p - u - (u * p > 0) * decay * lr * lr * p
+        m, v = beta1 * m + (1 - beta1) * held[1], beta2 * v + (1 - beta2) * held[1].square()
+        u = lr / (1 - beta1 ** events) * m / ((v / (1 - beta2 ** events)).sqrt() + 1e-10)
+        q = q - u - (u * q > 0) * decay * lr * lr * q
+        held = [torch.zeros_like(h) for h in held]
+    assert events == 6
+    for ours, expected, begun in ((table, p, start[0]), (embed, q, start[1])):
+        assert (ours.detach().double() - expected).norm() <= 1e-5 * (expected - begun).norm()
+        assert (expected - begun).norm() > 1e-3 * begun.norm()  # (it moved)
+    assert torch.equal(table.detach()[~touched].double(), start[0][~touched])  # rows never looked up stay put

@@ -36,6 +36,10 @@ def test_flags_override_preset_values():
      "after the first, rising, each above 0 and below the extension's first step, 20"),
     (["--stage_steps", "5,20", "--num_iterations", "20"], "--stage_steps '5,20': expected the first step"),
     (["--stage_steps", "0,5"], "--stage_steps '0,5': expected the first step"),
+    (["--table_cadence", "0:3"], "--table_cadence '0:3': expected STEP:EVERY pairs, the first step 0 and the steps "
+     "rising, each EVERY a multiple of --adam_every 2 (the tiny preset's): the tables step on some of Adam's"),
+    (["--table_cadence", "4:2"], "--table_cadence '4:2': expected STEP:EVERY pairs, the first step 0"),
+    (["--table_cadence", "0:2,8:x"], "--table_cadence '0:2,8:x': expected STEP:EVERY pairs"),
     (["--stage_steps", "4,x"], "--stage_steps '4,x': expected the first step"),
     (["--stage_steps", "4,8,12"], "--window_blocks '1:1,1:2,2:2,2:2' (the tiny preset's): expected 5 pairs "
      "short:long of 128-token blocks"),
