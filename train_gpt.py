@@ -2769,7 +2769,10 @@ def main(argv=None) -> float | None:
     check_world_size(args, world_size)
     if args.plan:
         print(f"the {args.preset} preset's layer stack, as the flags make it:\n{model_config(args).table()}")
-        print(format_plan(plan_layout(args, world_size, cuda=args.plan_device == "cuda")))
+        plan = plan_layout(args, world_size, cuda=args.plan_device == "cuda")
+        print(format_plan(plan))
+        if args.plan_device == "cuda":
+            print(fit_on_h100s(args, plan))
         return None
     if args.compile is None:
         args.compile = compiles_by_default(args, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
@@ -5988,16 +5991,47 @@ def plan_layout(args: Hyperparameters, world_size: int, cuda: bool) -> dict:
 COMPILED_ACTIVATIONS = 0.58
 MEMORY_HEADROOM = 0.95  # of the free memory a plan may fill: the allocator's fragmentation and workspaces
 
+def peak_of(plan: dict) -> int:
+    """The largest per-rank bytes of a plan."""
+    kinds = ("peak_parameters", "buffers", "gradients", "optimizer_states", "gradient_sums", "activations")
+    return max(sum(rank[kind] for kind in kinds) for rank in plan["ranks"])
+
 def planned_peak(args: Hyperparameters, world_size: int) -> int:
     """The largest per-rank bytes of a CUDA run's plan."""
-    kinds = ("peak_parameters", "buffers", "gradients", "optimizer_states", "gradient_sums", "activations")
-    return max(sum(rank[kind] for kind in kinds) for rank in plan_layout(args, world_size, cuda=True)["ranks"])
+    return peak_of(plan_layout(args, world_size, cuda=True))
 
-def check_memory(args: Hyperparameters, world_size: int, free_bytes: int) -> None:
-    """Refuse a run whose plan exceeds the GPU's free memory, naming what would fit."""
-    needed, room = planned_peak(args, world_size), MEMORY_HEADROOM * free_bytes
+H100_BYTES = 80 * 10**9  # (the plan's GPU: 80 GB, the record's)
+
+def fit_on_h100s(args: Hyperparameters, plan: dict) -> str:
+    """Whether a CUDA run's plan fits 80 GB GPUs (their free memory less the allocator's headroom), or with what."""
+    needed, room = peak_of(plan), MEMORY_HEADROOM * H100_BYTES
     if needed <= room:
-        return
+        return f"on 80 GB GPUs (an H100's): fits, {needed / 1e9:.1f} GB of {room / 1e9:.1f} GB a rank"
+    fits = fitting_changes(args, plan["world_size"], needed, room)
+    return (f"on 80 GB GPUs (an H100's): does not fit, {needed / 1e9:.1f} GB of {room / 1e9:.1f} GB a rank; "
+            + (f"it would fit with {' or '.join(fits)}" if fits else "nothing tried makes it fit"))
+
+def largest_bigram_table(args: Hyperparameters, world_size: int, room: float, needed: int) -> int:
+    """The most --bigram_rows whose plan fits `room` bytes (0: none), the rest of the model as it is: the plan is
+    linear in the rows (the table, its gradient and its optimizer states), so one more plan of a small table
+    prices a row; then checked, and lowered by 1% until it fits."""
+    even = 2 if args.trigrams else 1  # (the two halves of an n-gram table)
+    small = 1024 * even
+    if args.bigram_rows <= small:
+        return 0
+    base = planned_peak(dataclasses.replace(args, bigram_rows=small), world_size)
+    per_row = (needed - base) / (args.bigram_rows - small)
+    rows = small + int((room - base) / per_row) if base <= room and per_row > 0 else 0
+    while rows > small:
+        rows -= rows % even
+        if planned_peak(dataclasses.replace(args, bigram_rows=rows), world_size) <= room:
+            return rows
+        rows = int(rows * 0.99)
+    return 0
+
+def fitting_changes(args: Hyperparameters, world_size: int, needed: int, room: float) -> list[str]:
+    """The flags with which a run whose plan needs `needed` bytes a rank would fit `room`: shorter sequences (the
+    longest that fits), ZeRO 3, twice the processes with it, the largest bigram table."""
     unit, dp = math.lcm(ATTENTION_BLOCK_SIZE, args.tp if args.sp else 1), world_size // (args.tp * args.pp)
     shorter = [",".join(str(n // divisor) for n in stage_seq_lens(args)) for divisor in (2, 4, 8)
                if all(n % (divisor * unit) == 0 for n in stage_seq_lens(args))]
@@ -6011,10 +6045,20 @@ def check_memory(args: Hyperparameters, world_size: int, free_bytes: int) -> Non
         if not (flags.startswith("--train_seq_len") and any(f.startswith("--train_seq_len") for f in fits)) and \
                 planned_peak(dataclasses.replace(args, **change), n) <= room:
             fits.append(flags)
+    rows = largest_bigram_table(args, world_size, room, needed) if args.bigram_rows else 0
+    return fits + ([f"--bigram_rows {rows} (the largest bigram table that fits)"] if rows else [])
+
+def check_memory(args: Hyperparameters, world_size: int, free_bytes: int) -> None:
+    """Refuse a run whose plan exceeds the GPU's free memory, naming what would fit."""
+    needed, room = planned_peak(args, world_size), MEMORY_HEADROOM * free_bytes
+    if needed <= room:
+        return
+    fits = fitting_changes(args, world_size, needed, room)
     raise UserError(f"this run needs about {needed / 2**30:.1f} GiB on a GPU by its plan (see --plan), and the GPU has "
                     f"{free_bytes / 2**30:.1f} GiB free: "
                     + (f"it would fit with {' or '.join(fits)}" if fits
-                       else "no shorter sequence, --zero 3 or twice the processes makes it fit")
+                       else "no shorter sequence, --zero 3, twice the processes or smaller bigram table makes it "
+                       "fit")
                     + "; --memory_check false runs it anyway")
 
 def format_plan(plan: dict) -> str:

@@ -1,6 +1,8 @@
 """Ready for the GPU a user has: FP8 only where the GPU has it, and a run refused before any work when its plan
 does not fit the GPU's memory (capabilities and memory sizes faked: no GPU here)."""
+import dataclasses
 import json
+import re
 
 import pytest
 
@@ -51,5 +53,21 @@ def test_the_memory_check_names_zero_3_and_more_processes_where_the_model_states
     args = train_gpt.parse_args(["--train_seq_len", "256", "--val_seq_len", "256", "--val_tokens", "2048",
                                  "--compile", "false", "--seqs_per_step", "4", *TWO_LAYERS], cuda=True)
     free = train_gpt.planned_peak(args, 2) - 2**28
-    with pytest.raises(train_gpt.UserError, match=r"it would fit with --zero 3 or 4 processes with --zero 3;"):
+    with pytest.raises(train_gpt.UserError, match=r"it would fit with --zero 3 or 4 processes with --zero 3 or "
+                                                  r"--bigram_rows \d+ \(the largest bigram table that fits\);"):
         train_gpt.check_memory(args, 2, int(free / train_gpt.MEMORY_HEADROOM))
+
+
+def test_the_memory_check_names_the_largest_bigram_table_that_fits():
+    # #92's n-gram table is most of its model; a GPU too small for this one (2M rows) is told the most rows that
+    # fit: the free memory is a 1M-row table's plan, so about 1M (the plan prices a row from two plans, and checks)
+    flags = ["--train_seq_len", "256", "--val_seq_len", "256", "--val_tokens", "2048", "--compile", "false",
+             "--seqs_per_step", "1", "--trigrams", "true", *TWO_LAYERS]
+    args = train_gpt.parse_args([*flags, "--bigram_rows", "2000000"], cuda=True)
+    free = train_gpt.planned_peak(dataclasses.replace(args, bigram_rows=1_000_000), 1) / train_gpt.MEMORY_HEADROOM
+    with pytest.raises(train_gpt.UserError, match=r"it would fit with --bigram_rows (\d+) \(the largest bigram table "
+                                                  r"that fits\); --memory_check false") as refused:
+        train_gpt.check_memory(args, 1, int(free))
+    rows = int(re.search(r"--bigram_rows (\d+)", str(refused.value)).group(1))
+    assert 990_000 <= rows <= 1_000_000 and rows % 2 == 0
+    assert train_gpt.planned_peak(dataclasses.replace(args, bigram_rows=rows), 1) <= free * train_gpt.MEMORY_HEADROOM
