@@ -1826,6 +1826,10 @@ class Hyperparameters:
                             choices=("afab", "1f1b"))
     zero: int = flag(0, "ZeRO stage over the data-parallel ranks: 1 shards optimizer states, 2 also gradients, "
                         "3 also parameters", choices=(0, 1, 2, 3))
+    tables_by_rows: bool = flag(False, "with --zero 1 and up, each data-parallel rank holds only its share of the "
+                                       "embedding tables' rows, never a whole table: a lookup fetches rows from their "
+                                       "ranks and backward sends their gradients back (how #92's 65B-parameter "
+                                       "n-gram table fits 8 GPUs)")
     check_layout: str = flag("", "train the tiny model (with the other flags given) for 3 steps under one process "
                                  "and under each layout (a comma-separated list, or all) and compare; no training")
     sample: str = flag("", "a checkpoint to print text from (no training), with the flags below and --seed", "sample")
@@ -1994,6 +1998,8 @@ def check_hyperparameters(args: Hyperparameters) -> None:
     soft_cap_terms(args)
     need(args.pp <= args.num_layers, f"--pp {args.pp} must be between 1 and --num_layers {args.num_layers}: each "
          "pipeline stage holds at least one block")
+    need(not (args.tables_by_rows and args.tp > 1 and args.zero), f"--tables_by_rows with --tp {args.tp}: a table "
+         "split over the tensor-parallel ranks and held by rows over the data-parallel ones is not built; drop one")
     need(args.sp or not args.async_tp, "--async_tp overlaps the all-gather of sequence-parallel shards with the "
          "matmul: it needs --sp true")
     need(args.model_dim == args.num_heads * args.head_dim, f"--model_dim {args.model_dim} must equal --num_heads x "
@@ -2595,17 +2601,22 @@ def warmup_and_restore(trainer: Trainer, steps: int) -> None:
     """`steps` training steps on random tokens from the first step of each sequence length and of each count of a
     sampled softmax's candidates (torch.compile compiles the model once for each shape), then the model and
     optimizers restored."""
-    initial = copy.deepcopy(dict(model=trainer.model.state_dict(),
+    by_rows = trainer.layout.zero.held_by_rows(trainer.model)  # (their values: their rows)
+    initial = copy.deepcopy(dict(model={k: v for k, v in trainer.model.state_dict().items() if k not in by_rows},
+                                 rows={name: rows.rows.detach() for name, rows in by_rows.items()},
                                  optimizers=[opt.state_dict() for opt in trainer.optimizers]))
     batches = RandomBatches(trainer.args.vocab_size, trainer.ctx.device)
     firsts = {*first_step_of_seq_len(trainer.args).values(), *(start for start, _ in candidate_counts(trainer.args))}
     for step in (s for first in sorted(firsts) for s in range(first, min(first + steps, trainer.args.num_iterations))):
         forward_backward(trainer, batches, step)  # (steps on which Adam steps and steps on which it waits)
         optimizer_step(trainer, step)
-    trainer.model.load_state_dict(initial["model"])
+    trainer.model.load_state_dict(initial["model"], strict=not by_rows)
     trainer.layout.zero.take_rows_from_tables()
+    for name, rows in by_rows.items():
+        rows.rows.data.copy_(initial["rows"][name])
     for opt, state in zip(trainer.optimizers, initial["optimizers"]):
         opt.load_state_dict(state)
+        opt.zero_grad(set_to_none=True)
     trainer.model.zero_grad(set_to_none=True)
     trainer.layout.gradients.forget()
 
@@ -2872,9 +2883,14 @@ def gather_training_state(trainer: "Trainer", weights_only: bool = False) -> dic
     held_gradients = {} if weights_only else gradients.held_gradients()
     if held_gradients:  # held from here on as a run resumed from this state holds them
         gradients.hold_gradients(held_gradients)
+    by_rows = trainer.layout.zero.held_by_rows(trainer.model)  # (every data-parallel rank joins their whole())
+    for rows in by_rows.values() if held_gradients else ():  # their rows' gradients, averaged already
+        held_gradients[rows.table] = rows.whole(rows.rows.grad if rows.rows.grad is not None else
+                                                torch.zeros_like(rows.rows))
     part = dict(model={}, adam={}, muon={}, held_gradients={})
     for name, p in trainer.model.named_parameters():  # (every rank of a tensor-parallel group joins each whole())
-        held = dict(model=whole(p, p.detach())) if ctx.dp.rank == 0 else {}
+        weights = by_rows[name].whole(by_rows[name].rows.detach()) if name in by_rows else None
+        held = dict(model=weights if weights is not None else whole(p, p.detach())) if ctx.dp.rank == 0 else {}
         rows, state = trainer.layout.zero.rows.get(p), None  # (state: p's Adam moments, where this rank sends them)
         if not weights_only and rows is not None:  # a table's, gathered from its rows' ranks, sent by the first
             state = {k: v if k == "step" else rows.whole(v) for k, v in adam.state[rows.rows].items()}
@@ -3035,9 +3051,11 @@ def restore_checkpoint(state: dict, path: Path, trainer: "Trainer") -> None:
         need(cuda_rng.numel() == size, f"checkpoint {path} holds a CUDA random state of {cuda_rng.numel()} bytes, "
              f"not this GPU's {size}: it is damaged or was edited; resume from another one")
     zero = trainer.layout.zero
+    by_rows = zero.held_by_rows(model)  # (no values of their own: their rows')
     with zero.whole_parameters():
-        model.load_state_dict({name: own_slice(p, state["model"][name]) for name, p in model.named_parameters()})
-        zero.take_rows_from_tables()
+        model.load_state_dict({name: own_slice(p, state["model"][name]) for name, p in model.named_parameters()
+                               if name not in by_rows}, strict=not by_rows)
+        zero.take_rows_from_tables({rows.table: state["model"][name] for name, rows in by_rows.items()})
     for p, owner in adam_owners.items():  # moments in the parameter's dtype (bf16 embeddings on CUDA, fp32 on CPU)
         if owner in (None, ctx.dp.rank, ROW_OWNERS):
             saved = {key: value if key == "step" else own_slice(p, value)
@@ -3052,7 +3070,11 @@ def restore_checkpoint(state: dict, path: Path, trainer: "Trainer") -> None:
             muon.state[p] = {key: value.to(p.device, copy=True) for key, value in state["muon"][names[p]].items()}
     params = dict(model.named_parameters())  # (a pipeline stage holds its own parameters' gradients)
     trainer.layout.gradients.hold_gradients({params[name]: own_slice(params[name], grad).to(params[name].device)
-                                             for name, grad in state["held_gradients"].items() if name in params})
+                                             for name, grad in state["held_gradients"].items()
+                                             if name in params and name not in by_rows})
+    for name, rows in by_rows.items():  # (averaged over the ranks already)
+        rows.rows.grad = rows.own(state["held_gradients"][name].to(rows.rows)) \
+            if name in state["held_gradients"] else None
     torch.set_rng_state(state["rng"]["cpu"])
     if ctx.device.type == "cuda" and state["rng"]["cuda"] is not None:
         torch.cuda.set_rng_state(state["rng"]["cuda"], ctx.device)
@@ -4324,6 +4346,8 @@ class Layout:
         tied = [p for name, p in model.named_parameters() if name in (self.tied_names or ())]
         tables = [t for t in embedding_tables(model) if t not in self.shared]  # (a table on one pipeline stage)
         self.zero = zero = Zero.build(args.zero, adam, muon, ctx.dp, tied, tables)
+        for table, rows in zero.rows.items() if args.tables_by_rows else ():
+            rows.hold_by_rows(embedding_tables(model)[table])
         self.tie = None if self.tied_names is None else TiedEmbedding(
             model, self.tied_names, self.pipeline.stage_of if self.pipeline is not None else {}, adam, ctx,
             updates=lambda p: zero.stage == 0 or zero.owns(p))
@@ -4928,7 +4952,8 @@ class Zero:
     def send_updated_parameters(self, skip: set) -> None:
         """After the optimizers' steps: the parameters an owner updated alone, sent to the other ranks (but those in
         skip, which no optimizer stepped)."""
-        for handle in [self.send_from_owners(p) for p in self.sent_after_step if p not in skip]:
+        for handle in [self.send_from_owners(p) for p in self.sent_after_step if p not in skip
+                       and not (p in self.rows and self.rows[p].by_rows)]:  # (held by rows: nothing to send)
             handle.wait()
 
     def send_from_owners(self, param: Tensor):
@@ -4942,7 +4967,8 @@ class Zero:
 
     def shard_parameters(self, model: GPT, trace: ModelTrace) -> None:
         self.sharded = ShardedParameters(model, self, trace)
-        self.sent_after_step += [p for p in model.parameters() if p not in self.sharded.unit_of]
+        self.sent_after_step += [p for p in model.parameters() if p not in self.sharded.unit_of and
+                                 not (p in self.rows and self.rows[p].by_rows)]
 
     @contextlib.contextmanager
     def whole_parameters(self):
@@ -4960,21 +4986,76 @@ class Zero:
         held = sum(p.untyped_storage().nbytes() for p in self.parameters(model))
         return max(held, self.sharded.peak_bytes) if self.sharded is not None else held
 
-    def take_rows_from_tables(self) -> None:
-        """Each rank's rows as its tables hold them (after a checkpoint loaded the tables)."""
+    def take_rows_from_tables(self, whole: dict[Tensor, Tensor] | None = None) -> None:
+        """Each rank's rows as its tables hold them (after a checkpoint loaded the tables); of the tables held by
+        rows, as `whole` (table -> its values) holds them."""
         for table, rows in self.rows.items():
-            rows.rows.data.copy_(rows.own(table.detach()))
+            if not rows.by_rows:
+                rows.rows.data.copy_(rows.own(table.detach()))
+            elif whole is not None:
+                rows.rows.data.copy_(rows.own(whole[table].to(rows.rows)))
+
+    def held_by_rows(self, model: nn.Module) -> dict[str, "TableRows"]:
+        """The tables held by rows (their names in the model): they hold no values, their rows do."""
+        return {name: self.rows[p] for name, p in model.named_parameters() if p in self.rows and self.rows[p].by_rows}
 
 class TableRows:
     """ZeRO's share of an embedding table: data-parallel rank j keeps Adam's state of rows j, j + W, ... and updates
     them (the rows whose gradients it sums: GradientBuckets.average_rows), and the ranks gather each other's rows into
-    the table. (#89's bigram table is 290M parameters: over half the record's, too many for one owner.)"""
+    the table. (#89's bigram table is 290M parameters: over half the record's, too many for one owner.) Held by rows
+    (hold_by_rows, --tables_by_rows), a rank keeps only its rows, never the table: a lookup fetches the rows from
+    their ranks, and backward sends their gradients back (#92's table is 65B parameters: 16 GB a rank of 8)."""
 
     def __init__(self, table: Tensor, dp: Axis):
         self.table, self.dp = table, dp
         self.most = -(-len(table) // dp.size)  # rows a rank keeps (the first len % W ranks; the others a row of zeros)
         self.rows = nn.Parameter(self.own(table.detach()))  # this rank's, which Adam steps
         self.pending: tuple[Tensor, object] | None = None  # a gather in flight: its buffer and handle
+        self.by_rows = False
+
+    def hold_by_rows(self, embedding: nn.Embedding) -> None:
+        """From now on the table's values are its ranks' rows alone: the table's storage freed, its lookups
+        fetched (its module's own forward, hooks kept), its gradients the rows'."""
+        self.by_rows = True
+        self.table.requires_grad_(False)
+        self.table.data.untyped_storage().resize_(0)
+        embedding.forward = lambda ids: _LookedUpByRows.apply(ids, self.rows, self)
+
+    def _exchange(self, t: Tensor, send: list[int], receive: list[int]) -> Tensor:
+        """Rows of t to the data-parallel ranks, send[j] to rank j; receive[j] from each."""
+        count_comm("table_all_to_all", t)
+        out = t.new_empty(sum(receive), *t.shape[1:])
+        dist.all_to_all_single(out, t.contiguous(), receive, send, group=self.dp.group)
+        return out
+
+    def fetch(self, ids: Tensor) -> tuple[Tensor, tuple]:
+        """The table's rows at ids (any shape), (*ids.shape, width): each distinct one asked once of the rank keeping
+        it (row r: rank r % W's row r // W); and what send_back needs. On the meta device (the plan) every lookup is
+        a row of its own, spread evenly over the ranks."""
+        W, flat = self.dp.size, ids.reshape(-1).long()
+        if flat.device.type == "meta":
+            wanted, where = flat.new_empty(W * -(-len(flat) // W)), flat
+            send = [len(wanted) // W] * W
+        else:
+            wanted, where = torch.unique(flat, return_inverse=True)
+            by_rank = torch.argsort(wanted % W, stable=True)
+            wanted, where = wanted[by_rank], torch.argsort(by_rank)[where]
+            send = torch.bincount(wanted % W, minlength=W).tolist()
+        counts = self._exchange(torch.tensor(send, device=flat.device), [1] * W, [1] * W)  # (what each asks here)
+        receive = send if counts.device.type == "meta" else counts.tolist()
+        asked = self._exchange(wanted // W, send, receive)  # (this rank's rows the others want)
+        found = self._exchange(self.rows.detach()[asked], receive, send)
+        return found[where].view(*ids.shape, -1), (asked, send, receive, where, len(wanted))
+
+    def send_back(self, grad: Tensor, fetched: tuple) -> Tensor:
+        """The gradient of this rank's rows: each lookup's gradient summed by distinct row, sent to its rank, summed
+        there over the ranks in float32 and averaged (the data-parallel mean)."""
+        asked, send, receive, where, distinct = fetched
+        per_row = grad.new_zeros(distinct, grad.size(-1), dtype=torch.float32)
+        per_row.index_add_(0, where, grad.reshape(-1, grad.size(-1)).float())
+        summed = self._exchange(per_row.to(grad.dtype), send, receive)
+        mine = self.rows.new_zeros(self.rows.shape, dtype=torch.float32).index_add_(0, asked, summed.float())
+        return mine.div_(self.dp.size).to(self.rows.dtype)
 
     def own(self, t: Tensor) -> Tensor:
         """This rank's rows of a tensor shaped like the table, padded to `most` rows (a copy)."""
@@ -5007,6 +5088,19 @@ class TableRows:
         handle.wait()
         return self._in_table_order(gathered, t.shape[1:])
 
+class _LookedUpByRows(torch.autograd.Function):
+    """A lookup of a table held by rows (TableRows.fetch), whose gradient is its rows' (TableRows.send_back)."""
+
+    @staticmethod
+    def forward(ctx, ids: Tensor, rows: Tensor, table_rows: TableRows) -> Tensor:
+        found, ctx.fetched = table_rows.fetch(ids)
+        ctx.table_rows = table_rows
+        return found
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return None, ctx.table_rows.send_back(grad, ctx.fetched), None
+
 class ShardedParameters:
     """ZeRO 3: each unit (a block, or another module holding parameters) is gathered from the owners just before
     its forward (a block prefetching the next), dropped after, gathered again when backward reaches it, and dropped
@@ -5027,7 +5121,8 @@ class ShardedParameters:
             return min(holders, key=lambda name: name.count("."), default=None)
         members = collections.defaultdict(list)
         for p in model.parameters():
-            members[outermost_reading_unit(p)].append(p)
+            if not (p in zero.rows and zero.rows[p].by_rows):  # (its rows stay where they are)
+                members[outermost_reading_unit(p)].append(p)
         others = [(name, module) for name, module in others if members[name]]  # (nested in another unit: none)
         self.units = [members[name] for name, _ in blocks + others]
         self.unit_of = {p: u for u, unit in enumerate(self.units) for p in unit}
@@ -6096,7 +6191,8 @@ LAYOUTS = {"dp2": (2, dict()), "dp2_zero1": (2, dict(zero=1)), "dp2_zero2": (2, 
            "tp2_sp_async": (2, dict(tp=2, sp=True, async_tp=True)), "pp2_afab": (2, dict(pp=2, pp_schedule="afab")),
            "pp2_1f1b": (2, dict(pp=2, pp_schedule="1f1b")), "pp3_1f1b": (3, dict(pp=3, pp_schedule="1f1b")),
            "dp2_tp2_sp": (4, dict(tp=2, sp=True)), "dp2_tp2_zero3": (4, dict(tp=2, zero=3)), "dp2_pp2": (4, dict(pp=2)),
-           "dp2_pp2_zero3": (4, dict(pp=2, zero=3)), "pp2_tp2_sp": (4, dict(pp=2, tp=2, sp=True))}
+           "dp2_pp2_zero3": (4, dict(pp=2, zero=3)), "pp2_tp2_sp": (4, dict(pp=2, tp=2, sp=True)),
+           "dp2_zero1_rows": (2, dict(zero=1, tables_by_rows=True))}
 # what --check_layout runs: one of each kind, on at most four processes
 CHECKED_LAYOUTS = ("dp2", "dp2_zero1", "dp2_zero2", "dp2_zero3", "tp2", "tp2_sp", "pp2_afab", "pp2_1f1b",
                    "dp2_tp2_sp")

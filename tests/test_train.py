@@ -40,6 +40,8 @@ def test_flags_override_preset_values():
      "rising, each EVERY a multiple of --adam_every 2 (the tiny preset's): the tables step on some of Adam's"),
     (["--table_cadence", "4:2"], "--table_cadence '4:2': expected STEP:EVERY pairs, the first step 0"),
     (["--table_cadence", "0:2,8:x"], "--table_cadence '0:2,8:x': expected STEP:EVERY pairs"),
+    (["--tables_by_rows", "true", "--tp", "2", "--zero", "1"], "--tables_by_rows with --tp 2: a table split over the "
+     "tensor-parallel ranks and held by rows over the data-parallel ones is not built"),
     (["--stage_steps", "4,x"], "--stage_steps '4,x': expected the first step"),
     (["--stage_steps", "4,8,12"], "--window_blocks '1:1,1:2,2:2,2:2' (the tiny preset's): expected 5 pairs "
      "short:long of 128-token blocks"),

@@ -59,6 +59,27 @@ def test_zero_on_two_ranks_splits_what_each_rank_holds(layout_runs, layout_files
         assert comm["reduce"] == full["gradient_sums"] - table_sums and comm["all_reduce"] == 3 * 4
 
 
+def test_tables_held_by_rows_leave_each_rank_its_share_of_their_rows_and_no_whole_table(layout_runs, layout_files):
+    # --tables_by_rows: against ZeRO 1 with whole tables, each rank holds every table (but the one tied to the head)
+    # less, its parameters and their gradients (its rows' gradients are its only ones); what they fetch and send
+    # back travels as the tables' rows (test_layouts: it trains the one-process model, as the plan says)
+    by_rows, whole = (layout_runs(name) for name in ("dp2_zero1_rows", "dp2_zero1"))
+    args = train_gpt.parse_args(tiny_flags(layout_files, **LAYOUT_TEST_FLAGS), cuda=False)
+    model = train_gpt.build_model(args, torch.device("meta"))
+    tied = train_gpt.tied_pair(model, args.vocab_size) or ()
+    names = {p: name for name, p in model.named_parameters()}
+    tables = sum(t.numel() * t.element_size() for t in train_gpt.embedding_tables(model) if names[t] not in tied)
+    assert tables > 0.5 * sum(p.numel() * p.element_size() for p in model.parameters())  # (most of the tiny model)
+    for rows, kept in zip(by_rows, whole):
+        held, full = rows["accounted"], kept["accounted"]
+        assert held["parameters"] == full["parameters"] - tables
+        # (the tiny preset sums gradients in float64: whole tables there too; by rows, their rows' float32 share)
+        assert held["gradient_sums"] == full["gradient_sums"] - 2 * tables and held["gradients"] <= full["gradients"]
+        assert held["comm"]["table_all_to_all"] > full["comm"]["table_all_to_all"]  # (the lookups too)
+        assert "all_gather_single" not in held["comm"] or \
+            held["comm"]["all_gather_single"] < full["comm"]["all_gather_single"] - tables / 2  # (no table gathered)
+
+
 @pytest.mark.parametrize("layout", [dict(), dict(zero=2), dict(zero=3), dict(zero=1, tp=2),
                                     dict(tp=2, sp=True, async_tp=True), dict(pp=2)])
 def test_counted_collective_bytes_per_step_equal_the_plan(tmp_path, files, layout):
