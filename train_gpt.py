@@ -1766,6 +1766,11 @@ class Hyperparameters:
                                   "0:2,336:4; empty: Adam's), on their gradients summed over the cycle; a longer "
                                   "cycle raises their betas to its length over the first's and multiplies their decay "
                                   "by it")
+    tail_average: bool = flag(False, "#92's end game: the final validation's weights are averages of the last steps' "
+                                     "(the head and token embedding an EMA of the last 298, the value and output and "
+                                     "MLP matrices and value embeddings EMAs of every 4th of the last 250, then every "
+                                     "hidden matrix blended with an EMA of every 4th of the last 298), each kind's "
+                                     "norm kept (not with --zero 3)")
     bigram_optimizer: str = flag("adam", "the bigram (n-gram) table's update: Adam's, or #92's rows: no momentum and "
                                          "one second moment a row, the mean square of the row's gradient",
                                  choices=("adam", "rows"))
@@ -1998,6 +2003,9 @@ def check_hyperparameters(args: Hyperparameters) -> None:
     soft_cap_terms(args)
     need(args.pp <= args.num_layers, f"--pp {args.pp} must be between 1 and --num_layers {args.num_layers}: each "
          "pipeline stage holds at least one block")
+    need(not (args.tail_average and args.zero >= 3), "--tail_average with --zero 3: the averages are kept where the "
+         "weights are between steps, which ZeRO 3 leaves on their owners alone; that is not built: use --zero 2 or "
+         "less")
     need(not (args.tables_by_rows and args.tp > 1 and args.zero), f"--tables_by_rows with --tp {args.tp}: a table "
          "split over the tensor-parallel ranks and held by rows over the data-parallel ones is not built; drop one")
     need(args.sp or not args.async_tp, "--async_tp overlaps the all-gather of sequence-parallel shards with the "
@@ -2337,6 +2345,44 @@ def table_cadence_at(step: int, args: Hyperparameters) -> tuple[bool, float]:
     every = next(every for start, every in reversed(table_cadence(args)) if step >= start)
     return (step + 1) % every == 0, every / table_cadence(args)[0][1]
 
+def tables_step(step: int, args: Hyperparameters) -> bool:
+    """Whether the embeddings step after step `step`: on Adam's steps, and with --table_cadence on its."""
+    return adam_steps(step, args) and (not table_cadence(args) or table_cadence_at(step, args)[0])
+
+# #92's end game (--tail_average): the final validation's weights are averages of the last steps', each kind of weight
+# its own. An average's first fold copies; each later one moves it `rate` of the way to the weights
+TAIL_PERIOD = 4  # (#92's: every 4th step, its tables' cadence at the end)
+
+@dataclass(frozen=True)
+class TailAverage:
+    """An average of some kinds of weights (tail_kinds) over the run's last `window` steps, folded in after each step
+    that `rate` gives a rate for, and written back before the final validation in TAIL_AVERAGES' order: each kind
+    lerped from its weights towards the average by its blend (None: replaced by it)."""
+    name: str
+    blends: dict[str, float | None]
+    window: int
+    rate: Callable[[int, Hyperparameters], float | None]
+
+def head_ema_rate(step: int, args: Hyperparameters) -> float | None:
+    """An EMA at 2 / (298 + 1) a step, folded on Adam's steps (their steps' rates compounded), the last at one step's
+    rate; seeded at the window's first step."""
+    rate, last = 2 / (298 + 1), args.num_iterations - 1
+    if step == last or step == args.num_iterations - 298:
+        return rate
+    return 1 - (1 - rate) ** args.adam_every if adam_steps(step, args) else None
+
+# #92's (tail_average.py): the rates 4/53 and 2/75 are its tuned ones; the blend's 0.55 less 0.2007 on the matrices
+# the tail average has replaced corrects the EMA's lag (a Richardson step)
+TAIL_AVERAGES = (
+    TailAverage("head_ema", dict(head=0.65, embed=0.65), 298, head_ema_rate),
+    TailAverage("matrix_average", dict(vo=None, mlp=None), 250, lambda step, args: 4 / 53 if (
+        args.num_iterations - 1 - step) % TAIL_PERIOD == 0 else None),
+    TailAverage("value_embed_average", dict(value_embed=None), 250,
+                lambda step, args: 4 / 53 if tables_step(step, args) else None),
+    TailAverage("matrix_blend", dict(qk=0.55, vo=0.55 - 0.2007, mlp=0.55 - 0.2007), 298, lambda step, args: 2 / (
+        298 // TAIL_PERIOD + 1) if step % TAIL_PERIOD == 1 or step >= args.num_iterations - 2 else None))
+TAIL_NORMS_KEPT = ("head", "embed", "qk", "vo", "mlp")  # each kind's whole norm as before the averages (#92's)
+
 def set_schedules(optimizers: list[torch.optim.Optimizer], step: int, args: Hyperparameters) -> None:
     multiplier = lr_multiplier(step, args)
     for opt in optimizers:
@@ -2505,6 +2551,7 @@ class Trainer:
     micro_batches: int
     full_shapes: dict[str, tuple]  # the one-process model's parameter shapes, by name: what checkpoints hold
     state_shapes: dict[str, dict[str, tuple]]  # the shape of each of a parameter's optimizer states, by name and key
+    tail: "TailAverages | None" = None  # --tail_average's
 
 def build_trainer(args: Hyperparameters, ctx: "ParallelContext", cuda_dtypes: bool | None = None,
                   stream_specs: dict | None = None, nonzero_init: bool = False) -> Trainer:
@@ -2532,8 +2579,10 @@ def build_trainer(args: Hyperparameters, ctx: "ParallelContext", cuda_dtypes: bo
     optimizers = layout.share(build_optimizers(model, groups, args, ctx.device, cuda_dtypes))
     if args.compile:
         model.compile(dynamic=False)
-    return Trainer(args, ctx, model, optimizers, layout, args.seqs_per_step // ctx.dp.size, full_shapes,
-                   state_shapes)
+    trainer = Trainer(args, ctx, model, optimizers, layout, args.seqs_per_step // ctx.dp.size, full_shapes,
+                      state_shapes)
+    trainer.tail = TailAverages(trainer) if args.tail_average else None
+    return trainer
 
 def optimizer_state_shapes(args: Hyperparameters, cuda_dtypes: bool) -> dict[str, dict[str, tuple]]:
     """Each parameter's optimizer states, by name and key, and their shapes: whatever the optimizers keep, as one step
@@ -2722,6 +2771,97 @@ def optimizer_step(trainer: Trainer, step: int) -> None:
     trainer.layout.send_updated_parameters()  # ZeRO: each owner's updated parameters to the other ranks
     for opt in stepping:
         opt.zero_grad(set_to_none=True)
+    if trainer.tail is not None:
+        trainer.tail.fold(step)
+
+def tail_kinds(model: GPT) -> dict[str, list[str]]:
+    """The parameters of each kind of weight the tail averages take, by name: the head, the token embedding, the
+    attention's queries and keys, its values and output, the MLPs, the value embeddings."""
+    kinds = collections.defaultdict(list)
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        parts = {"head": ["weight"] if isinstance(module, LMHead) else [],
+                 "qk": ["qk.weight"] if isinstance(module, CausalSelfAttention) else [],
+                 "vo": ["v.weight", "c_proj.weight"] if isinstance(module, CausalSelfAttention) else [],
+                 "mlp": ["c_fc.weight", "c_proj.weight"] if isinstance(module, MLP) else [],
+                 "embed": ["embed.weight"] if module is model else [],
+                 "value_embed": [f"value_embeds.{i}.weight" for i in model.value_embeds] if module is model else []}
+        for kind, names in parts.items():
+            kinds[kind] += [prefix + part for part in names]
+    return kinds
+
+class TailAverages:
+    """--tail_average (#92's): each of TAIL_AVERAGES of the weights this rank holds (its slices and stage; of a table
+    held by rows, its rows), in float32, folded in after each step and written back before the final validation,
+    then each kind of TAIL_NORMS_KEPT scaled back to its norm before (the averages shrink what trained at full
+    scale). On every data-parallel rank alike, as the weights are after a step."""
+
+    def __init__(self, trainer: "Trainer"):
+        self.args, self.layout = trainer.args, trainer.layout
+        params, by_rows = dict(trainer.model.named_parameters()), trainer.layout.zero.held_by_rows(trainer.model)
+        self.held = {name: by_rows[name].rows if name in by_rows else params[name] for name in params}
+        self.by_rows = by_rows
+        self.kinds = {kind: [name for name in names if name in params] for kind, names in
+                      tail_kinds(trainer.model).items()}  # (a pipeline stage: its own)
+        self.sums: dict[str, dict[str, Tensor]] = {average.name: {} for average in TAIL_AVERAGES}
+
+    @torch.no_grad()
+    def fold(self, step: int) -> None:
+        for average in TAIL_AVERAGES:
+            rate = average.rate(step, self.args) if step >= self.args.num_iterations - average.window else None
+            for name in (name for kind in average.blends for name in self.kinds[kind]) if rate is not None else ():
+                weights, sums = self.held[name].detach(), self.sums[average.name]
+                if name in sums:
+                    sums[name].lerp_(weights.float(), rate)
+                else:
+                    sums[name] = weights.float().clone()
+
+    @torch.no_grad()
+    def ship(self) -> None:
+        """The averages written back, each kind's norm kept."""
+        before = self.norms()
+        for average in TAIL_AVERAGES:
+            for kind, blend in average.blends.items():
+                for name in self.kinds[kind]:
+                    weights, folded = self.held[name].detach(), self.sums[average.name][name]
+                    weights.copy_(folded if blend is None else torch.lerp(weights.float(), folded, blend))
+        for kind, was, now in zip(TAIL_NORMS_KEPT, before, self.norms()):
+            for name in self.kinds[kind] if now > 0 else ():
+                self.held[name].detach().mul_(was / now)
+
+    def norms(self) -> list[float]:
+        """Each kind of TAIL_NORMS_KEPT's norm over the whole model: the squares of this rank's part summed over the
+        ranks (a weight many ranks hold alike, once: the data-parallel ranks' mean, one tensor-parallel rank's)."""
+        counts, squares = self.layout.counts_once, torch.zeros(len(TAIL_NORMS_KEPT), 2, dtype=torch.float64,
+                                                               device=self.layout.ctx.device)
+        for i, kind in enumerate(TAIL_NORMS_KEPT):
+            for name in self.kinds[kind]:
+                rows = name in self.by_rows  # (each data-parallel rank its own rows)
+                if rows or counts(self.held[name]):
+                    squares[i, int(rows)] += self.held[name].detach().double().square().sum()
+        total = sum_over_ranks(squares)
+        return (total[:, 0] / self.layout.ctx.dp.size + total[:, 1]).sqrt().tolist()
+
+    def state(self) -> dict[str, dict[str, Tensor]]:
+        """The averages as one-process tensors by average and name (every rank joins: the gathers)."""
+        def whole_of(name: str, t: Tensor) -> Tensor:
+            return self.by_rows[name].whole(t) if name in self.by_rows else whole(self.held[name], t)
+        return {average: {name: whole_of(name, t) for name, t in sorted(sums.items())}
+                for average, sums in self.sums.items()}
+
+    def load(self, state: dict[str, dict[str, Tensor]]) -> None:
+        for average, sums in state.items():
+            self.sums[average] = {name: (self.by_rows[name].own(t) if name in self.by_rows else
+                                         own_slice(self.held[name], t)).to(self.held[name].device, torch.float32)
+                                  for name, t in sums.items() if name in self.held}
+
+def finish_training(trainer: Trainer, mask_build: "CanonicalMaskBuild | None" = None) -> None:
+    """Before the final validation, on the clock: the canonical mask switched on (#91: the wait for its build is the
+    run's cost), the tail averages written back (#92)."""
+    if trainer.args.canonical_mask:
+        set_canonical_mask(trainer, mask_build)
+    if trainer.tail is not None:
+        trainer.tail.ship()
 
 def train(args: Hyperparameters, ctx: "ParallelContext") -> float:
     """Train this rank's part to --num_iterations; returns the final validation loss."""
@@ -2738,8 +2878,8 @@ def train(args: Hyperparameters, ctx: "ParallelContext") -> float:
         for step in range(run.start_step, args.num_iterations + 1):
             run.begin_step(step)
             last_step = step == args.num_iterations
-            if last_step and args.canonical_mask:
-                set_canonical_mask(trainer, mask_build)  # on the clock: the wait for its build is the run's cost
+            if last_step:
+                finish_training(trainer, mask_build)
             if last_step or (args.val_loss_every > 0 and step % args.val_loss_every == 0):
                 with run.validation(step):  # untimed, after the step before is logged
                     val_loss = evaluate(trainer, step)
@@ -2801,7 +2941,7 @@ def main(argv=None) -> float | None:
 # Checkpoints and stopping: full tensors keyed by parameter name, so a run resumes under any world size
 
 # what a checkpoint holds, numbered: a checkpoint of another number is refused (git's history says what changed)
-CHECKPOINT_FORMAT = 12
+CHECKPOINT_FORMAT = 13
 EXIT_STOPPED = 3  # kill switch or signal: a checkpoint was saved; continue with --resume latest
 EXIT_DIVERGED = 4  # non-finite training loss or gradient norm
 EXIT_LOST = 5  # a rank stopped answering or died: no stop checkpoint; continue from the last one
@@ -2887,7 +3027,10 @@ def gather_training_state(trainer: "Trainer", weights_only: bool = False) -> dic
     for rows in by_rows.values() if held_gradients else ():  # their rows' gradients, averaged already
         held_gradients[rows.table] = rows.whole(rows.rows.grad if rows.rows.grad is not None else
                                                 torch.zeros_like(rows.rows))
-    part = dict(model={}, adam={}, muon={}, held_gradients={})
+    part = dict(model={}, adam={}, muon={}, held_gradients={}, tail={})
+    tail = trainer.tail.state() if trainer.tail is not None and not weights_only else {}
+    if ctx.dp.rank == 0 and ctx.tp.rank == 0:  # (each pipeline stage its own)
+        part["tail"] = {f"{average}/{name}": t.cpu() for average, sums in tail.items() for name, t in sums.items()}
     for name, p in trainer.model.named_parameters():  # (every rank of a tensor-parallel group joins each whole())
         weights = by_rows[name].whole(by_rows[name].rows.detach()) if name in by_rows else None
         held = dict(model=weights if weights is not None else whole(p, p.detach())) if ctx.dp.rank == 0 else {}
@@ -2966,6 +3109,7 @@ CHECKPOINT_FIELDS = {
     "adam": ("tensors by name and state", lambda v: _tensors_by_name(v, depth=2)),
     "muon": ("tensors by name and state", lambda v: _tensors_by_name(v, depth=2)),
     "held_gradients": ("tensors by name", _tensors_by_name),
+    "tail": ("tensors by average/name", _tensors_by_name),
     "rng": ("{'cpu': the CPU generator's state, 'cuda': a CUDA generator's or None}",
             lambda v: isinstance(v, dict) and _is_generator_state(v.get("cpu"), torch.get_rng_state().numel()) and
             (v.get("cuda") is None or _is_generator_state(v["cuda"]))),
@@ -2990,7 +3134,7 @@ def load_checkpoint(path: Path) -> dict:
             shown = f" {value!r}"[:60] if isinstance(value, (str, int, float, type(None))) else ""
             raise UserError(f"checkpoint {path} has a bad {field} field{shown} (expected {expected}): it is damaged or "
                             "was edited; resume from another one")
-    for name, tensor in [*state["model"].items(), *state["held_gradients"].items()]:
+    for name, tensor in [*state["model"].items(), *state["held_gradients"].items(), *state["tail"].items()]:
         need(torch.isfinite(tensor).all(), f"checkpoint {path} holds non-finite values in tensor {name}: training from "
              "it would diverge at once; resume from an earlier one")
     return state
@@ -3026,6 +3170,12 @@ def restore_checkpoint(state: dict, path: Path, trainer: "Trainer") -> None:
             "is not one of Adam's parameters" if name not in state["adam"] else None
         need(wrong is None, f"checkpoint {path} holds a gradient for {name} {shape(grad)}, which {wrong}: it is "
              "damaged or of another model; resume from another one")
+    averages = {average.name for average in TAIL_AVERAGES}
+    for key, folded in state["tail"].items():  # (the tail averages: by average/parameter name)
+        average, _, name = key.partition("/")
+        need(average in averages and current.get(name) == folded.shape, f"checkpoint {path} holds a tail average "
+             f"{key} {shape(folded)}, which is no average of a parameter of this shape here: it is damaged or of "
+             "another model; resume from another one")
     saved_with, running = state["hyperparameters"].get("matrix_optimizer", "normuon"), trainer.args.matrix_optimizer
     need(saved_with == running, f"checkpoint {path} was trained with --matrix_optimizer {saved_with}, whose state "
          f"--matrix_optimizer {running} does not keep: resume with --matrix_optimizer {saved_with}")
@@ -3075,6 +3225,9 @@ def restore_checkpoint(state: dict, path: Path, trainer: "Trainer") -> None:
     for name, rows in by_rows.items():  # (averaged over the ranks already)
         rows.rows.grad = rows.own(state["held_gradients"][name].to(rows.rows)) \
             if name in state["held_gradients"] else None
+    if trainer.tail is not None:
+        trainer.tail.load({average.name: {key.partition("/")[2]: t for key, t in state["tail"].items()
+                                          if key.partition("/")[0] == average.name} for average in TAIL_AVERAGES})
     torch.set_rng_state(state["rng"]["cpu"])
     if ctx.device.type == "cuda" and state["rng"]["cuda"] is not None:
         torch.cuda.set_rng_state(state["rng"]["cuda"], ctx.device)
@@ -4366,9 +4519,11 @@ class Layout:
         if zero.stage >= 3 and ctx.dp.size > 1:
             zero.shard_parameters(model, self.trace)
         counted_elsewhere = {p for p, (_, stages) in self.shared.items() if stages[0] != ctx.pp.rank}
-        counted = lambda p: p not in counted_elsewhere and (hasattr(p, "slice_of") or ctx.tp.rank == 0)
-        self.norm_params = [p for p in model.parameters() if zero.owns(p) and counted(p)] + \
-            [rows.rows for t, rows in zero.rows.items() if counted(t)]  # each gradient counted once
+        # whether this rank counts a parameter in a sum over the whole model: once over its pipeline stages and
+        # tensor-parallel ranks (the data-parallel ranks' own way: owners, or each alike)
+        self.counts_once = lambda p: p not in counted_elsewhere and (hasattr(p, "slice_of") or ctx.tp.rank == 0)
+        self.norm_params = [p for p in model.parameters() if zero.owns(p) and self.counts_once(p)] + \
+            [rows.rows for t, rows in zero.rows.items() if self.counts_once(t)]  # each gradient counted once
         return [adam, muon]
 
     def send_updated_parameters(self) -> None:
@@ -6253,8 +6408,8 @@ def train_steps(rank: int, world_size: int, flags: list[str], steps: int, device
                     p.grad.mul_(1 + jitter * torch.randn(p.shape, generator=draws).to(p.grad))
             optimizer_step(trainer, step)
         losses.append(trainer.layout.step_stats(loss, no_gradient, stop=False)[0].item())
-    if args.canonical_mask and steps == args.num_iterations:
-        set_canonical_mask(trainer)
+    if steps == args.num_iterations:
+        finish_training(trainer)
     val_loss = evaluate(trainer, steps)
     with trainer.layout.zero.whole_parameters():  # (copied: ZeRO 3 frees the gathered values afterwards)
         state = pytree.tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, gather_training_state(trainer))

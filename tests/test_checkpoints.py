@@ -50,8 +50,8 @@ def flatten(tree: dict, prefix: str = "") -> dict:
 
 def trained_state(state: dict) -> dict:
     """Every tensor that training changes (weights, Muon momentum, Adam moments, gradients held for Adam's next
-    step), flattened to name -> tensor."""
-    return flatten({part: state[part] for part in ("model", "muon", "adam", "held_gradients")})
+    step, the tail averages), flattened to name -> tensor."""
+    return flatten({part: state[part] for part in ("model", "muon", "adam", "held_gradients", "tail")})
 
 
 def after_source(log: str) -> str:
@@ -92,7 +92,8 @@ def assert_holds_adam_gradients(state: dict, held: bool):
     assert not held or any(grad.any() for grad in state["held_gradients"].values())
 
 
-# saved at step 4, after Adam's step (the tiny preset's adam_every 2); at step 3, with Adam's gradients of step 3
+# saved at step 4, after Adam's step (the tiny preset's adam_every 2), with #92's tail averages halfway (their windows
+# are longer than the run: folded from step 1, shipped at the end); at step 3, with Adam's gradients of step 3
 # held for step 4's; each in the second of the tiny run's stages (steps 3 and 4: a rotary that YaRN stretched)
 # the second: a staged batch, saved as its second stage (steps 3 and 4 of 8) starts: 256-token sequences of documents
 # cut at 256 after 128-token ones cut at 64, and the head and the embedding, one table until then, untied on step 3;
@@ -101,7 +102,7 @@ def assert_holds_adam_gradients(state: dict, held: bool):
 # table and value embeddings on a cadence of 4 steps, the table stepped by rows, saved holding step 2's gradients;
 # the third: the embedding tables held by rows under ZeRO 1, saved holding their rows' gradients of step 3
 @pytest.mark.parametrize("world_size, saved_at, staged", [
-    (1, 4, {}), (2, 3, dict(train_seq_len="128,256,128,256", doc_max_tokens="64,256,256,256", tied_stages=1,
+    (1, 4, dict(tail_average=True)), (2, 3, dict(train_seq_len="128,256,128,256", doc_max_tokens="64,256,256,256", tied_stages=1,
                             matrix_optimizer="anvil", anvil_blend_step=2, sampled_softmax="0:512,2:2048",
                             table_cadence="0:4", bigram_optimizer="rows")),
     (2, 3, dict(zero=1, tables_by_rows=True))])
