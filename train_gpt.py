@@ -6281,7 +6281,7 @@ def largest_bigram_table(args: Hyperparameters, world_size: int, room: float, ne
 
 def fitting_changes(args: Hyperparameters, world_size: int, needed: int, room: float) -> list[str]:
     """The flags with which a run whose plan needs `needed` bytes a rank would fit `room`: shorter sequences (the
-    longest that fits), ZeRO 3, twice the processes with it, the largest bigram table."""
+    longest that fits), ZeRO 3, twice the processes with it, tables held by rows, the largest bigram table."""
     unit, dp = math.lcm(ATTENTION_BLOCK_SIZE, args.tp if args.sp else 1), world_size // (args.tp * args.pp)
     shorter = [",".join(str(n // divisor) for n in stage_seq_lens(args)) for divisor in (2, 4, 8)
                if all(n % (divisor * unit) == 0 for n in stage_seq_lens(args))]
@@ -6290,6 +6290,9 @@ def fitting_changes(args: Hyperparameters, world_size: int, needed: int, room: f
         options.append(("--zero 3", dict(zero=3, compile=False), world_size))
     if args.seqs_per_step % (2 * dp) == 0:
         options.append((f"{2 * world_size} processes with --zero 3", dict(zero=3, compile=False), 2 * world_size))
+    if dp > 1 and not args.tables_by_rows and args.tp == 1:
+        options.append((f"--zero {max(args.zero, 1)} --tables_by_rows true", dict(zero=max(args.zero, 1),
+                                                                               tables_by_rows=True), world_size))
     fits = []
     for flags, change, n in options:  # (the longest sequence that fits, then the other ways)
         if not (flags.startswith("--train_seq_len") and any(f.startswith("--train_seq_len") for f in fits)) and \
@@ -6307,8 +6310,8 @@ def check_memory(args: Hyperparameters, world_size: int, free_bytes: int) -> Non
     raise UserError(f"this run needs about {needed / 2**30:.1f} GiB on a GPU by its plan (see --plan), and the GPU has "
                     f"{free_bytes / 2**30:.1f} GiB free: "
                     + (f"it would fit with {' or '.join(fits)}" if fits
-                       else "no shorter sequence, --zero 3, twice the processes or smaller bigram table makes it "
-                       "fit")
+                       else "no shorter sequence, --zero 3, twice the processes, tables held by rows or a smaller "
+                       "bigram table makes it fit")
                     + "; --memory_check false runs it anyway")
 
 def format_plan(plan: dict) -> str:

@@ -48,13 +48,14 @@ def test_the_memory_check_refuses_the_record_on_a_24_gib_gpu_saying_what_fits_an
 
 def test_the_memory_check_names_zero_3_and_more_processes_where_the_model_states_do_not_fit():
     # 2 processes, a short sequence: the parameters, gradients and optimizer states fill the GPU; ZeRO 3 splits
-    # them, and so do 4 processes with ZeRO 3, while a shorter sequence is not enough. The record's width and
-    # tables in two layers (fewer to plan): its tables are most of its model states already
+    # them, and so do 4 processes with ZeRO 3 and the tables held by rows, while a shorter sequence is not enough.
+    # The record's width and tables in two layers (fewer to plan): its tables are most of its model states already
     args = train_gpt.parse_args(["--train_seq_len", "256", "--val_seq_len", "256", "--val_tokens", "2048",
                                  "--compile", "false", "--seqs_per_step", "4", *TWO_LAYERS], cuda=True)
     free = train_gpt.planned_peak(args, 2) - 2**28
     with pytest.raises(train_gpt.UserError, match=r"it would fit with --zero 3 or 4 processes with --zero 3 or "
-                                                  r"--bigram_rows \d+ \(the largest bigram table that fits\);"):
+                                                  r"--zero 1 --tables_by_rows true or --bigram_rows \d+ \(the "
+                                                  r"largest bigram table that fits\);"):
         train_gpt.check_memory(args, 2, int(free / train_gpt.MEMORY_HEADROOM))
 
 
