@@ -177,7 +177,7 @@ def test_a_matrix_no_module_kind_claims_is_muons_when_of_the_stream_width_and_re
     model.bank = nn.Parameter(torch.zeros(6, 3, 64, 32))  # per layer, three matrices reading the 32-wide stream
     model.gains = nn.Parameter(torch.zeros(6))
     assert train_gpt.optimizer_param_groups(model, vocab_size=50257, model_dim=32) == dict(
-        scalar=["gains"], residual_scale=[], output_scale=[], gate=[], head=[], embed=[], muon=["bank"])
+        scalar=["gains"], residual_scale=[], output_scale=[], gate=[], head=[], ngram=[], embed=[], muon=["bank"])
     model.table = nn.Parameter(torch.zeros(5, 4))
     with pytest.raises(train_gpt.UserError, match=r"table is a 2-D parameter of shape \(5, 4\) held by no linear "
                                                   r"layer, embedding or head, and not a matrix of the stream's width "
