@@ -10,7 +10,8 @@ STEPS = 1194  # #92's, on its cadences: Adam's odd steps, its tables' odd steps 
 
 def tiny_trainer(**flags):
     argv = ["--preset", "tiny", "--num_iterations", str(STEPS), "--extension_steps", "20", "--tail_average", "true",
-            "--table_cadence", "0:2,336:4", "--value_embed_layers", "1", "--vocab_size", "50304"]
+            "--table_cadence", "0:2,336:4", "--value_embed_layers", "1", "--vocab_size", "50304", "--model_dim", "16",
+            "--num_heads", "2"]  # (narrow: the tables are most of the time)
     for name, value in flags.items():
         argv += [f"--{name}", str(value)]
     args = train_gpt.parse_args(argv, cuda=False)
@@ -18,8 +19,8 @@ def tiny_trainer(**flags):
 
 
 def weights_at(start: dict, drift: dict, step: int) -> dict:
-    """A stand-in for training: each weight moves along its own direction, and wobbles, from step to step."""
-    return {name: start[name] + step * drift[name] + (step % 7) * 0.01 * start[name] for name in start}
+    """A stand-in for training: each weight moves along its own direction, unevenly from step to step."""
+    return {name: start[name] + (step + 5 * (step % 7)) * drift[name] for name in start}
 
 
 def by_hand(start: dict, drift: dict, kinds: dict) -> dict:
