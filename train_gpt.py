@@ -2830,30 +2830,8 @@ class TailAverages:
                 self.held[name].detach().mul_(was / now)
 
     def norms(self) -> list[float]:
-        """Each kind of TAIL_NORMS_KEPT's norm over the whole model: the squares of this rank's part summed over the
-        ranks (a weight many ranks hold alike, once: the data-parallel ranks' mean, one tensor-parallel rank's)."""
-        counts, squares = self.layout.counts_once, torch.zeros(len(TAIL_NORMS_KEPT), 2, dtype=torch.float64,
-                                                               device=self.layout.ctx.device)
-        for i, kind in enumerate(TAIL_NORMS_KEPT):
-            for name in self.kinds[kind]:
-                rows = name in self.by_rows  # (each data-parallel rank its own rows)
-                if rows or counts(self.held[name]):
-                    squares[i, int(rows)] += self.held[name].detach().double().square().sum()
-        total = sum_over_ranks(squares)
-        return (total[:, 0] / self.layout.ctx.dp.size + total[:, 1]).sqrt().tolist()
-
-    def state(self) -> dict[str, dict[str, Tensor]]:
-        """The averages as one-process tensors by average and name (every rank joins: the gathers)."""
-        def whole_of(name: str, t: Tensor) -> Tensor:
-            return self.by_rows[name].whole(t) if name in self.by_rows else whole(self.held[name], t)
-        return {average: {name: whole_of(name, t) for name, t in sorted(sums.items())}
-                for average, sums in self.sums.items()}
-
-    def load(self, state: dict[str, dict[str, Tensor]]) -> None:
-        for average, sums in state.items():
-            self.sums[average] = {name: (self.by_rows[name].own(t) if name in self.by_rows else
-                                         own_slice(self.held[name], t)).to(self.held[name].device, torch.float32)
-                                  for name, t in sums.items() if name in self.held}
+        """Each kind of TAIL_NORMS_KEPT's norm over the whole model (of what every rank holds)."""
+        return self.layout.norms([[self.held[name] for name in self.kinds[kind]] for kind in TAIL_NORMS_KEPT])
 
 def finish_training(trainer: Trainer, mask_build: "CanonicalMaskBuild | None" = None) -> None:
     """Before the final validation, on the clock: the canonical mask switched on (#91: the wait for its build is the
@@ -3028,7 +3006,7 @@ def gather_training_state(trainer: "Trainer", weights_only: bool = False) -> dic
         held_gradients[rows.table] = rows.whole(rows.rows.grad if rows.rows.grad is not None else
                                                 torch.zeros_like(rows.rows))
     part = dict(model={}, adam={}, muon={}, held_gradients={}, tail={})
-    tail = trainer.tail.state() if trainer.tail is not None and not weights_only else {}
+    tail = tail_averages_state(trainer.tail) if trainer.tail is not None and not weights_only else {}
     if ctx.dp.rank == 0 and ctx.tp.rank == 0:  # (each pipeline stage its own)
         part["tail"] = {f"{average}/{name}": t.cpu() for average, sums in tail.items() for name, t in sums.items()}
     for name, p in trainer.model.named_parameters():  # (every rank of a tensor-parallel group joins each whole())
@@ -3054,6 +3032,22 @@ def gather_training_state(trainer: "Trainer", weights_only: bool = False) -> dic
         dist.gather_object(part, parts, dst=0, group=ctx.host_group)
     return {kind: {k: v for rank_part in parts for k, v in rank_part[kind].items()} for kind in part} \
         if ctx.is_master else None
+
+def tail_averages_state(tail: TailAverages) -> dict[str, dict[str, Tensor]]:
+    """The tail averages as one-process tensors by average and name (every rank joins: the gathers)."""
+    def whole_of(name: str, t: Tensor) -> Tensor:
+        return tail.by_rows[name].whole(t) if name in tail.by_rows else whole(tail.held[name], t)
+    return {average: {name: whole_of(name, t) for name, t in sorted(sums.items())}
+            for average, sums in tail.sums.items()}
+
+def load_tail_averages(tail: TailAverages, saved: dict[str, Tensor]) -> None:
+    """A checkpoint's tail averages (by "average/name") as this rank holds them."""
+    tail.sums = {average: {} for average in tail.sums}
+    for key, t in saved.items():
+        average, _, name = key.partition("/")
+        if name in tail.held:  # (a pipeline stage: its own)
+            mine = tail.by_rows[name].own(t) if name in tail.by_rows else own_slice(tail.held[name], t)
+            tail.sums[average][name] = mine.to(tail.held[name].device, torch.float32)
 
 def save_checkpoint(path: Path, trainer: "Trainer", on_written: Callable[[], None] = lambda: None,
                     refusal: Callable[[], str | None] = lambda: None, **run_state) -> None:
@@ -3226,8 +3220,7 @@ def restore_checkpoint(state: dict, path: Path, trainer: "Trainer") -> None:
         rows.rows.grad = rows.own(state["held_gradients"][name].to(rows.rows)) \
             if name in state["held_gradients"] else None
     if trainer.tail is not None:
-        trainer.tail.load({average.name: {key.partition("/")[2]: t for key, t in state["tail"].items()
-                                          if key.partition("/")[0] == average.name} for average in TAIL_AVERAGES})
+        load_tail_averages(trainer.tail, state["tail"])
     torch.set_rng_state(state["rng"]["cpu"])
     if ctx.device.type == "cuda" and state["rng"]["cuda"] is not None:
         torch.cuda.set_rng_state(state["rng"]["cuda"], ctx.device)
@@ -4530,6 +4523,19 @@ class Layout:
         """After the optimizers' steps: the parameters an owner updated alone, to the other ranks (ZeRO); not those
         whose gradients wait."""
         self.zero.send_updated_parameters(skip=self.gradients.waiting())
+
+    def norms(self, groups: list[list[Tensor]]) -> list[float]:
+        """Each group's norm over the whole model, from the tensors of it this rank holds: one that many ranks hold
+        alike counted once (the data-parallel ranks' mean; one tensor-parallel rank, one pipeline stage), a table's
+        rows held by rows on each data-parallel rank."""
+        own_rows = {rows.rows for rows in self.zero.rows.values() if rows.by_rows}
+        squares = torch.zeros(len(groups), 2, dtype=torch.float64, device=self.ctx.device)
+        for i, tensors in enumerate(groups):
+            for t in tensors:
+                if t in own_rows or self.counts_once(t):
+                    squares[i, int(t in own_rows)] += t.detach().double().square().sum()
+        total = sum_over_ranks(squares)
+        return (total[:, 0] / self.ctx.dp.size + total[:, 1]).sqrt().tolist()
 
     def gradient_squares(self) -> Tensor:
         """This rank's share of the squared global gradient norm, of the gradients the step uses (not those held)."""
