@@ -1869,6 +1869,7 @@ PRESETS = {
                 lr_final=0.1, val_loss_every=46, target_val_loss=5.15, fp64_grad_sum=True, tied_stages=0,
                 doc_max_tokens="0", stage_lr="1", optimizer_recipe="23", adam_every=1,  # a stream: 38 whole plays
                 sampled_softmax="0:10240,125:14336,178:24576,204:0",  # #92's counts at its steps' shares of the run
+                bigram_optimizer="rows",  # #92's update of its n-gram table
                 save_every=220),  # (to sample from)
     # seconds, for tests and smoke runs: 4 heads, so that paired heads' two pairs split over two tensor-parallel ranks;
     # record #23's soft cap, head lr and zero attention output, which learn visibly in 20 steps and keep the layout
