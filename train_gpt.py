@@ -6305,7 +6305,9 @@ def fitting_changes(args: Hyperparameters, world_size: int, needed: int, room: f
         if not (flags.startswith("--train_seq_len") and any(f.startswith("--train_seq_len") for f in fits)) and \
                 planned_peak(dataclasses.replace(args, **change), n) <= room:
             fits.append(flags)
-    rows = largest_bigram_table(args, world_size, room, needed) if args.bigram_rows else 0
+    # (a smaller table: where the bigram table is at least half the model, as #92's is)
+    rows = largest_bigram_table(args, world_size, room, needed) \
+        if 2 * args.bigram_rows * args.model_dim >= parameter_count(args) else 0
     return fits + ([f"--bigram_rows {rows} (the largest bigram table that fits)"] if rows else [])
 
 def check_memory(args: Hyperparameters, world_size: int, free_bytes: int) -> None:

@@ -100,12 +100,11 @@ def assert_holds_adam_gradients(state: dict, held: bool):
 # the matrices under ANVIL, its rails blended from step 2 (its slow momentum saved, its decay mask sent); #92's sampled
 # softmax, its candidates' count changing at step 2 (its sweep's cursors saved in the data position); #92's n-gram
 # table and value embeddings on a cadence of 4 steps, the table stepped by rows, saved holding step 2's gradients;
-# the third: the embedding tables held by rows under ZeRO 1, saved holding their rows' gradients of step 3
+# the embedding tables held by rows under ZeRO 1, saved holding their rows' gradients of step 3
 @pytest.mark.parametrize("world_size, saved_at, staged", [
     (1, 4, dict(tail_average=True)), (2, 3, dict(train_seq_len="128,256,128,256", doc_max_tokens="64,256,256,256", tied_stages=1,
                             matrix_optimizer="anvil", anvil_blend_step=2, sampled_softmax="0:512,2:2048",
-                            table_cadence="0:4", bigram_optimizer="rows")),
-    (2, 3, dict(zero=1, tables_by_rows=True))])
+                            table_cadence="0:4", bigram_optimizer="rows", zero=1, tables_by_rows=True))])
 def test_resumed_run_ends_bit_identical_to_the_uninterrupted_one(tmp_path, files, world_size, saved_at, staged):
     full_log = run(tmp_path, files, world_size, "full", save_every=saved_at, **staged)
     path = tmp_path / "logs" / "full" / f"step{saved_at:06d}.pt"
