@@ -2389,8 +2389,8 @@ def set_schedules(optimizers: list[torch.optim.Optimizer], step: int, args: Hype
     for opt in optimizers:
         for group in opt.param_groups:
             group["lr"] = group["initial_lr"] * multiplier
+    due, cycle = table_cadence_at(step, args) if table_cadence(args) else (True, 1.0)  # (parsed once a step)
     for group in (g for g in optimizers[0].param_groups if g["own_cadence"]):
-        due, cycle = table_cadence_at(step, args)
         group.update(due=due, betas=tuple(beta ** cycle for beta in group["initial_betas"]),
                      cautious_weight_decay=group["initial_decay"] * cycle)
     for group in optimizers[1].param_groups:
