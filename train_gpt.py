@@ -744,14 +744,14 @@ class BigramHashEmbedding(nn.Module):
     cancel more than they add (#62, #83; the signs by @trianxy). With trigrams (#92's n-gram table), the table's
     second half holds each token's triple with the two before, each order's signs come from a hash of its own, and
     the two signed rows are summed. The signs are a constant of the hash, the same in every run: drawn from their
-    own seed, so that no checkpoint needs them."""
+    own seed, so that no checkpoint needs them. Its zeros draw nothing from the seed, so the table's size moves no
+    other weight's start; built on meta (table_device), it has no values at all, for a layout that holds it by rows."""
     SIGN_ROWS = 8192
     SIGN_MULTIPLIERS = {2: (30011, 48271), 3: (26801, 39779, 58699)}  # #92's, by order
 
-    def __init__(self, rows: int, dim: int, trigrams: bool = False):
+    def __init__(self, rows: int, dim: int, trigrams: bool = False, table_device: str | None = None):
         super().__init__()
-        self.table = nn.Embedding(rows, dim)
-        self.table.weight.detach().zero_()
+        self.table = nn.Embedding(rows, dim, _weight=torch.zeros(rows, dim, device=table_device))
         self.trigrams = trigrams
         draws = torch.Generator().manual_seed(self.SIGN_ROWS)
         self.signs = nn.Buffer(torch.randn(self.SIGN_ROWS, dim, generator=draws).sign(), persistent=False)
@@ -877,6 +877,7 @@ class ModelConfig:
     attention_scales: tuple[float, float] = (0.1, 0.1)  # of full-width and narrow queries, before YaRN
     rotary_follows_own_window: bool = False  # YaRN stretches a layer's rotary for its own window (#92); else the long
     attention_max_tokens: int = 0  # training's attention sees documents cut into pieces this long (0: whole)
+    table_device: str | None = None  # where the n-gram table is built (meta: never whole, tables_built_by_rows)
 
     def head_dims(self, i: int) -> tuple[int, int]:
         """Layer i's width of a head's queries and keys, and of its values."""
@@ -1287,7 +1288,8 @@ class GPT(nn.Module):
                                            for i, layer in enumerate(c.layers) if layer.value_embed})
         for value_embed in self.value_embeds.values():  # small: #89's 0.01 randn (@photomz)
             value_embed.weight.detach().mul_(0.01)
-        self.bigram = BigramHashEmbedding(c.bigram_rows, c.model_dim, c.trigrams) if c.bigram_rows else None
+        self.bigram = BigramHashEmbedding(c.bigram_rows, c.model_dim, c.trigrams, c.table_device) \
+            if c.bigram_rows else None
         self.blocks = nn.ModuleList([Block(c, i) for i in range(c.num_layers)])
         # a gate network serves its layer and those up to the next one's
         starts = [i for i, layer in enumerate(c.layers) if layer.gate_network] + [c.num_layers]
@@ -2431,17 +2433,19 @@ def model_config(args: Hyperparameters) -> ModelConfig:
                        rotary_follows_own_window=args.rotary_follows == "own",
                        attention_max_tokens=args.attention_max_tokens)
 
-def build_model(args: Hyperparameters, device: torch.device, cuda_dtypes: bool | None = None) -> GPT:
+def build_model(args: Hyperparameters, device: torch.device, cuda_dtypes: bool | None = None,
+                table_on_meta: bool = False) -> GPT:
     """The one-process model, the same on every rank: built on the CPU from the seed (on meta for the plan), then
-    moved to the device."""
+    moved to the device; the n-gram table left on meta where a layout holds it by rows (tables_built_by_rows)."""
     with torch.device("meta" if device.type == "meta" else "cpu"):
-        model = GPT(model_config(args))
+        model = GPT(dataclasses.replace(model_config(args), table_device="meta" if table_on_meta else None))
     return to_device(model, device, cuda_dtypes)
 
 def to_device(model: nn.Module, device: torch.device, cuda_dtypes: bool | None = None) -> nn.Module:
     """The model on the device, with a CUDA run's dtypes when cuda_dtypes (default: on CUDA): bf16 embeddings, which
-    make the activations bf16 (a CPU stays in fp32: bf16 is slow there)."""
-    model = model.to(device)
+    make the activations bf16 (a CPU stays in fp32: bf16 is slow there). A tensor on meta stays there: a table held
+    by rows has no values to move."""
+    model._apply(lambda t: t if t.is_meta else t.to(device))
     if device.type == "cuda" if cuda_dtypes is None else cuda_dtypes:
         for m in model.modules():
             if isinstance(m, nn.Embedding):
@@ -2568,7 +2572,8 @@ def build_trainer(args: Hyperparameters, ctx: "ParallelContext", cuda_dtypes: bo
          f"{FLEX_MIN_HEAD_DIM} dims or more; on a GPU give --head_dim {FLEX_MIN_HEAD_DIM * (2 if narrow else 1)} or "
          "more (and --model_dim = --num_heads x --head_dim)")
     torch.manual_seed(args.seed)
-    model = build_model(args, torch.device("meta" if ctx.device.type == "meta" else "cpu"))
+    model = build_model(args, torch.device("meta" if ctx.device.type == "meta" else "cpu"),
+                        table_on_meta=tables_built_by_rows(args, ctx) and not nonzero_init)
     for p in model.parameters() if nonzero_init else ():
         if not p.any():
             nn.init.normal_(p.detach(), std=0.02)
@@ -3681,7 +3686,7 @@ def check_run_inputs(args: Hyperparameters, ctx: "ParallelContext") -> tuple[Pat
         check_schedule_kept(args, saved_hyperparameters(checkpoint, resume_path), checkpoint, resume_path)
     on_master(check_run_id_is_free, args, checkpoint)
     on_master(check_data, args, ctx.dp.size, checkpoint)
-    on_master(check_host_memory, args, ctx.device)
+    on_master(check_host_memory, args, ctx)
     on_master(check_room_for_the_run, args, checkpoint["step"] if checkpoint is not None else 0)
     if args.canonical_mask:  # (the first rank builds it from GPT-2's ranks: refused now where they are missing)
         on_master(gpt2_encoding)
@@ -3786,8 +3791,10 @@ def check_room_for_the_run(args: Hyperparameters, start_step: int) -> None:
                         + ("raise --save_every or set --keep_last, " if saves > 1 else "")
                         + "or point --log_dir at another disk")
 
-def parameter_count(args: Hyperparameters) -> int:
-    return sum(p.numel() for p in build_model(args, torch.device("meta")).parameters())
+def parameter_count(args: Hyperparameters, table: bool = True) -> int:
+    """The model's parameters (but the n-gram table's, table false)."""
+    model = build_model(args, torch.device("meta"))
+    return sum(p.numel() for name, p in model.named_parameters() if table or not name.startswith("bigram."))
 
 # the flags that size the model's tensors, by the start of their names: what a message about the model's size names
 SIZE_FLAGS = {"bigram.": "--bigram_rows", "value_embeds.": "--value_embed_layers and --vocab_size",
@@ -3802,8 +3809,9 @@ def largest_parameter(args: Hyperparameters) -> str:
     flags = next((flags for start, flags in SIZE_FLAGS.items() if name.startswith(start)), "the model's flags")
     return f"{share:.0%} of them in {name} {tuple(params[name].shape)}, sized by {flags}"
 
-def check_host_memory(args: Hyperparameters, device: torch.device) -> None:
-    """Every process builds the fp32 model on the CPU first, and on the CPU trains it there: 16 bytes a parameter."""
+def check_host_memory(args: Hyperparameters, ctx: "ParallelContext") -> None:
+    """Every process builds the fp32 model on the CPU first (a table built by rows: its rows alone), and on the CPU
+    trains it there: 16 bytes a parameter."""
     if not args.memory_check:
         return
     try:
@@ -3811,8 +3819,12 @@ def check_host_memory(args: Hyperparameters, device: torch.device) -> None:
             available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration, ValueError):
         return  # (not Linux: unchecked)
-    params, processes = parameter_count(args), launch_variable("LOCAL_WORLD_SIZE", 1, 1)
-    needed = params * (16 if device.type == "cpu" else 4) * processes
+    params = parameter_count(args)
+    if tables_built_by_rows(args, ctx):  # (a rank's rows are made on its device: on a CPU, in the host's memory)
+        table = params - parameter_count(args, table=False)
+        params -= table - (-(-table // ctx.dp.size) if ctx.device.type == "cpu" else 0)
+    processes = launch_variable("LOCAL_WORLD_SIZE", 1, 1)
+    needed = params * (16 if ctx.device.type == "cpu" else 4) * processes
     if needed > available:  # (the message builds the model once more, on meta: only when it is refused)
         raise UserError(f"the model's {params:,} parameters ({largest_parameter(args)}) need at least "
                         f"{needed / 2**30:.1f} GiB of this machine's memory for {processes} process(es), and "
@@ -4485,14 +4497,14 @@ class Layout:
         """Once the part is on its device: the same start on every data-parallel rank, each parameter's owner
         (ZeRO), Muon's work split over the ranks, the gradient buckets; the optimizers as this rank steps them."""
         args, ctx, model = self.args, self.ctx, self.model
-        if ctx.dp.size > 1:
-            for p in model.parameters():
+        for p in model.parameters() if ctx.dp.size > 1 else ():
+            if not p.is_meta:  # (a table built by rows: zeros, made on each rank by TableRows)
                 dist.broadcast(p.detach(), ctx.dp.global_rank(0), group=ctx.dp.group)
         adam, muon = optimizers
         adam_params = {p for group in adam.param_groups for p in group["params"]}
         tied = [p for name, p in model.named_parameters() if name in (self.tied_names or ())]
         tables = [t for t in embedding_tables(model) if t not in self.shared]  # (a table on one pipeline stage)
-        self.zero = zero = Zero.build(args.zero, adam, muon, ctx.dp, tied, tables)
+        self.zero = zero = Zero.build(args.zero, adam, muon, ctx.dp, ctx.device, tied, tables)
         for table, rows in zero.rows.items() if args.tables_by_rows else ():
             rows.hold_by_rows(embedding_tables(model)[table])
         self.tie = None if self.tied_names is None else TiedEmbedding(
@@ -5077,8 +5089,8 @@ class Zero:
     sharded: "ShardedParameters | None" = None
 
     @staticmethod
-    def build(stage: int, adam: torch.optim.Optimizer, muon: Muon, dp: Axis, tied: list[Tensor] = (),
-              tables: list[Tensor] = ()) -> "Zero":
+    def build(stage: int, adam: torch.optim.Optimizer, muon: Muon, dp: Axis, device: torch.device,
+              tied: list[Tensor] = (), tables: list[Tensor] = ()) -> "Zero":
         """tables: the embedding tables whose rows may be shared out (Adam then steps each rank's rows)."""
         owner_of = muon_owners([p for group in muon.param_groups for p in group["params"]], dp.size)
         adam_params, load = [p for group in adam.param_groups for p in group["params"]], [0] * dp.size
@@ -5086,7 +5098,8 @@ class Zero:
             owner_of[p] = 0
             load[0] += p.numel()
         sharing = stage >= 1 and dp.size > 1
-        rows = {t: TableRows(t, dp) for t in tables if t in set(adam_params) and t not in owner_of} if sharing else {}
+        rows = {t: TableRows(t, dp, device) for t in tables if t in set(adam_params) and t not in owner_of} \
+            if sharing else {}
         owner_of.update(dict.fromkeys(rows, ROW_OWNERS))
         # the others largest first, each to the least loaded rank
         for p in sorted((p for p in adam_params if p not in owner_of), key=lambda p: -p.numel()):
@@ -5168,10 +5181,12 @@ class TableRows:
     (hold_by_rows, --tables_by_rows), a rank keeps only its rows, never the table: a lookup fetches the rows from
     their ranks, and backward sends their gradients back (#92's table is 65B parameters: 16 GB a rank of 8)."""
 
-    def __init__(self, table: Tensor, dp: Axis):
+    def __init__(self, table: Tensor, dp: Axis, device: torch.device):
+        """A table built on meta (tables_built_by_rows) is zeros, as the n-gram table starts: its rows made here."""
         self.table, self.dp = table, dp
         self.most = -(-len(table) // dp.size)  # rows a rank keeps (the first len % W ranks; the others a row of zeros)
-        self.rows = nn.Parameter(self.own(table.detach()))  # this rank's, which Adam steps
+        self.rows = nn.Parameter(self.own(table.detach()) if not table.is_meta or device.type == "meta" else
+                                 table.new_zeros(self.most, *table.shape[1:], device=device))  # which Adam steps
         self.pending: tuple[Tensor, object] | None = None  # a gather in flight: its buffer and handle
         self.by_rows = False
 
@@ -5249,6 +5264,12 @@ class TableRows:
         gathered, handle = self._all_gather(t)
         handle.wait()
         return self._in_table_order(gathered, t.shape[1:])
+
+def tables_built_by_rows(args: Hyperparameters, ctx: "ParallelContext") -> bool:
+    """Whether this rank builds its n-gram table on meta, never whole (#92's would need 260 GB of the host's memory on
+    each rank): where --tables_by_rows holds it by rows from the first step, on data-parallel ranks of ZeRO 1 or 2.
+    Pipeline stages (which may share the table) and the layouts traced on the built model's forward build it whole."""
+    return args.tables_by_rows and args.zero in (1, 2) and ctx.dp.size > 1 and ctx.tp.size == ctx.pp.size == 1
 
 class _LookedUpByRows(torch.autograd.Function):
     """A lookup of a table held by rows (TableRows.fetch), whose gradient is its rows' (TableRows.send_back)."""

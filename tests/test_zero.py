@@ -1,6 +1,8 @@
 """ZeRO 1, 2 and 3 over two gloo processes: what each rank holds, the bytes a run logs against --plan, and the
 plan of the record on eight GPUs. (tests/test_layouts.py: the same training as one process.)"""
+import dataclasses
 import re
+import types
 
 import torch
 
@@ -147,3 +149,48 @@ def test_the_plan_counts_buffers_and_a_sampled_softmaxs_largest_head(files):
     assert [rank["buffers"] - split_plain["buffers"] for rank in split] == [50304 * 50304 // 16] * 2
     late_whole, always_sampled = plan(sampled_softmax="0:512,6:0")[0], plan(sampled_softmax="0:512")[0]
     assert late_whole["activations"] == plain["activations"] > always_sampled["activations"]
+
+
+def steps_of_a_table_built(rank, world_size, flags, by_rows):
+    """Three steps from the run's own (zero) start under a layout holding the tables by rows, the n-gram table built
+    on meta (by_rows) or whole, as a layout that cannot build it by rows does: whether its table had values, and on
+    rank 0 the losses and the one-process training state."""
+    train_gpt.tables_built_by_rows = lambda args, ctx: by_rows  # (this rank's process alone)
+    args = train_gpt.parse_args(flags, cuda=False)
+    trainer = train_gpt.build_trainer(args, train_gpt.build_parallel_context(rank, world_size, torch.device("cpu")))
+    table_is_meta = trainer.model.bigram.table.weight.is_meta
+    batches, losses = train_gpt.train_batches(trainer), []
+    for step in range(3):
+        losses.append(train_gpt.forward_backward(trainer, batches, step).item())
+        train_gpt.optimizer_step(trainer, step)
+    state = train_gpt.gather_training_state(trainer)  # (rank 0's)
+    return table_is_meta, losses, train_gpt.flat_state(state) if state is not None else None
+
+
+def test_a_zero_started_table_held_by_rows_is_never_built_whole_and_trains_as_one_built_whole(layout_files):
+    # #92's table is 130 GB in bf16: each rank makes only its rows of its zeros. The reference: the same layout with
+    # the table built whole and then shared out (test_layouts: that trains the one-process model); the same sums
+    # in the same order, so bit for bit
+    flags = tiny_flags(layout_files, zero=1, tables_by_rows=True, num_iterations=3, adam_every=1)
+    (meta, losses, state), _ = run_on_ranks(steps_of_a_table_built, 2, flags, True)
+    (whole, reference_losses, reference), _ = run_on_ranks(steps_of_a_table_built, 2, flags, False)
+    assert meta and not whole
+    assert losses == reference_losses
+    table = torch.as_tensor(state["model/bigram.table.weight"])  # (run_on_ranks hands arrays back)
+    assert table.shape == (4096, 32) and (table.norm(dim=1) > 0).sum() > 100  # (its looked-up rows trained)
+    assert state.keys() == reference.keys() and all((state[k] == reference[k]).all() for k in state)
+
+
+def test_the_host_memory_check_counts_a_table_built_by_rows_as_its_ranks_rows(monkeypatch):
+    # a tiny model of a 64e9-parameter table: whole on each of 8 processes it needs 2 TB of the host, by rows none
+    # (its rows are made on the GPUs), or on CPUs an eighth of it each
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    args = train_gpt.parse_args(["--preset", "tiny", "--bigram_rows", "2000000000", "--zero", "1"], cuda=False)
+    ranks = lambda device: types.SimpleNamespace(dp=types.SimpleNamespace(size=8), tp=types.SimpleNamespace(size=1),
+                                                 pp=types.SimpleNamespace(size=1), device=torch.device(device))
+    with pytest.raises(train_gpt.UserError, match=r"parameters \(\d+% of them in bigram.table.weight"):
+        train_gpt.check_host_memory(args, ranks("cuda"))
+    by_rows = dataclasses.replace(args, tables_by_rows=True)
+    train_gpt.check_host_memory(by_rows, ranks("cuda"))
+    with pytest.raises(train_gpt.UserError, match=r"need at least 95[34]\.\d GiB"):  # (16 bytes x 8e9 x 8: 954 GiB)
+        train_gpt.check_host_memory(by_rows, ranks("cpu"))
