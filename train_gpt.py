@@ -1645,10 +1645,11 @@ def cut_batch(offset: int, size: int, doc_starts: np.ndarray | None, seq_len: in
     return sequences, int(doc_starts[doc]) if doc < len(doc_starts) else size
 
 # ----------------------------------------------------------------------------------------------------
-# Hyperparameters: the record's values are the defaults; presets and flags override them
+# Hyperparameters: record #89's values are the defaults; presets (the record preset: #92's) and flags override them
 
 def flag(default, help: str, group: str = "", choices: tuple = ()):
-    """A hyperparameter: its record default, its --help line, its allowed values; `group` titles it and those after."""
+    """A hyperparameter: its default (#89's), its --help line, its allowed values; `group` titles it and those
+    after."""
     return dataclasses.field(default=default, metadata=dict(help=help, group=group, choices=choices))
 
 @dataclass
@@ -1808,7 +1809,7 @@ class Hyperparameters:
     target_val_loss: float = flag(3.28, "the track's target loss, read by records/logs.py")
     sample_every: int = flag(0, "steps: print a short sample at the validations on multiples of this (0: never)")
     preset: str = flag("record", "base values that the other flags override (unset: record with CUDA or --plan, else "
-                                 "cpu)", "run and checkpoints", choices=("cpu", "record", "tiny"))
+                                 "cpu)", "run and checkpoints", choices=("cpu", "record", "record89", "tiny"))
     log_dir: str = flag("logs", "folder of the logs and checkpoints")
     run_id: str = flag("", "names the log and the checkpoint folder (unset: torchrun's rendezvous id, or a uuid)")
     save_every: int = flag(0, "steps between checkpoints, and one at the end (0: only when stopped)")
@@ -1851,7 +1852,31 @@ class Hyperparameters:
                             choices=("cuda", "cpu"))
 
 PRESETS = {
-    "record": {},
+    # record #92 (0.665 minutes on 8 GPUs; its package's config.py, schedule.py and optimizers), on #89's defaults:
+    "record": dict(
+        # attention in 7 layers, narrow queries and keys in 5 (and values in 2), #92's scales and MLP widths, its
+        # x0 and n-gram layers, a head over ten states by channel group, and the 84.6M-row table of bigrams and trigrams
+        attention_free_layers="4,6,7,9", narrow_qk_layers="0,1,2,5,8", narrow_v_layers="1,8", attention_scale=0.085,
+        narrow_attention_scale=0.13, rotary_follows="own", xsa_layers="1,3", paired_head_layers="0,2,5",
+        value_embed_layers="1,2,8,10", dc_layers="", x0_layers="0,1,2,4,5,7,10", bigram_layers="0,1,4,5,9,10",
+        mlp_hidden=2816, mlp_free_layers="7", double_mlp_layers="8", mudd_head="92", trigrams=True,
+        bigram_rows=84602880,
+        # 1,122 steps in three stages, 52 more in the third, its last 67 a taper to 20/24 of the batch at lr x the
+        # root of that, then 20 at 8 sequences; documents cut at 3072 tokens, attention at 2560; the sampled
+        # softmax's candidates by step; the prefix loss by quarters; one table for head and embedding until step 1175
+        num_iterations=1194, extension_steps=20, stage_steps="320,681,1107",
+        train_seq_len="16384,32768,49152,40960,16384", doc_max_tokens="896,2048,3072,3072,3072",
+        attention_max_tokens=2560, stage_lr=f"1,1.52,1.73,{1.73 * (20 / 24) ** 0.5!r}",
+        window_blocks="1:3,3:7,5:11,5:11,6:13", cooldown_frac=0.8, lr_final=0.3, tied_stages=4, prefix_quarters=True,
+        sampled_softmax="0:10240,681:14336,965:24576,1107:0",
+        # ANVIL for the hidden matrices; the n-gram table stepped by rows and, with the value embeddings, on odd
+        # steps, then every fourth from step 336, at 70 x #92's base Adam lr 0.008; the weights' tail averages
+        matrix_optimizer="anvil", muon_weight_decay=2.25, muon_momentum_peak=0.93, muon_momentum_warmup_steps=240,
+        table_cadence="0:2,336:4", bigram_optimizer="rows", lr_embed=0.56, tail_average=True,
+        # the table's 130 GB held by rows over the data-parallel ranks (the plan: 69.9 GB a GPU on 8)
+        zero=1, tables_by_rows=True),
+    # record #89 (1.23 minutes on 8 GPUs): this file's defaults, proven step by step against #89's own trainer
+    "record89": {},
     # the CPU track: ~3.5 minutes of training on 2 cores (~5 with evaluation) on the embedded Shakespeare shards, 220
     # steps (record #2's training time, CPU record #3). Most of a step is the 50304-wide head, so width and depth cost
     # little next to it; each departure from the record's recipe below won an ablation on two seeds

@@ -1,5 +1,6 @@
-"""Benchmark (not a test) of the training FLOPs of the record preset's model: a step of record #89's configuration
-against one of record #92's (its model, sampled softmax and optimizer, as this file's flags, on #92's schedule),
+"""Benchmark (not a test) of the training FLOPs of the record presets' models: a step of record #89's configuration
+(the record89 preset) against one of record #92's (the record preset: its model, sampled softmax and optimizer, on
+#92's schedule),
 counted by torch's FLOP counter on the meta device (seconds, no memory), and their ratio: the step cost that #92's
 configuration should save on a GPU.
 
@@ -29,11 +30,7 @@ import torch  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 import train_gpt  # noqa: E402
-from synthetic import RECORD_92_MODEL, RECORD_92_OPTIMIZER, RECORD_92_SCHEDULE  # noqa: E402
 from tool_inputs import run_tool  # noqa: E402
-
-# record #92's configuration: its model, its schedule (with its sampled softmax's counts) and its optimizer
-RECORD_92_FLAGS = [*RECORD_92_MODEL, *RECORD_92_SCHEDULE, *RECORD_92_OPTIMIZER]
 
 BLOCK = train_gpt.ATTENTION_BLOCK_SIZE
 
@@ -179,15 +176,15 @@ def main():
     parser.parse_args()
     start = time.perf_counter()
     check_pairs_against_masks()
-    args_89 = train_gpt.parse_args(["--preset", "record"], cuda=False)
-    args_92 = train_gpt.parse_args(["--preset", "record", *RECORD_92_FLAGS], cuda=False)
+    args_89 = train_gpt.parse_args(["--preset", "record89"], cuda=False)
+    args_92 = train_gpt.parse_args(["--preset", "record"], cuda=False)
     print("FLOPs of a rank's training step, the forward and backward of one sequence: matrix products (torch's "
           "FLOP counter, meta device)\nand attention by hand (the pairs its sliding window allows, ignoring documents: "
           "an upper bound; 'blocks': the 128 x 128 blocks\nit touches, what FlexAttention computes). Head: its input "
           "to the loss, on the rows it scores (FP8 on a GPU, counted as bf16).\n")
-    old = report("record #89 (the record preset)", build(args_89), args_89, step_shapes(args_89))
+    old = report("record #89 (the record89 preset)", build(args_89), args_89, step_shapes(args_89))
     print()
-    new = report("record #92 (the record preset with RECORD_92_FLAGS)", build(args_92), args_92,
+    new = report("record #92 (the record preset)", build(args_92), args_92,
                  step_shapes(args_92))
     print()
 

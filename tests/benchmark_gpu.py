@@ -3,10 +3,11 @@ same shape (the compile), on the FineWeb shards or, where they are missing, on s
 
     torchrun --standalone --nproc_per_node=$(nvidia-smi -L | wc -l) tests/benchmark_gpu.py [--steps 30] [flags]
 
-Further flags go to train_gpt.py's parser (the record preset is the base). It prints ms per step, tokens per second
-per GPU, MFU (model FLOPs counted as below, against the GPU's dense bf16 peak), peak memory, and the step split
-into forward+backward, the gradient wait (the compute stream waiting for the last gradient reduction) and the
-optimizer. The steps are taken at the middle of the schedule (--at_step), where the sliding window is half grown.
+Further flags go to train_gpt.py's parser (the record preset, #92's, is the base: on fewer than 8 GPUs give a
+smaller --bigram_rows, as tests/gpu_session.py does). It prints ms per step, tokens per second per GPU, MFU (model
+FLOPs counted as below, against the GPU's dense bf16 peak), peak memory, and the step split into forward+backward,
+the gradient wait (the compute stream waiting for the last gradient reduction) and the optimizer. The steps are
+taken at the middle of the schedule (--at_step), where the sliding window is half grown.
 """
 import argparse
 import sys
@@ -69,7 +70,7 @@ def main():
     need_at_least("--steps", ours.steps, 1, "timed steps")
     need_at_least("--untimed_steps", ours.untimed_steps, 0, "steps before the timed ones")
     train_gpt.keep_freed_memory_for_reuse()  # the trainer's allocator settings, before CUDA's first allocation
-    args = train_gpt.parse_args(["--preset", "record", *rest])
+    args = train_gpt.parse_args(["--preset", "record89", *rest])
     for name in ("train_files", "val_files"):  # (left out, synthetic shards stand in for FineWeb's where it is missing)
         need(name not in args.given or train_gpt.glob.glob(getattr(args, name)), f"--{name} {getattr(args, name)} "
              "matches no file: name existing shards, or leave the flag out")

@@ -37,7 +37,7 @@ def lookups(name: str, rows: int, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def measure(rank: int, world_size: int, shard: str, tokens_per_rank: int, width: int, zero: bool) -> dict:
-    args = train_gpt.parse_args(["--preset", "record"], cuda=False)
+    args = train_gpt.parse_args(["--preset", "record89"], cuda=False)
     stream = train_gpt.load_data_shard(shard)
     tokens = stream[rank * tokens_per_rank:(rank + 1) * tokens_per_rank]
     keeper = train_gpt.ROW_OWNERS if zero else None
@@ -75,7 +75,7 @@ def main():
     need_at_least("--width", options.width, 1, "columns of each table")
     need(options.zero in (0, 1, 2, 3), f"--zero {options.zero}: give a ZeRO stage, 0 to 3")
     need(Path(options.shard).is_file(), f"--shard {options.shard} is not a file: name a .bin token shard")
-    args = train_gpt.parse_args(["--preset", "record"], cuda=False)
+    args = train_gpt.parse_args(["--preset", "record89"], cuda=False)
     last_step = args.num_iterations - 1
     tokens_per_rank = train_gpt.batch_shape(last_step, args)[0] * args.adam_every
     held = len(train_gpt.load_data_shard(options.shard))

@@ -1,6 +1,6 @@
 """Side by side with a record's own trainer on one GPU, with the same work per step in both. Not a test.
 
-    python tests/benchmark_vs_reference.py                 # against record #89, which the record preset ports
+    python tests/benchmark_vs_reference.py                 # against record #89, which the record89 preset ports
     python tests/benchmark_vs_reference.py --against 23    # against record #23 (2025-05-25)
 
 #89: modded-nanogpt's train_gpt.py at f411b3d3, rebuilt from ../shared/head_cpu (its train_gpt.py with head.diff

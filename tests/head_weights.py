@@ -127,7 +127,7 @@ def scheduled_steps(steps: int) -> int:
 
 def port_hyperparameters(head_config: dict) -> train_gpt.Hyperparameters:
     """This file's flags for head_cpu's configuration (its run_head_cpu.py flags, as a state's or a dump's
-    "config"): #89's model (the record preset) at head_cpu's width, bigram table, batches, windows and step count;
+    "config"): #89's model (the record89 preset) at head_cpu's width, bigram table, batches, windows and step count;
     the Shakespeare shards read as one stream (head_cpu's default loader)."""
     c = head_config
     if c.get("loader", "stream") != "stream":
@@ -140,7 +140,7 @@ def port_hyperparameters(head_config: dict) -> train_gpt.Hyperparameters:
     scale = steps / HEAD_STEPS
     windows = ",".join(f"{_window_blocks(s, block)}:{_window_blocks(l, block)}" for s, l in HEAD_WINDOW_BLOCKS)
     flags = dict(
-        preset="record", head_dim=head_dim, model_dim=6 * head_dim, bigram_rows=int(c.get("bigram_vocab", 16384)),
+        preset="record89", head_dim=head_dim, model_dim=6 * head_dim, bigram_rows=int(c.get("bigram_vocab", 16384)),
         window_blocks=windows, final_window_blocks=_window_blocks(HEAD_FINAL_WINDOW_BLOCKS, block),
         train_seq_len=",".join(str(seq_len * g) for g in growth + growth[-1:]), doc_max_tokens="0",
         seqs_per_step=8, num_iterations=steps, extension_steps=steps - scheduled,

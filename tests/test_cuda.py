@@ -194,7 +194,7 @@ def test_a_cuda_random_state_of_another_size_is_refused_by_name_before_step_1(tm
 
 
 def test_a_record_shape_step_with_gradient_accumulation_fits_one_gpu_and_has_a_finite_loss():
-    args = train_gpt.parse_args(["--preset", "record", "--seqs_per_step", "2", "--compile", "true"], cuda=True)
+    args = train_gpt.parse_args(["--preset", "record89", "--seqs_per_step", "2", "--compile", "true"], cuda=True)
     trainer = train_gpt.build_trainer(args, train_gpt.build_parallel_context(0, 1, CUDA))
     torch.cuda.reset_peak_memory_stats()
     # the first step Adam takes at the longest sequences (48K tokens): the head starts at zero, so every gradient but

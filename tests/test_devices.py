@@ -36,7 +36,7 @@ def test_fp8_head_asked_for_on_a_gpu_without_fp8_is_refused(capability):
 
 def test_the_memory_check_refuses_the_record_on_a_24_gib_gpu_saying_what_fits_and_runs_it_on_80():
     # the record on one GPU, compiled (one micro-batch a step: what a GPU holds at once, and a quicker plan)
-    args = train_gpt.parse_args(["--compile", "true", "--seqs_per_step", "1"], cuda=True)
+    args = train_gpt.parse_args(["--preset", "record89", "--compile", "true", "--seqs_per_step", "1"], cuda=True)
     need = train_gpt.planned_peak(args, 1)
     assert 25 * 2**30 < need < 35 * 2**30  # near the 30.7 GB the reference design measured on an H100
     with pytest.raises(train_gpt.UserError, match=r"this run needs about \d+\.\d GiB on a GPU by its plan .* the GPU "
@@ -50,8 +50,9 @@ def test_the_memory_check_names_zero_3_and_more_processes_where_the_model_states
     # 2 processes, a short sequence: the parameters, gradients and optimizer states fill the GPU; ZeRO 3 splits
     # them, and so do 4 processes with ZeRO 3 and the tables held by rows, while a shorter sequence is not enough.
     # The record's width and tables in two layers (fewer to plan): its tables are most of its model states already
-    args = train_gpt.parse_args(["--train_seq_len", "256", "--val_seq_len", "256", "--val_tokens", "2048",
-                                 "--compile", "false", "--seqs_per_step", "4", *TWO_LAYERS], cuda=True)
+    args = train_gpt.parse_args(["--preset", "record89", "--train_seq_len", "256", "--val_seq_len", "256",
+                                 "--val_tokens", "2048", "--compile", "false", "--seqs_per_step", "4", *TWO_LAYERS],
+                                cuda=True)
     free = train_gpt.planned_peak(args, 2) - 2**28
     with pytest.raises(train_gpt.UserError, match=r"it would fit with --zero 3 or 4 processes with --zero 3 or "
                                                   r"--zero 1 --tables_by_rows true or --bigram_rows \d+ \(the "
@@ -62,8 +63,8 @@ def test_the_memory_check_names_zero_3_and_more_processes_where_the_model_states
 def test_the_memory_check_names_the_largest_bigram_table_that_fits():
     # #92's n-gram table is most of its model; a GPU too small for this one (2M rows) is told the most rows that
     # fit: the free memory is a 1M-row table's plan, so about 1M (the plan prices a row from two plans, and checks)
-    flags = ["--train_seq_len", "256", "--val_seq_len", "256", "--val_tokens", "2048", "--compile", "false",
-             "--seqs_per_step", "1", "--trigrams", "true", *TWO_LAYERS]
+    flags = ["--preset", "record89", "--train_seq_len", "256", "--val_seq_len", "256", "--val_tokens", "2048",
+             "--compile", "false", "--seqs_per_step", "1", "--trigrams", "true", *TWO_LAYERS]
     args = train_gpt.parse_args([*flags, "--bigram_rows", "2000000"], cuda=True)
     free = train_gpt.planned_peak(dataclasses.replace(args, bigram_rows=1_000_000), 1) / train_gpt.MEMORY_HEADROOM
     with pytest.raises(train_gpt.UserError, match=r"it would fit with --bigram_rows (\d+) \(the largest bigram table "

@@ -11,7 +11,6 @@ import torch
 
 import train_gpt
 from conftest import REPO_ROOT
-from synthetic import RECORD_92_MODEL
 from train_gpt import EOT_TOKEN, CausalSelfAttention, Rotary, document_causal_masks
 
 SHAKESPEARE = REPO_ROOT / "data" / "shakespeare"
@@ -150,7 +149,7 @@ def test_92s_layer_geometry_holds_92s_matrices():
     # #92's package's shapes (its banks hold every head 128 wide; a narrow layer reads the first 64 rows): the live
     # parts are queries and keys 5,308,416, values and outputs 7,077,888, MLPs (10 layers and layer 8's second)
     # 47,579,136
-    args = train_gpt.parse_args(["--preset", "record", *RECORD_92_MODEL], cuda=False)
+    args = train_gpt.parse_args(["--preset", "record"], cuda=False)
     model = train_gpt.build_model(args, torch.device("meta"))
     attns = [b.attn for b in model.blocks if b.attn is not None]
     assert [i for i, b in enumerate(model.blocks) if b.attn is not None] == [0, 1, 2, 3, 5, 8, 10]
@@ -186,7 +185,7 @@ def test_92s_injection_sites_give_its_gate_networks_92s_lanes():
     # 3's output gates, x0's share in layers 0-2, the n-gram's in 0 and 1), the one entering layer 4 gives 13 (layer
     # 10's output gates, x0's share in 4, 5, 7, the n-gram's in 4, 5, 9, the skip's gate); the last layer's MUDD
     # network 14
-    args = train_gpt.parse_args(["--preset", "record", *RECORD_92_MODEL], cuda=False)
+    args = train_gpt.parse_args(["--preset", "record"], cuda=False)
     model = train_gpt.build_model(args, torch.device("meta"))
     assert {k: v.bias.numel() for k, v in model.gate_networks.items()} == {"0": 23, "4": 13}
     assert model.dense_networks["10"].bias.numel() == 14
@@ -239,7 +238,7 @@ def test_92s_head_takes_in_its_ten_states():
     # #92's: the first layer's input, layer 7's output (from -0.5: the backout), layer 9's output, the four value
     # embeddings, layer 3's output, the last layer's MLP input and layer 7's output normed; 12 groups of 64 channels.
     # The wiring on the tiny model: the last layer's MLP input is what its MLP read, the normed state layer 3's output
-    args = train_gpt.parse_args(["--preset", "record", *RECORD_92_MODEL], cuda=False)
+    args = train_gpt.parse_args(["--preset", "record"], cuda=False)
     head = train_gpt.build_model(args, torch.device("meta")).dense_networks["head"]
     assert list(head.widths["head"]) == ["first_input", "attended", "penultimate", "value_embed_1", "value_embed_2",
                                          "value_embed_8", "value_embed_10", "skip", "last_mlp_input",

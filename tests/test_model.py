@@ -236,7 +236,7 @@ def test_each_learned_scale_starts_where_record_89_starts_it():
 
 def test_the_record_starts_attentions_output_uniform_as_89_and_the_cpu_preset_at_zero():
     # #89's (#64): uniform with std 0.5 / sqrt(fan in), as the other matrices; the mlp's output at zero either way
-    assert not train_gpt.parse_args(["--preset", "record"], cuda=False).zero_attn_out
+    assert not train_gpt.parse_args(["--preset", "record89"], cuda=False).zero_attn_out
     args = train_gpt.parse_args(["--preset", "tiny", "--zero_attn_out", "false"], cuda=False)
     model = train_gpt.build_model(args, torch.device("cpu"))
     bound = 3 ** 0.5 * 0.5 * 32 ** -0.5
@@ -343,11 +343,11 @@ def test_the_key_offset_gives_each_key_the_previous_tokens_unrotated_dims():
     assert (out - expected[0]).abs().max() <= 1e-6 * expected[0].abs().max()
     assert (plain - expected[1]).abs().max() <= 1e-6 * expected[1].abs().max()
     assert (expected[0] - expected[1]).abs().max() > 0.01 * expected[1].abs().max()  # the offset shows
-    args = train_gpt.parse_args(["--preset", "record"], cuda=False)
+    args = train_gpt.parse_args(["--preset", "record89"], cuda=False)
     model = train_gpt.build_model(args, torch.device("meta"))  # the record: in its long-window layers, 3 and 10
     assert [i for i, block in enumerate(model.blocks) if block.attn is not None and block.attn.key_offset] == [3, 10]
     # and, as #89, not where heads attend in pairs, also in a long-window layer
-    args = train_gpt.parse_args(["--preset", "record", "--paired_head_layers", "0,3"], cuda=False)
+    args = train_gpt.parse_args(["--preset", "record89", "--paired_head_layers", "0,3"], cuda=False)
     model = train_gpt.build_model(args, torch.device("meta"))
     assert [i for i, block in enumerate(model.blocks) if block.attn is not None and block.attn.key_offset] == [10]
 
@@ -404,7 +404,7 @@ def test_yarn_stretches_the_rotary_and_raises_the_attention_scale_at_each_change
 
 
 def test_the_record_steps_each_layers_q_and_k_per_pair_of_heads():
-    args = train_gpt.parse_args(["--preset", "record"], cuda=False)
+    args = train_gpt.parse_args(["--preset", "record89"], cuda=False)
     model = train_gpt.build_model(args, torch.device("meta"))
     groups = train_gpt.optimizer_param_groups(model, args.vocab_size, args.model_dim)
     _, muon = train_gpt.build_optimizers(model, groups, args, torch.device("meta"), cuda_dtypes=False)
@@ -454,7 +454,7 @@ def test_the_record_gate_networks_serve_record_89s_layers():
     skip's gate into 6, XSA in 4 and 7, output gates in 10): by hand 4 x 2 + 2 x 6 + 6 = 26 coefficients, #89's, and
     5 x 2 + 1 + 2 x 6 + 6 + 2 x 6 = 41 with DC-MHA's two weights a head in 10; layer 10's two shares come from
     MUDD's network at its input, with its 14 (#89's), and the head's takes 5."""
-    args = train_gpt.parse_args(["--preset", "record"], cuda=False)
+    args = train_gpt.parse_args(["--preset", "record89"], cuda=False)
     model = train_gpt.build_model(args, torch.device("meta"))
     widths = {start: {int(layer): coefficients for layer, coefficients in network.widths.items()}
               for start, network in model.gate_networks.items()}
@@ -567,10 +567,10 @@ def test_the_loss_weights_follow_record_89s_stages():
     """By hand, for 1770 steps of which the last 15 are the extension (thirds of 1755 ending at 585, 1170): [next,
     2nd, 3rd, prefix] from [1, 0.5, 0.25, 0.25] down to [1, 0.5, 0, 0.25] over the first third, to [1, 0, 0, 0] over
     the second, then [1, 0, 0, 0] through the third and the extension."""
-    args = train_gpt.parse_args(["--preset", "record", "--num_iterations", "1770"], cuda=False)
+    args = train_gpt.parse_args(["--preset", "record89", "--num_iterations", "1770"], cuda=False)
     expected = {0: [1, 0.5, 0.25, 0.25], 117: [1, 0.5, 0.2, 0.25], 585: [1, 0.5, 0, 0.25], 702: [1, 0.4, 0, 0.2],
                 1170: [1, 0, 0, 0], 1769: [1, 0, 0, 0]}
     for step, weights in expected.items():
         assert train_gpt.loss_weights(step, args) == pytest.approx(weights, abs=1e-12), step
-    no_mtp = train_gpt.parse_args(["--preset", "record", "--num_iterations", "1770", "--mtp", "false"], cuda=False)
+    no_mtp = train_gpt.parse_args(["--preset", "record89", "--num_iterations", "1770", "--mtp", "false"], cuda=False)
     assert train_gpt.loss_weights(702, no_mtp) == pytest.approx([1, 0.2])

@@ -11,7 +11,7 @@ import train_gpt
 from conftest import REPO_ROOT
 from train_gpt import run_on_ranks
 from layouts import train_step
-from synthetic import RECORD_92_SCHEDULE, tiny_flags, write_synthetic_shards
+from synthetic import tiny_flags, write_synthetic_shards
 
 
 def test_flags_override_preset_values():
@@ -20,9 +20,12 @@ def test_flags_override_preset_values():
     assert (args.num_iterations, args.fp8_head, args.lr_muon, args.run_id) == (50, True, 0.01, "x")
     assert args.model_dim == train_gpt.PRESETS["tiny"]["model_dim"]
     assert train_gpt.parse_args([], cuda=False).preset == "cpu"
-    record = train_gpt.parse_args([], cuda=True)
-    assert record == train_gpt.Hyperparameters()  # the record config is the dataclass defaults
-    assert (record.val_tokens, record.train_seq_len, record.val_seq_len, record.num_iterations) == \
+    record = train_gpt.parse_args([], cuda=True)  # the record preset: #92's
+    assert (record.preset, record.num_iterations, record.bigram_rows, record.matrix_optimizer) == \
+        ("record", 1194, 84602880, "anvil")
+    record89 = train_gpt.parse_args(["--preset", "record89"], cuda=True)
+    assert record89 == dataclasses.replace(train_gpt.Hyperparameters(), preset="record89")  # #89's: the defaults
+    assert (record89.val_tokens, record89.train_seq_len, record89.val_seq_len, record89.num_iterations) == \
         (10485760, "16384,32768,49152,49152", 4 * 64 * 1024, 1285)
 
 
@@ -87,7 +90,7 @@ def test_the_sampled_softmaxs_candidate_counts_by_step_are_92s():
     counts = {0: 10240, 680: 10240, 681: 14336, 964: 14336, 965: 24576, 1106: 24576, 1107: 0, 1193: 0}
     assert {step: train_gpt.candidate_count(step, args) for step in counts} == counts
     assert train_gpt.candidate_count(0, train_gpt.Hyperparameters(sampled_softmax="3:512")) == 0  # (before it: all)
-    assert train_gpt.candidate_count(500, train_gpt.Hyperparameters()) == 0  # (the record preset's: all)
+    assert train_gpt.candidate_count(500, train_gpt.Hyperparameters()) == 0  # (#89's: all)
 
 
 def test_schedules_at_hand_computed_points():
@@ -137,7 +140,7 @@ def test_schedules_at_hand_computed_points():
 
 
 def test_92s_schedule_as_flags_at_hand_computed_points():
-    args = train_gpt.parse_args(["--preset", "record", *RECORD_92_SCHEDULE], cuda=False)
+    args = train_gpt.parse_args(["--preset", "record"], cuda=False)
     # #92's stage ends: its fractions 0.2854, 0.3209 and 0.3931 less the taper's 0.06 (over their sum) of 1,122 steps,
     # 52 more steps in the third stage, then its 20 of extension
     fractions = [0.2854 / 0.9994, 0.3209 / 0.9994, (0.3931 - 0.06) / 0.9994]

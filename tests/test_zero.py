@@ -102,19 +102,24 @@ def test_counted_collective_bytes_per_step_equal_the_plan(tmp_path, files, layou
     assert_sends_what_the_plan_says(counted, plan["ranks"][0]["comm"])
 
 
-def test_a_plan_without_a_preset_prints_per_rank_memory_for_the_record_on_eight_gpus(capsys):
-    train_gpt.main(["--plan", "true", "--nproc", "8", "--zero", "1"])
+def test_a_plan_without_a_preset_prints_per_rank_memory_for_92s_record_on_eight_gpus_and_it_fits(capsys):
+    train_gpt.main(["--plan", "true", "--nproc", "8"])
     out = capsys.readouterr().out
     assert "preset record" in out  # (said: no preset was named)
-    assert "8 processes = pipeline 1 x data parallel 8 x tensor parallel 1, ZeRO stage 1" in out
+    assert "8 processes = pipeline 1 x data parallel 8 x tensor parallel 1, ZeRO stage 1" in out  # (the preset's)
     assert len(re.findall(r"^\s+\d+\s+\d+\s+\d+\.\d+ ", out, flags=re.M)) == 8  # one memory row per rank
-    # the record model, not the cpu preset's; by hand: the head and the token embedding tied to it 2 x 50304 x 768,
+    # #92's n-gram table, 84,602,880 x 768, is all but 0.45% of the model; held by rows it fits an 80 GB GPU
+    count = int(re.search(r"([\d,]+) parameters", out).group(1).replace(",", ""))
+    assert 84_602_880 * 768 < count < 1.0045 * 84_602_880 * 768
+    fits = re.search(r"on 80 GB GPUs \(an H100's\): fits, (\d+\.\d) GB of 76\.0 GB a rank", out)
+    assert fits and 60 < float(fits.group(1)) < 76
+    # record #89's model (the record89 preset), by hand: the head and the token embedding tied to it 2 x 50304 x 768,
     # 5 value embeddings 5 x 50257 x 768, 10 attention layers 4 x 768^2 + 1 (v's scale), 11 MLPs 8 x 768^2, the
     # scales of the residual and the output (2 each) of 10 MLPs and 9 attentions (not the dense layer's), the skip's
     # gate, 4 value-embedding gates 6 x 12, the smear's gate (12) and scale, two gate networks of 64 x 768 + 1 (the
     # scale) and 26 and 41 coefficients (DC-MHA's 12 among them) of 64 + 1 each, MUDD's two of 64 x 768 and 14 and 5
     # coefficients of 65, the bigram table 377280 x 768: 635,704,886 (#89's file: 643,751,335)
-    assert "635,704,886 parameters" in out
+    assert train_gpt.parameter_count(train_gpt.parse_args(["--preset", "record89"], cuda=True)) == 635_704_886
 
 
 def test_the_plan_counts_adams_gradients_held_whole_on_every_rank(files):
