@@ -3943,9 +3943,12 @@ def check_data(args: Hyperparameters, dp: int, checkpoint: dict | None) -> None:
 # Logging: the log file starts with this file's source, so a run is reproducible from its log alone
 
 def print_if_possible(line: str, file=None) -> None:
-    """Print, unless the terminal has gone (SIGHUP: a closed window or SSH session): the log has the line."""
+    """Print, unless the terminal has gone (SIGHUP: a closed window or SSH session): the log has the line. In one
+    write, so that ranks printing at once (an error each) do not run their lines together."""
     try:
-        print(line, file=file or sys.stdout, flush=True)
+        stream = file or sys.stdout
+        stream.write(line + "\n")
+        stream.flush()
     except OSError:
         pass
 
