@@ -1873,7 +1873,7 @@ PRESETS = {
         # steps, then every fourth from step 336, at 70 x #92's base Adam lr 0.008; the weights' tail averages
         matrix_optimizer="anvil", muon_weight_decay=2.25, muon_momentum_peak=0.93, muon_momentum_warmup_steps=240,
         table_cadence="0:2,336:4", bigram_optimizer="rows", lr_embed=0.56, tail_average=True,
-        # the table's 130 GB held by rows over the data-parallel ranks (the plan: 69.9 GB a GPU on 8)
+        # the table's 130 GB held by rows over the data-parallel ranks (the plan: 70.7 GB a GPU on 8)
         zero=1, tables_by_rows=True),
     # record #89 (1.23 minutes on 8 GPUs): this file's defaults, proven step by step against #89's own trainer
     "record89": {},
@@ -2859,6 +2859,11 @@ class TailAverages:
         for kind, was, now in zip(TAIL_NORMS_KEPT, before, self.norms()):
             for name in self.kinds[kind] if now > 0 else ():
                 self.held[name].detach().mul_(was / now)
+
+    def nbytes(self) -> int:
+        """The averages' float32 copies, as the last steps hold them all (the plan counts them from the start)."""
+        return sum(4 * self.held[name].numel() for average in TAIL_AVERAGES for kind in average.blends
+                   for name in self.kinds[kind])
 
     def norms(self) -> list[float]:
         """Each kind of TAIL_NORMS_KEPT's norm over the whole model (of what every rank holds)."""
@@ -6191,7 +6196,7 @@ class SavedActivations(torch.autograd.graph.saved_tensors_hooks):
 
 def account_step(trainer: Trainer, batches, step: int = 0) -> dict:
     """One training step with the bytes this rank held (parameters and their peak, buffers, gradients, float64
-    sums, optimizer states, activations) and handed to each collective."""
+    sums, optimizer states and the tail averages' copies, activations) and handed to each collective."""
     comm_bytes.clear()
     saved = SavedActivations(trainer.model, batch_shape(step, trainer.args)[0])
     with saved:
@@ -6205,7 +6210,7 @@ def account_step(trainer: Trainer, batches, step: int = 0) -> dict:
                 peak_parameters=trainer.layout.zero.peak_parameter_bytes(trainer.model),
                 buffers=sum(b.untyped_storage().nbytes() for b in trainer.model.buffers()),
                 optimizer_states=sum(nbytes(t) for opt in trainer.optimizers for state in opt.state.values()
-                                     for t in state.values()),
+                                     for t in state.values()) + (trainer.tail.nbytes() if trainer.tail else 0),
                 comm=dict(comm_bytes), loss=loss)
     return held
 

@@ -92,3 +92,16 @@ def test_tail_averages_are_refused_under_zero_3_by_name():
     with pytest.raises(train_gpt.UserError, match="--tail_average with --zero 3: the averages are kept where the "
                                                   "weights are between steps"):
         train_gpt.parse_args(["--preset", "tiny", "--tail_average", "true", "--zero", "3"], cuda=False)
+
+
+def test_the_plan_counts_the_averages_float32_copies_as_the_last_steps_hold_them():
+    # #92's four averages hold the head and the embedding, the values and outputs and the MLPs (twice: an average and
+    # a blend), the value embeddings, and the queries and keys: in float32, beside the optimizer states
+    flags = ["--preset", "tiny", "--num_iterations", "3", "--adam_every", "1"]
+    args, averaged = (train_gpt.parse_args(flags + extra, cuda=False) for extra in ([], ["--tail_average", "true"]))
+    plans = [train_gpt.plan_layout(a, 1, cuda=False)["ranks"][0]["optimizer_states"] for a in (args, averaged)]
+    model = train_gpt.build_model(args, torch.device("meta"))
+    params, kinds = dict(model.named_parameters()), train_gpt.tail_kinds(model)
+    copies = {"head": 1, "embed": 1, "qk": 1, "vo": 2, "mlp": 2, "value_embed": 1}
+    expected = sum(4 * copies[kind] * params[name].numel() for kind in copies for name in kinds[kind])
+    assert expected > 0 and plans[1] - plans[0] == expected
