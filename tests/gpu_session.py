@@ -42,7 +42,7 @@ FINEWEB = REPO_ROOT / "data" / "fineweb10B"
 REFERENCE_STEPS = 30  # #89's schedule compressed to 30 steps: 20 timed after the 10 that compile
 BENCHMARK_STEPS = 20
 # the record preset's (#92's) n-gram table on fewer than 8 GPUs: its 84.6M rows need 8 (--plan); a one-GPU plan fits
-# 11.5M rows in 80 GB, and the step's cost barely depends on the rows
+# 11.2M rows in 80 GB, and the step's cost barely depends on the rows
 BENCHMARK_TABLE_ROWS = 8 * 2**20
 TEST_TIME_LIMIT_S = 120  # one test of tests/test_cuda.py (the record-shape step compiles the record model)
 # seconds for each check, by default: 7.7 minutes with the report's own ~10 s, inside a lent machine's 8
