@@ -877,7 +877,7 @@ class ModelConfig:
     attention_scales: tuple[float, float] = (0.1, 0.1)  # of full-width and narrow queries, before YaRN
     rotary_follows_own_window: bool = False  # YaRN stretches a layer's rotary for its own window (#92); else the long
     attention_max_tokens: int = 0  # training's attention sees documents cut into pieces this long (0: whole)
-    table_device: str | None = None  # where the n-gram table is built (meta: never whole, tables_built_by_rows)
+    table_device: str | None = None  # where the n-gram table is built (meta: never whole, for a layout by rows)
 
     def head_dims(self, i: int) -> tuple[int, int]:
         """Layer i's width of a head's queries and keys, and of its values."""
@@ -2461,7 +2461,7 @@ def model_config(args: Hyperparameters) -> ModelConfig:
 def build_model(args: Hyperparameters, device: torch.device, cuda_dtypes: bool | None = None,
                 table_on_meta: bool = False) -> GPT:
     """The one-process model, the same on every rank: built on the CPU from the seed (on meta for the plan), then
-    moved to the device; the n-gram table left on meta where a layout holds it by rows (tables_built_by_rows)."""
+    moved to the device; the n-gram table left on meta where a layout holds it by rows (Layout.tables_built_by_rows)."""
     with torch.device("meta" if device.type == "meta" else "cpu"):
         model = GPT(dataclasses.replace(model_config(args), table_device="meta" if table_on_meta else None))
     return to_device(model, device, cuda_dtypes)
@@ -2598,7 +2598,7 @@ def build_trainer(args: Hyperparameters, ctx: "ParallelContext", cuda_dtypes: bo
          "more (and --model_dim = --num_heads x --head_dim)")
     torch.manual_seed(args.seed)
     model = build_model(args, torch.device("meta" if ctx.device.type == "meta" else "cpu"),
-                        table_on_meta=tables_built_by_rows(args, ctx) and not nonzero_init)
+                        table_on_meta=Layout.tables_built_by_rows(args, ctx) and not nonzero_init)
     for p in model.parameters() if nonzero_init else ():
         if not p.any():
             nn.init.normal_(p.detach(), std=0.02)
@@ -3850,7 +3850,7 @@ def check_host_memory(args: Hyperparameters, ctx: "ParallelContext") -> None:
     except (OSError, StopIteration, ValueError):
         return  # (not Linux: unchecked)
     params = parameter_count(args)
-    if tables_built_by_rows(args, ctx):  # (a rank's rows are made on its device: on a CPU, in the host's memory)
+    if Layout.tables_built_by_rows(args, ctx):  # (a rank's rows are made on its device: a CPU's are the host's)
         table = params - parameter_count(args, table=False)
         params -= table - (-(-table // ctx.dp.size) if ctx.device.type == "cpu" else 0)
     processes = launch_variable("LOCAL_WORLD_SIZE", 1, 1)
@@ -4525,6 +4525,14 @@ class Layout:
         self.args, self.ctx, self.model, self.trace, self.pipeline = args, ctx, model, trace, pipeline
         self.shared = pipeline.shared if pipeline is not None else {}  # parameter -> the stages holding a copy
         self.tied_names = tied_names
+
+    @staticmethod
+    def tables_built_by_rows(args: Hyperparameters, ctx: ParallelContext) -> bool:
+        """Whether this rank builds its n-gram table on meta, never whole (#92's would need 260 GB of the host's
+        memory on each rank): where --tables_by_rows holds it by rows from the first step, on data-parallel ranks of
+        ZeRO 1 or 2. Pipeline stages (which may share the table) and the layouts traced on the built model's forward
+        build it whole (TableRows makes the rows)."""
+        return args.tables_by_rows and args.zero in (1, 2) and ctx.dp.size > 1 and ctx.tp.size == ctx.pp.size == 1
 
     def share(self, optimizers: list[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
         """Once the part is on its device: the same start on every data-parallel rank, each parameter's owner
@@ -5215,7 +5223,8 @@ class TableRows:
     their ranks, and backward sends their gradients back (#92's table is 65B parameters: 16 GB a rank of 8)."""
 
     def __init__(self, table: Tensor, dp: Axis, device: torch.device):
-        """A table built on meta (tables_built_by_rows) is zeros, as the n-gram table starts: its rows made here."""
+        """A table built on meta (Layout.tables_built_by_rows) is zeros, as the n-gram table starts: its rows are
+        made here."""
         self.table, self.dp = table, dp
         self.most = -(-len(table) // dp.size)  # rows a rank keeps (the first len % W ranks; the others a row of zeros)
         self.rows = nn.Parameter(self.own(table.detach()) if not table.is_meta or device.type == "meta" else
@@ -5297,12 +5306,6 @@ class TableRows:
         gathered, handle = self._all_gather(t)
         handle.wait()
         return self._in_table_order(gathered, t.shape[1:])
-
-def tables_built_by_rows(args: Hyperparameters, ctx: "ParallelContext") -> bool:
-    """Whether this rank builds its n-gram table on meta, never whole (#92's would need 260 GB of the host's memory on
-    each rank): where --tables_by_rows holds it by rows from the first step, on data-parallel ranks of ZeRO 1 or 2.
-    Pipeline stages (which may share the table) and the layouts traced on the built model's forward build it whole."""
-    return args.tables_by_rows and args.zero in (1, 2) and ctx.dp.size > 1 and ctx.tp.size == ctx.pp.size == 1
 
 class _LookedUpByRows(torch.autograd.Function):
     """A lookup of a table held by rows (TableRows.fetch), whose gradient is its rows' (TableRows.send_back)."""

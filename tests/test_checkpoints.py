@@ -357,7 +357,7 @@ def child_pids(pid: int) -> list[int]:
 
 
 def torchrun(files, tmp_path, run_id, *extra, max_restarts=0):
-    flags = tiny_flags(files, log_dir=tmp_path / "logs", run_id=run_id, num_iterations=12, val_loss_every=0,
+    flags = tiny_flags(files, log_dir=tmp_path / "logs", run_id=run_id, num_iterations=8, val_loss_every=0,
                        save_every=4, resume="latest")
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                              f"--max-restarts={max_restarts}", str(REPO_ROOT / "train_gpt.py"), *flags, *extra],
@@ -367,7 +367,7 @@ def torchrun(files, tmp_path, run_id, *extra, max_restarts=0):
 
 def test_elastic_restart_after_a_killed_worker_ends_like_an_uninterrupted_run(tmp_path, files):
     # the uninterrupted run, on two worker processes of one thread each, as torchrun's
-    run(tmp_path, files, 2, "reference", num_iterations=12, val_loss_every=0, save_every=4)
+    run(tmp_path, files, 2, "reference", num_iterations=8, val_loss_every=0, save_every=4)
     elastic = torchrun(files, tmp_path, "elastic", max_restarts=1)
     first_checkpoint = tmp_path / "logs" / "elastic" / "step000004.pt"
     deadline = time.time() + 240
@@ -379,8 +379,8 @@ def test_elastic_restart_after_a_killed_worker_ends_like_an_uninterrupted_run(tm
     output = elastic.communicate(timeout=300)[0]
     assert elastic.returncode == 0, output
     log = (tmp_path / "logs" / "elastic.txt").read_text()
-    assert re.search(r"^resumed: step:\d+/12 from ", log, re.MULTILINE), log[-3000:]
-    assert_states_equal(checkpoint(tmp_path, "reference", 12), checkpoint(tmp_path, "elastic", 12))
+    assert re.search(r"^resumed: step:\d+/8 from ", log, re.MULTILINE), log[-3000:]
+    assert_states_equal(checkpoint(tmp_path, "reference", 8), checkpoint(tmp_path, "elastic", 8))
 
 
 def stop_on_rank(rank, world_size, flags, signalled_rank):

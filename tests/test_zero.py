@@ -160,7 +160,7 @@ def steps_of_a_table_built(rank, world_size, flags, by_rows):
     """Three steps from the run's own (zero) start under a layout holding the tables by rows, the n-gram table built
     on meta (by_rows) or whole, as a layout that cannot build it by rows does: whether its table had values, and on
     rank 0 the losses and the one-process training state."""
-    train_gpt.tables_built_by_rows = lambda args, ctx: by_rows  # (this rank's process alone)
+    train_gpt.Layout.tables_built_by_rows = lambda args, ctx: by_rows  # (this rank's process alone)
     args = train_gpt.parse_args(flags, cuda=False)
     trainer = train_gpt.build_trainer(args, train_gpt.build_parallel_context(rank, world_size, torch.device("cpu")))
     table_is_meta = trainer.model.bigram.table.weight.is_meta
