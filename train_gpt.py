@@ -3253,7 +3253,7 @@ def restore_checkpoint(state: dict, path: Path, trainer: "Trainer") -> None:
                                              for name, grad in state["held_gradients"].items()
                                              if name in params and name not in by_rows})
     for name, rows in by_rows.items():  # (averaged over the ranks already)
-        rows.rows.grad = rows.own(state["held_gradients"][name].to(rows.rows)) \
+        rows.rows.grad = rows.own(state["held_gradients"][name]).to(rows.rows) \
             if name in state["held_gradients"] else None
     if trainer.tail is not None:
         load_tail_averages(trainer.tail, state["tail"])
@@ -5209,7 +5209,7 @@ class Zero:
             if not rows.by_rows:
                 rows.rows.data.copy_(rows.own(table.detach()))
             elif whole is not None:
-                rows.rows.data.copy_(rows.own(whole[table].to(rows.rows)))
+                rows.rows.data.copy_(rows.own(whole[table]).to(rows.rows))  # (not the whole table on the device)
 
     def held_by_rows(self, model: nn.Module) -> dict[str, "TableRows"]:
         """The tables held by rows (their names in the model): they hold no values, their rows do."""
@@ -5301,11 +5301,21 @@ class TableRows:
         self.table.data.copy_(self._in_table_order(gathered, self.table.shape[1:]))
         self.pending = None
 
-    def whole(self, t: Tensor) -> Tensor:
-        """A tensor by this rank's rows (its Adam state), every rank's together, by the table's rows."""
-        gathered, handle = self._all_gather(t)
-        handle.wait()
-        return self._in_table_order(gathered, t.shape[1:])
+    def whole(self, t: Tensor, chunk_bytes: int = 2**28) -> Tensor | None:
+        """A tensor by this rank's rows (its values, Adam state or gradient), every rank's together in the table's
+        order, on the CPU of data-parallel rank 0 (None elsewhere): a checkpoint's. Gathered a chunk of rows at a
+        time, so that no device holds more than chunk_bytes of it (#92's table is 130 GB)."""
+        W, row_shape = self.dp.size, t.shape[1:]
+        per_chunk = max(1, chunk_bytes // (W * row_shape.numel() * t.element_size()))
+        out = t.new_empty(W * self.most, *row_shape, device="cpu") if self.dp.rank == 0 else None
+        for start in range(0, self.most, per_chunk):
+            chunk = t[start:start + per_chunk]
+            gathered, handle = self._all_gather(chunk)
+            handle.wait()
+            if out is not None:  # (every rank's local rows start.. are the table's rows W x start..)
+                out[W * start:W * (start + len(chunk))] = rows_in_table_order(
+                    gathered.view(W, len(chunk), *row_shape), W * len(chunk))
+        return out[:len(self.table)] if out is not None else None
 
 class _LookedUpByRows(torch.autograd.Function):
     """A lookup of a table held by rows (TableRows.fetch), whose gradient is its rows' (TableRows.send_back)."""

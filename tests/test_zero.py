@@ -199,3 +199,25 @@ def test_the_host_memory_check_counts_a_table_built_by_rows_as_its_ranks_rows(mo
     train_gpt.check_host_memory(by_rows, ranks("cuda"))
     with pytest.raises(train_gpt.UserError, match=r"need at least 95[34]\.\d GiB"):  # (16 bytes x 8e9 x 8: 954 GiB)
         train_gpt.check_host_memory(by_rows, ranks("cpu"))
+
+
+def whole_of_a_table_by_rows(rank, world_size, chunk_bytes):
+    """A 4097-row table's rows on this rank, gathered whole for a checkpoint: its values and a per-row state; and the
+    elements of each gather this rank took part in."""
+    ctx = train_gpt.build_parallel_context(rank, world_size, torch.device("cpu"))
+    table = torch.arange(4097 * 3, dtype=torch.float32).view(4097, 3)
+    rows = train_gpt.TableRows(table, ctx.dp, ctx.device)
+    sizes, gather = [], rows._all_gather
+    rows._all_gather = lambda t: sizes.append(t.numel() * world_size) or gather(t)
+    values, per_row = rows.whole(rows.rows.detach(), chunk_bytes), rows.whole(rows.rows[:, 1].detach(), chunk_bytes)
+    return values, per_row, sizes
+
+
+def test_a_table_held_by_rows_is_gathered_for_a_checkpoint_a_chunk_at_a_time_onto_the_first_ranks_cpu():
+    # #92's table is 130 GB: gathered whole on each GPU for a checkpoint, it would not fit. Rank 0 gets it on its CPU,
+    # 2,400 bytes a gather: 100 rows of each rank (300 of the per-row state), the last rank one row short
+    (values, per_row, sizes), (elsewhere, _, _) = run_on_ranks(whole_of_a_table_by_rows, 2, 2400)
+    table = torch.arange(4097 * 3, dtype=torch.float32).view(4097, 3)
+    assert torch.equal(torch.as_tensor(values), table) and torch.equal(torch.as_tensor(per_row), table[:, 1])
+    assert elsewhere is None
+    assert len(sizes) == 21 + 7 and max(sizes) * 4 == 2400 and sum(sizes) == 2 * 2049 * 3 + 2 * 2049
