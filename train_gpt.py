@@ -3063,9 +3063,10 @@ def gather_training_state(trainer: "Trainer", weights_only: bool = False) -> dic
         for kind, value in held.items() if ctx.tp.rank == 0 else ():
             part[kind][name] = pytree.tree_map(lambda t: t.cpu(), value)
     parts = [part]
-    if dist.is_initialized():
+    if dist.is_initialized():  # (rank 0's own part stays as it is, not pickled: it holds the tables held by rows)
         parts = [None] * ctx.world_size if ctx.is_master else None
-        dist.gather_object(part, parts, dst=0, group=ctx.host_group)
+        dist.gather_object(None if ctx.is_master else part, parts, dst=0, group=ctx.host_group)
+        parts = [part, *parts[1:]] if ctx.is_master else None
     return {kind: {k: v for rank_part in parts for k, v in rank_part[kind].items()} for kind in part} \
         if ctx.is_master else None
 
