@@ -2821,6 +2821,10 @@ def tail_kinds(model: GPT) -> dict[str, list[str]]:
             kinds[kind] += [prefix + part for part in names]
     return kinds
 
+def tail_copies(kinds: dict[str, list[str]]) -> list[str]:
+    """The names of the weights the tail averages copy, once for each average that takes them."""
+    return [name for average in TAIL_AVERAGES for kind in average.blends for name in kinds[kind]]
+
 class TailAverages:
     """--tail_average (#92's): each of TAIL_AVERAGES of the weights this rank holds (its slices and stage; of a table
     held by rows, its rows), in float32, folded in after each step and written back before the final validation,
@@ -2862,8 +2866,7 @@ class TailAverages:
 
     def nbytes(self) -> int:
         """The averages' float32 copies, as the last steps hold them all (the plan counts them from the start)."""
-        return sum(4 * self.held[name].numel() for average in TAIL_AVERAGES for kind in average.blends
-                   for name in self.kinds[kind])
+        return 4 * sum(self.held[name].numel() for name in tail_copies(self.kinds))
 
     def norms(self) -> list[float]:
         """Each kind of TAIL_NORMS_KEPT's norm over the whole model (of what every rank holds)."""
@@ -3804,9 +3807,9 @@ def move_aside_later_checkpoints(args: Hyperparameters, start_step: int) -> None
 
 def check_room_for_the_run(args: Hyperparameters, start_step: int) -> None:
     """Room for the log and every checkpoint --save_every and a stop write from start_step on (with --keep_last N,
-    N + 1), each a one-process copy of the weights and optimizer states: at most 16 bytes a parameter."""
+    N + 1), each a one-process copy of the weights and optimizer states (checkpoint_bytes)."""
     free, source = shutil.disk_usage(args.log_dir).free, len(Path(__file__).read_bytes())
-    log_bytes, checkpoint_bytes = source + 200 * (args.num_iterations + 10), 16 * parameter_count(args) + source
+    log_bytes, checkpoint_bytes = source + 200 * (args.num_iterations + 10), checkpoint_bytes_at_most(args) + source
     end, every = args.num_iterations, args.save_every
     saves = 1 + (end // every - start_step // every + (end % every != 0) if every > 0 and start_step < end else 0)
     saves = min(saves, args.keep_last + 1) if args.keep_last else saves
@@ -3821,6 +3824,16 @@ def check_room_for_the_run(args: Hyperparameters, start_step: int) -> None:
                         f"{(log_bytes + saves * checkpoint_bytes) / 2**20:.1f} MiB for {what}: free some space, "
                         + ("raise --save_every or set --keep_last, " if saves > 1 else "")
                         + "or point --log_dir at another disk")
+
+def checkpoint_bytes_at_most(args: Hyperparameters) -> int:
+    """A checkpoint's tensors, 4 bytes a number at most: the weights, their gradients held for Adam's next step,
+    every optimizer state as one step leaves it (Adam's moments, a cadence's held sums, Muon's or ANVIL's momenta;
+    #92's table keeps one moment a row), and the tail averages."""
+    model, states = build_model(args, torch.device("meta")), optimizer_state_shapes(args, cuda_dtypes=False)
+    params = dict(model.named_parameters())
+    averages = tail_copies(tail_kinds(model)) if args.tail_average else []
+    return 4 * (2 * sum(p.numel() for p in params.values()) + sum(params[name].numel() for name in averages)
+                + sum(math.prod(shape) for kept in states.values() for shape in kept.values()))
 
 def parameter_count(args: Hyperparameters, table: bool = True) -> int:
     """The model's parameters (but the n-gram table's, table false)."""

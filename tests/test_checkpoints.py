@@ -111,6 +111,11 @@ def test_resumed_run_ends_bit_identical_to_the_uninterrupted_one(tmp_path, files
     resumed_log = run(tmp_path, files, world_size, "resumed", save_every=saved_at, resume=path, **staged)
     assert f"resumed: step:{saved_at}/{STEPS} from {path}" in resumed_log
     assert_holds_adam_gradients(checkpoint(tmp_path, "full", saved_at), held=saved_at % 2 == 1)
+    # the room check's bound, less the held gradients where there are none, is the checkpoint's tensors (all fp32
+    # here): within the 1 MiB of what else it holds (the data position, the random states, the hyperparameters)
+    args = train_gpt.parse_args(tiny_flags(files, **staged), cuda=False)
+    tensors = train_gpt.checkpoint_bytes_at_most(args) - (0 if saved_at % 2 else 4 * train_gpt.parameter_count(args))
+    assert tensors <= path.stat().st_size <= tensors + 2**20
     assert_states_equal(checkpoint(tmp_path, "full", STEPS), checkpoint(tmp_path, "resumed", STEPS))
     # a checkpoint does not change the run that saves it (held gradients averaged over the ranks and held again, in
     # float64 sums, the tiny preset's, exactly as they were)
