@@ -3835,10 +3835,8 @@ def checkpoint_bytes_at_most(args: Hyperparameters) -> int:
     return 4 * (2 * sum(p.numel() for p in params.values()) + sum(params[name].numel() for name in averages)
                 + sum(math.prod(shape) for kept in states.values() for shape in kept.values()))
 
-def parameter_count(args: Hyperparameters, table: bool = True) -> int:
-    """The model's parameters (but the n-gram table's, table false)."""
-    model = build_model(args, torch.device("meta"))
-    return sum(p.numel() for name, p in model.named_parameters() if table or not name.startswith("bigram."))
+def parameter_count(args: Hyperparameters) -> int:
+    return sum(p.numel() for p in build_model(args, torch.device("meta")).parameters())
 
 # the flags that size the model's tensors, by the start of their names: what a message about the model's size names
 SIZE_FLAGS = {"bigram.": "--bigram_rows", "value_embeds.": "--value_embed_layers and --vocab_size",
@@ -3863,9 +3861,11 @@ def check_host_memory(args: Hyperparameters, ctx: "ParallelContext") -> None:
             available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration, ValueError):
         return  # (not Linux: unchecked)
-    params = parameter_count(args)
-    if Layout.tables_built_by_rows(args, ctx):  # (a rank's rows are made on its device: a CPU's are the host's)
-        table = params - parameter_count(args, table=False)
+    model = build_model(args, torch.device("meta"))
+    params = sum(p.numel() for p in model.parameters())
+    # a table built by rows: a rank's rows are made on its device (a CPU's are the host's)
+    if Layout.tables_built_by_rows(args, ctx) and model.bigram is not None:
+        table = model.bigram.table.weight.numel()
         params -= table - (-(-table // ctx.dp.size) if ctx.device.type == "cpu" else 0)
     processes = launch_variable("LOCAL_WORLD_SIZE", 1, 1)
     needed = params * (16 if ctx.device.type == "cpu" else 4) * processes
@@ -5301,9 +5301,6 @@ class TableRows:
         count_comm("all_gather_single", gathered)
         return gathered, all_gather_single(gathered, t.contiguous().view(-1), group=self.dp.group, async_op=True)
 
-    def _in_table_order(self, gathered: Tensor, row_shape: tuple) -> Tensor:
-        return rows_in_table_order(gathered.view(self.dp.size, self.most, *row_shape), len(self.table))
-
     def gather(self) -> "TableRows":
         """Async: every rank's rows into the table (wait() puts them there)."""
         self.pending = self._all_gather(self.rows.detach())
@@ -5312,7 +5309,8 @@ class TableRows:
     def wait(self) -> None:
         gathered, handle = self.pending
         handle.wait()
-        self.table.data.copy_(self._in_table_order(gathered, self.table.shape[1:]))
+        self.table.data.copy_(rows_in_table_order(gathered.view(self.dp.size, self.most, *self.table.shape[1:]),
+                                                  len(self.table)))
         self.pending = None
 
     def whole(self, t: Tensor, chunk_bytes: int = 2**28) -> Tensor | None:
