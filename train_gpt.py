@@ -321,13 +321,87 @@ MUON_SHAPE_RULES = {"23": lambda rows, cols, width: max(1, rows / cols) ** 0.5,
                     "89": lambda rows, cols, width:
                         (max(rows, cols, width) / width) ** 0.5 * (2 if cols > width else 1)}
 
+# A table's gradient held by row (#92's n-gram table: 85M rows, of which a step reads under a million): a sparse
+# tensor of the table's shape holding the rows read. A table's rows may be held in two tiers, on the device and in
+# host memory (where the device cannot hold them all): their parameter is then a handle holding no values, and
+# `p.tiers` (the first rows, the rest) hold them
+
+HOST_TIER_BYTES = collections.Counter()  # bytes of rows read from the host tiers ("read") and written back ("written")
+
+def read_rows(p: Tensor, rows: Tensor) -> Tensor:
+    """Rows of a table's part p, on p's device, those of the host tier staged through pinned memory."""
+    if not hasattr(p, "tiers") or p.is_meta:  # (the plan: shapes only)
+        return p[rows] if not p.is_meta else p.new_empty(len(rows), *p.shape[1:])
+    (near, far), out = p.tiers, p.new_empty(len(rows), *p.shape[1:])
+    on_device = rows < len(near)
+    out[on_device] = near[rows[on_device]]
+    wanted = (rows[~on_device] - len(near)).to(far.device)
+    staged = torch.empty(len(wanted), *p.shape[1:], dtype=p.dtype, pin_memory=p.is_cuda)
+    out[~on_device] = torch.index_select(far, 0, wanted, out=staged).to(p.device, non_blocking=True)
+    HOST_TIER_BYTES["read"] += staged.numel() * staged.element_size()
+    return out
+
+def write_rows(p: Tensor, rows: Tensor, values: Tensor) -> None:
+    if not hasattr(p, "tiers") or p.is_meta:
+        if not p.is_meta:
+            p[rows] = values
+        return
+    (near, far), on_device = p.tiers, rows < len(p.tiers[0])
+    near[rows[on_device]] = values[on_device]
+    far[(rows[~on_device] - len(near)).to(far.device)] = written = values[~on_device].to(far.device)
+    HOST_TIER_BYTES["written"] += written.numel() * written.element_size()
+
+def by_rows(rows: Tensor, values: Tensor, shape: tuple) -> Tensor:
+    """A gradient of these rows (distinct, rising) of a table of this shape."""
+    return torch.sparse_coo_tensor(rows[None], values, shape, is_coalesced=True, check_invariants=False)
+
+def dense(t: Tensor) -> Tensor:
+    """A tensor by row (or not) as a dense one."""
+    if not t.is_sparse:
+        return t
+    return t.to_dense() if not t.is_meta else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+
+def no_rows(like: Tensor) -> Tensor:
+    """A gradient of none of the rows of a table shaped like this."""
+    return by_rows(torch.zeros(0, dtype=torch.long, device=like.device),
+                   torch.zeros(0, *like.shape[1:], dtype=like.dtype, device=like.device), like.shape)
+
+def by_rows_on(p: Tensor, t: Tensor) -> Tensor:
+    """A tensor shaped like p (dense, or by row: a checkpoint's) as a gradient of p's rows, on p's device."""
+    rows, values = summed_rows(t)
+    return by_rows(rows.to(p.device), values.to(p.device, p.dtype), p.shape)
+
+def summed_rows(grad: Tensor) -> tuple[Tensor, Tensor]:
+    """A table's gradient as its distinct rows (rising) and each one's sum, its parts added in the order they came, as
+    a dense backward adds a row's lookups: a gradient by row, or a dense one's rows that are not zero (a row of zeros
+    steps as a row not read does). On the meta device (the plan): every row it may hold."""
+    if grad.is_meta:
+        size = min(len(grad), grad._nnz()) if grad.is_sparse else len(grad)
+        return (torch.empty(size, dtype=torch.long, device="meta"),
+                torch.empty(size, *grad.shape[1:], dtype=grad.dtype, device="meta"))
+    if not grad.is_sparse:
+        rows = grad.ne(0).any(-1).nonzero().squeeze(1)
+        return rows, grad[rows]
+    if grad.is_coalesced():
+        return grad._indices()[0], grad._values()
+    rows, where = grad._indices()[0].unique(return_inverse=True)
+    values = grad._values()
+    return rows, values.new_zeros(len(rows), *values.shape[1:]).index_add_(0, where, values)
+
+def summed_by_rows(*grads: Tensor) -> Tensor:
+    """Gradients of one table (by row, or dense) summed, by row."""
+    parts = [summed_rows(grad) for grad in grads]
+    together = torch.sparse_coo_tensor(torch.cat([rows for rows, _ in parts])[None],
+                                       torch.cat([values for _, values in parts]), grads[0].shape, check_invariants=False)
+    return by_rows(*summed_rows(together), grads[0].shape)
+
 class Adam(torch.optim.Adam):
     """torch's Adam with cautious weight decay, as record #89 has it: where the step moves a weight towards zero, the
     weight also loses cautious_weight_decay x lr^2 of itself. A group with that decay steps here, step and decay
     added before one rounding (a bf16 embedding would round a decay this small away on its own); torch's fused step
     takes the others. Two options of a group's, #92's: `own_cadence`, it steps only where set_schedules makes it
     `due`, on the sum of its gradients of Adam's steps since its last (state "held"); `rows`, no momentum and one
-    second moment a row, the mean square of the row's gradient (#92's n-gram table)."""
+    float32 second moment a row, the mean square of the row's gradient (#92's n-gram table): row_step."""
 
     OPTIONS = dict(cautious_weight_decay=0.0, own_cadence=False, due=True, rows=False)
 
@@ -343,13 +417,17 @@ class Adam(torch.optim.Adam):
         stepped_here = []
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]  # (none: another rank's to update)
+            for p in params if not group["rows"] else ():  # (a table held by rows sends its gradient by row)
+                p.grad = dense(p.grad)
             if not params or not (group["cautious_weight_decay"] or group["own_cadence"] or group["rows"]):
                 continue
+            for p in params if group["rows"] else ():
+                self.row_step(p, group)
             grads = [p.grad for p in params]
-            if group["own_cadence"]:
+            if group["own_cadence"] and not group["rows"]:
                 grads = [self.state_of(p, group)["held"] for p in params]
                 torch._foreach_add_(grads, [p.grad for p in params])
-            if group["due"]:
+            if group["due"] and not group["rows"]:
                 self.cautious_step(params, grads, group)
                 if group["own_cadence"]:
                     torch._foreach_zero_(grads)
@@ -362,40 +440,58 @@ class Adam(torch.optim.Adam):
             p.grad = grad
 
     def state_of(self, p: Tensor, group: dict) -> dict:
-        """p's state, started where it has none: torch's, or with `rows` a second moment a row and no momentum."""
+        """p's state, started where it has none: torch's, or with `rows` a second moment a row, no momentum, and the
+        cadence's sum by row."""
         state = self.state[p]
         if not state:
-            state.update(step=torch.zeros((), dtype=torch.float32, device=p.device),
-                         exp_avg_sq=p.new_zeros(p.shape[:-1] if group["rows"] else p.shape))
-            state.update({} if group["rows"] else dict(exp_avg=torch.zeros_like(p)))
-            state.update(dict(held=torch.zeros_like(p)) if group["own_cadence"] else {})
+            state.update(step=torch.zeros((), dtype=torch.float32, device=p.device))
+            if group["rows"]:
+                state.update(exp_avg_sq=torch.zeros(p.shape[:-1], dtype=torch.float32, device=p.device))
+                held = no_rows(p)
+            else:
+                state.update(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+                held = torch.zeros_like(p)
+            state.update(dict(held=held) if group["own_cadence"] else {})
         return state
+
+    def row_step(self, p: Tensor, group: dict) -> None:
+        """#92's update of a table's rows: lr x the bias correction sqrt(1 - beta2^t) x the gradient over (sqrt of its
+        row's second moment + eps), and cautious decay. Only the rows read are touched, their gradient held by row;
+        every row's second moment decays each step, as a dense step decays it (one number a row, 1/width of the
+        table: cheaper than #92's replay of what a row missed when it is next read, and the same numbers)."""
+        state, beta2, lr = self.state_of(p, group), group["betas"][1], group["lr"]
+        grad = p.grad
+        if group["own_cadence"]:
+            grad = state["held"] = summed_by_rows(state["held"], grad)
+            if not group["due"]:
+                return
+            state["held"] = no_rows(grad)
+        rows, grads = summed_rows(grad)
+        step, second_moment = state["step"].add_(1), state["exp_avg_sq"].mul_(beta2)
+        second_moment[rows] = read = torch.add(second_moment[rows], grads.float().square().mean(-1), alpha=1 - beta2)
+        updates = grads / (read.sqrt()[:, None] + group["eps"])
+        updates.mul_(lr * (1 - beta2 ** step).sqrt())
+        weights = read_rows(p, rows)
+        decays = (updates * weights).sign_().clamp_min_(0).mul_(weights)
+        updates.add_(decays, alpha=group["cautious_weight_decay"] * lr * lr)
+        write_rows(p, rows, weights.sub_(updates))
 
     def cautious_step(self, params: list[Tensor], grads: list[Tensor], group: dict) -> None:
         """torch's Adam update u of these parameters (its state kept as torch keeps it), and p -= u + decay where u
-        and p share a sign; on the device throughout (no host sync). With `rows`, u is lr x the bias correction
-        sqrt(1 - beta2^t) x the gradient over (sqrt of its row's second moment + eps), as #92 steps its table."""
+        and p share a sign; on the device throughout (no host sync)."""
         (beta1, beta2), lr, states = group["betas"], group["lr"], [self.state_of(p, group) for p in params]
-        exp_avg_sqs, steps = [s["exp_avg_sq"] for s in states], [s["step"] for s in states]
+        exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
+        steps = [s["step"] for s in states]
         torch._foreach_add_(steps, 1)
         step = steps[0]  # a group's parameters step together
+        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
         torch._foreach_mul_(exp_avg_sqs, beta2)
-        if group["rows"]:
-            torch._foreach_add_(exp_avg_sqs, [g.float().square().mean(-1).type_as(g) for g in grads],
-                                alpha=1 - beta2)
-            denominators = [row.sqrt()[..., None] for row in exp_avg_sqs]
-            torch._foreach_add_(denominators, group["eps"])
-            updates = torch._foreach_div(grads, denominators)
-            torch._foreach_mul_(updates, lr * (1 - beta2 ** step).sqrt())
-        else:
-            exp_avgs = [s["exp_avg"] for s in states]
-            torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
-            denominators = torch._foreach_sqrt(exp_avg_sqs)
-            torch._foreach_div_(denominators, (1 - beta2 ** step).sqrt())
-            torch._foreach_add_(denominators, group["eps"])
-            updates = torch._foreach_div(exp_avgs, denominators)
-            torch._foreach_mul_(updates, lr / (1 - beta1 ** step))
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+        denominators = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_div_(denominators, (1 - beta2 ** step).sqrt())
+        torch._foreach_add_(denominators, group["eps"])
+        updates = torch._foreach_div(exp_avgs, denominators)
+        torch._foreach_mul_(updates, lr / (1 - beta1 ** step))
         decays = torch._foreach_mul(updates, params)
         torch._foreach_sign_(decays)
         torch._foreach_clamp_min_(decays, 0)  # 1 where the step pulls the weight towards zero, else 0
@@ -1838,10 +1934,13 @@ class Hyperparameters:
                             choices=("afab", "1f1b"))
     zero: int = flag(0, "ZeRO stage over the data-parallel ranks: 1 shards optimizer states, 2 also gradients, "
                         "3 also parameters", choices=(0, 1, 2, 3))
-    tables_by_rows: bool = flag(False, "with --zero 1 and up, each data-parallel rank holds only its share of the "
-                                       "embedding tables' rows, never a whole table: a lookup fetches rows from their "
-                                       "ranks and backward sends their gradients back (how #92's 65B-parameter "
-                                       "n-gram table fits 8 GPUs)")
+    tables_by_rows: bool = flag(False, "each data-parallel rank holds only its share of the embedding tables' rows, "
+                                       "never a whole table: a lookup fetches rows from their ranks and backward "
+                                       "sends their gradients back by row (how #92's 65B-parameter n-gram table fits "
+                                       "4 GPUs)")
+    table_host_fraction: float = flag(0.0, "with --tables_by_rows, the share of each rank's rows of a table stepped "
+                                           "by row (--bigram_optimizer rows: #92's n-gram table) kept in host memory, "
+                                           "pinned, read and written by row each step (#92's table on 1 or 2 GPUs)")
     check_layout: str = flag("", "train the tiny model (with the other flags given) for 3 steps under one process "
                                  "and under each layout (a comma-separated list, or all) and compare; no training")
     sample: str = flag("", "a checkpoint to print text from (no training), with the flags below and --seed", "sample")
@@ -1851,7 +1950,8 @@ class Hyperparameters:
     top_k: int = flag(200, "sample among this many most likely tokens (0: all)")
     num_samples: int = flag(1, "samples to print")
     plan: bool = flag(False, "print each rank's memory and each collective's bytes per step; no training", "plan")
-    nproc: int = flag(0, "with --plan: the processes to plan for (0: WORLD_SIZE, else 1)")
+    nproc: int = flag(0, "with --plan: the processes to plan for (0: WORLD_SIZE, else a line for each of 1, 2, 4 and "
+                         "8 GPUs)")
     plan_device: str = flag("cuda", "with --plan: the dtypes of a run on cuda (bf16 embeddings) or cpu",
                             choices=("cuda", "cpu"))
 
@@ -2038,8 +2138,13 @@ def check_hyperparameters(args: Hyperparameters) -> None:
     need(not (args.tail_average and args.zero >= 3), "--tail_average with --zero 3: the averages are kept where the "
          "weights are between steps, which ZeRO 3 leaves on their owners alone; that is not built: use --zero 2 or "
          "less")
-    need(not (args.tables_by_rows and args.tp > 1 and args.zero), f"--tables_by_rows with --tp {args.tp}: a table "
-         "split over the tensor-parallel ranks and held by rows over the data-parallel ones is not built; drop one")
+    need(not (args.tables_by_rows and args.tp > 1), f"--tables_by_rows with --tp {args.tp}: a table split over the "
+         "tensor-parallel ranks and held by rows over the data-parallel ones is not built; drop one")
+    need(args.table_host_fraction < 1, f"{flag_value(args, 'table_host_fraction')} must be below 1: a share of the "
+         "table's rows, those past it stay on the device")
+    need(not args.table_host_fraction or args.tables_by_rows and args.bigram_optimizer == "rows" and args.bigram_rows,
+         f"{flag_value(args, 'table_host_fraction')} keeps rows of a table stepped by row in host memory: it needs "
+         "--tables_by_rows true, --bigram_optimizer rows and an n-gram table (--bigram_rows)")
     need(args.sp or not args.async_tp, "--async_tp overlaps the all-gather of sequence-parallel shards with the "
          "matmul: it needs --sp true")
     need(args.model_dim == args.num_heads * args.head_dim, f"--model_dim {args.model_dim} must equal --num_heads x "
@@ -2684,23 +2789,29 @@ def first_step_of_seq_len(args: Hyperparameters) -> dict[int, int]:
 def warmup_and_restore(trainer: Trainer, steps: int) -> None:
     """`steps` training steps on random tokens from the first step of each sequence length and of each count of a
     sampled softmax's candidates (torch.compile compiles the model once for each shape), then the model and
-    optimizers restored."""
+    optimizers restored. The tables held by rows are looked up but not stepped (not compiled, and not copied:
+    #92's is 130 GB)."""
     by_rows = trainer.layout.zero.held_by_rows(trainer.model)  # (their values: their rows)
+    adam = trainer.optimizers[0]
+    stepped = [group["params"] for group in adam.param_groups]
+    for group in adam.param_groups:
+        group["params"] = [p for p in group["params"] if all(p is not rows.rows for rows in by_rows.values())]
     initial = copy.deepcopy(dict(model={k: v for k, v in trainer.model.state_dict().items() if k not in by_rows},
-                                 rows={name: rows.rows.detach() for name, rows in by_rows.items()},
                                  optimizers=[opt.state_dict() for opt in trainer.optimizers]))
     batches = RandomBatches(trainer.args.vocab_size, trainer.ctx.device)
     firsts = {*first_step_of_seq_len(trainer.args).values(), *(start for start, _ in candidate_counts(trainer.args))}
     for step in (s for first in sorted(firsts) for s in range(first, min(first + steps, trainer.args.num_iterations))):
         forward_backward(trainer, batches, step)  # (steps on which Adam steps and steps on which it waits)
         optimizer_step(trainer, step)
+        for rows in by_rows.values():
+            rows.rows.grad = None
     trainer.model.load_state_dict(initial["model"], strict=not by_rows)
     trainer.layout.zero.take_rows_from_tables()
-    for name, rows in by_rows.items():
-        rows.rows.data.copy_(initial["rows"][name])
     for opt, state in zip(trainer.optimizers, initial["optimizers"]):
         opt.load_state_dict(state)
         opt.zero_grad(set_to_none=True)
+    for group, params in zip(adam.param_groups, stepped):
+        group["params"] = params
     trainer.model.zero_grad(set_to_none=True)
     trainer.layout.gradients.forget()
 
@@ -2941,10 +3052,13 @@ def main(argv=None) -> float | None:
     check_world_size(args, world_size)
     if args.plan:
         print(f"the {args.preset} preset's layer stack, as the flags make it:\n{model_config(args).table()}")
+        if not args.nproc and world_size == 1 and args.plan_device == "cuda":  # (no process count: each GPU count)
+            print("\n".join(plan_gpu_counts(args)))
+            return None
         plan = plan_layout(args, world_size, cuda=args.plan_device == "cuda")
         print(format_plan(plan))
         if args.plan_device == "cuda":
-            print(fit_on_h100s(args, plan))
+            print("\n".join(fit_on_gpus(args, plan)))
         return None
     if args.compile is None:
         args.compile = compiles_by_default(args, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
@@ -3031,8 +3145,8 @@ def optimizer_state_owners(trainer: "Trainer") -> list[dict]:
     """Per optimizer, the data-parallel rank holding each parameter's state (None: every rank; ROW_OWNERS: each rank
     its rows)."""
     (adam, muon), zero = trainer.optimizers, trainer.layout.zero
-    return [{(t := zero.table_of(p)): zero.owner_of[t] if zero.stage >= 1 else None for group in adam.param_groups
-             for p in group["params"]},
+    return [{(t := zero.table_of(p)): zero.owner_of[t] if zero.stage >= 1 or t in zero.rows else None
+             for group in adam.param_groups for p in group["params"]},
             {p: zero.owner_of[p] for group in muon.param_groups for p in group["params"]}]  # (Muon: always its owner)
 
 def gather_training_state(trainer: "Trainer", weights_only: bool = False) -> dict | None:
@@ -3045,15 +3159,14 @@ def gather_training_state(trainer: "Trainer", weights_only: bool = False) -> dic
     if held_gradients:  # held from here on as a run resumed from this state holds them
         gradients.hold_gradients(held_gradients)
     by_rows = trainer.layout.zero.held_by_rows(trainer.model)  # (every data-parallel rank joins their whole())
-    for rows in by_rows.values() if held_gradients else ():  # their rows' gradients, averaged already
-        held_gradients[rows.table] = rows.whole(rows.rows.grad if rows.rows.grad is not None else
-                                                torch.zeros_like(rows.rows))
+    for rows in by_rows.values() if held_gradients else ():  # their rows' gradients by row, averaged already
+        held_gradients[rows.table] = rows.whole(rows.held_gradient())
     part = dict(model={}, adam={}, muon={}, held_gradients={}, tail={})
     tail = tail_averages_state(trainer.tail) if trainer.tail is not None and not weights_only else {}
     if ctx.dp.rank == 0 and ctx.tp.rank == 0:  # (each pipeline stage its own)
         part["tail"] = {f"{average}/{name}": t.cpu() for average, sums in tail.items() for name, t in sums.items()}
     for name, p in trainer.model.named_parameters():  # (every rank of a tensor-parallel group joins each whole())
-        weights = by_rows[name].whole(by_rows[name].rows.detach()) if name in by_rows else None
+        weights = by_rows[name].whole(by_rows[name].rows) if name in by_rows else None
         held = dict(model=weights if weights is not None else whole(p, p.detach())) if ctx.dp.rank == 0 else {}
         rows, state = trainer.layout.zero.rows.get(p), None  # (state: p's Adam moments, where this rank sends them)
         if not weights_only and rows is not None:  # a table's, gathered from its rows' ranks, sent by the first
@@ -3062,7 +3175,8 @@ def gather_training_state(trainer: "Trainer", weights_only: bool = False) -> dic
         elif not weights_only and p in adam_owners and ctx.dp.rank == (adam_owners[p] or 0):
             state = adam.state[p]
         if state is not None:  # moments (and held gradient sums) by p's rows
-            held["adam"] = {k: v if k == "step" else whole(p, v) for k, v in state.items()}
+            held["adam"] = {k: v if k == "step" or v.is_sparse and not hasattr(p, "slice_of") else whole(p, dense(v))
+                            for k, v in state.items()}  # (a table's sums by row stay by row)
         if not weights_only and ctx.dp.rank == muon_owners.get(p):  # Muon keeps whole matrices
             held["muon"] = dict(muon.state[p])
         if p in held_gradients and ctx.dp.rank == 0:
@@ -3173,7 +3287,8 @@ def load_checkpoint(path: Path) -> dict:
             raise UserError(f"checkpoint {path} has a bad {field} field{shown} (expected {expected}): it is damaged or "
                             "was edited; resume from another one")
     for name, tensor in [*state["model"].items(), *state["held_gradients"].items(), *state["tail"].items()]:
-        need(torch.isfinite(tensor).all(), f"checkpoint {path} holds non-finite values in tensor {name}: training from "
+        need(torch.isfinite(tensor._values() if tensor.is_sparse else tensor).all(), f"checkpoint {path} holds "
+             f"non-finite values in tensor {name}: training from "
              "it would diverge at once; resume from an earlier one")
     return state
 
@@ -3186,7 +3301,7 @@ def optimizer_state_problem(key: str, value: Tensor, shape: tuple | None) -> str
         return f"is of shape {tuple(value.shape)}, where this model's is {shape}"
     if not value.is_floating_point():
         return f"holds {value.dtype}, not floating-point numbers"
-    if not torch.isfinite(value).all():
+    if not torch.isfinite(value._values() if value.is_sparse else value).all():
         return "holds non-finite values"
     if key in ("step", "exp_avg_sq", "second_moment") and (value < 0).any():
         return "holds negative values, where a step count or mean square has none"
@@ -3244,25 +3359,28 @@ def restore_checkpoint(state: dict, path: Path, trainer: "Trainer") -> None:
         model.load_state_dict({name: own_slice(p, state["model"][name]) for name, p in model.named_parameters()
                                if name not in by_rows}, strict=not by_rows)
         zero.take_rows_from_tables({rows.table: state["model"][name] for name, rows in by_rows.items()})
+    stepped_by_row = {p for group in adam.param_groups if group["rows"] for p in group["params"]}
     for p, owner in adam_owners.items():  # moments in the parameter's dtype (bf16 embeddings on CUDA, fp32 on CPU)
         if owner in (None, ctx.dp.rank, ROW_OWNERS):
-            saved = {key: value if key == "step" else own_slice(p, value)
-                     for key, value in state["adam"][names[p]].items()}
-            if owner == ROW_OWNERS:  # (a table: this rank's rows of its moments, as the state of its rows)
-                rows = zero.rows[p]
+            saved, rows = state["adam"][names[p]], zero.rows.get(p)
+            if rows is not None:  # (a table: this rank's rows of its moments, as the state of its rows)
                 p, saved = rows.rows, {key: value if key == "step" else rows.own(value) for key, value in saved.items()}
+            else:
+                saved = {key: value if key == "step" else own_slice(p, dense(value)) for key, value in saved.items()}
             adam.state[p] = {key: value.to(p.device, copy=True) if key == "step" else
                              value.to(p.device, p.dtype, copy=True) for key, value in saved.items()}
+            if p in stepped_by_row:  # (its rows' second moments in float32, its cadence's sum by row)
+                adam.state[p].update(exp_avg_sq=saved["exp_avg_sq"].to(p.device, torch.float32, copy=True))
+                adam.state[p].update({} if "held" not in saved else dict(held=by_rows_on(p, saved["held"])))
     for p, owner in muon_owners.items():
         if owner == ctx.dp.rank:
             muon.state[p] = {key: value.to(p.device, copy=True) for key, value in state["muon"][names[p]].items()}
     params = dict(model.named_parameters())  # (a pipeline stage holds its own parameters' gradients)
-    trainer.layout.gradients.hold_gradients({params[name]: own_slice(params[name], grad).to(params[name].device)
-                                             for name, grad in state["held_gradients"].items()
-                                             if name in params and name not in by_rows})
+    trainer.layout.gradients.hold_gradients({params[name]: own_slice(params[name], dense(grad)).to(
+        params[name].device) for name, grad in state["held_gradients"].items() if name in params and name not in by_rows})
     for name, rows in by_rows.items():  # (averaged over the ranks already)
-        rows.rows.grad = rows.own(state["held_gradients"][name]).to(rows.rows) \
-            if name in state["held_gradients"] else None
+        held = state["held_gradients"].get(name)
+        rows.hold(rows.own(held) if held is not None else None)
     if trainer.tail is not None:
         load_tail_averages(trainer.tail, state["tail"])
     torch.set_rng_state(state["rng"]["cpu"])
@@ -3857,7 +3975,7 @@ def largest_parameter(args: Hyperparameters) -> str:
 
 def check_host_memory(args: Hyperparameters, ctx: "ParallelContext") -> None:
     """Every process builds the fp32 model on the CPU first (a table built by rows: its rows alone), and on the CPU
-    trains it there: 16 bytes a parameter."""
+    trains it there: 16 bytes a parameter; on a GPU its table's host tier is pinned there, in bf16."""
     if not args.memory_check:
         return
     try:
@@ -3868,16 +3986,20 @@ def check_host_memory(args: Hyperparameters, ctx: "ParallelContext") -> None:
     model = build_model(args, torch.device("meta"))
     params = sum(p.numel() for p in model.parameters())
     # a table built by rows: a rank's rows are made on its device (a CPU's are the host's)
+    pinned = 0
     if Layout.tables_built_by_rows(args, ctx) and model.bigram is not None:
-        table = model.bigram.table.weight.numel()
-        params -= table - (-(-table // ctx.dp.size) if ctx.device.type == "cpu" else 0)
+        rows, width = model.bigram.table.weight.shape
+        most = -(-rows // ctx.dp.size)
+        params -= rows * width - (most * width if ctx.device.type == "cpu" else 0)
+        pinned = int(args.table_host_fraction * most) * width * 2 if ctx.device.type == "cuda" else 0
     processes = launch_variable("LOCAL_WORLD_SIZE", 1, 1)
-    needed = params * (16 if ctx.device.type == "cpu" else 4) * processes
+    needed = (params * (16 if ctx.device.type == "cpu" else 4) + pinned) * processes
     if needed > available:  # (the message builds the model once more, on meta: only when it is refused)
-        raise UserError(f"the model's {params:,} parameters ({largest_parameter(args)}) need at least "
+        tier = f" and a host tier of {pinned * processes / 2**30:.1f} GiB (--table_host_fraction)" if pinned else ""
+        raise UserError(f"the model's {params:,} parameters ({largest_parameter(args)}){tier} need at least "
                         f"{needed / 2**30:.1f} GiB of this machine's memory for {processes} process(es), and "
-                        f"{available / 2**30:.1f} GiB are available: make the model smaller; --memory_check false "
-                        "runs it anyway")
+                        f"{available / 2**30:.1f} GiB are available: make the model smaller, or run on more GPUs; "
+                        "--memory_check false runs it anyway")
 
 def steps_held(args: Hyperparameters, train_files: list[Path], sizes: list[int], position: dict, start: int,
                doc_starts: dict) -> tuple[int, list[Path]]:
@@ -4238,7 +4360,18 @@ def count_comm(op: str, *tensors: Tensor) -> None:
     """Bytes of the tensors handed to a collective on this rank: what a run logs and --plan predicts."""
     comm_bytes[op] += sum(nbytes(t) for t in tensors)
 
+def device_bytes(p: Tensor) -> int:
+    """The bytes of the storage holding p's values on its device (of a table's rows with a host tier: those of its
+    device tier)."""
+    return (p.tiers[0] if hasattr(p, "tiers") else p).untyped_storage().nbytes()
+
+def host_tier_bytes(params: list[Tensor]) -> int:
+    return sum(nbytes(p.tiers[1]) for p in params if hasattr(p, "tiers"))
+
 def nbytes(t: Tensor) -> int:
+    """The bytes of a tensor's values (of one by row: its rows' and their indices')."""
+    if t.is_sparse:
+        return nbytes(t._indices()) + nbytes(t._values())
     return t.numel() * t.element_size()
 
 @dataclass(frozen=True)
@@ -4548,9 +4681,9 @@ class Layout:
     def tables_built_by_rows(args: Hyperparameters, ctx: ParallelContext) -> bool:
         """Whether this rank builds its n-gram table on meta, never whole (#92's would need 260 GB of the host's
         memory on each rank): where --tables_by_rows holds it by rows from the first step, on data-parallel ranks of
-        ZeRO 1 or 2. Pipeline stages (which may share the table) and the layouts traced on the built model's forward
-        build it whole (TableRows makes the rows)."""
-        return args.tables_by_rows and args.zero in (1, 2) and ctx.dp.size > 1 and ctx.tp.size == ctx.pp.size == 1
+        ZeRO 2 or less. Pipeline stages (which may share the table) and the layouts traced on the built model's
+        forward build it whole (TableRows makes the rows)."""
+        return args.tables_by_rows and args.zero <= 2 and ctx.tp.size == ctx.pp.size == 1
 
     def share(self, optimizers: list[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
         """Once the part is on its device: the same start on every data-parallel rank, each parameter's owner
@@ -4563,7 +4696,9 @@ class Layout:
         adam_params = {p for group in adam.param_groups for p in group["params"]}
         tied = [p for name, p in model.named_parameters() if name in (self.tied_names or ())]
         tables = [t for t in embedding_tables(model) if t not in self.shared]  # (a table on one pipeline stage)
-        self.zero = zero = Zero.build(args.zero, adam, muon, ctx.dp, ctx.device, tied, tables)
+        self.zero = zero = Zero.build(args.zero, adam, muon, ctx.dp, ctx.device, tied, tables,
+                                      by_rows=args.tables_by_rows, host_fraction=args.table_host_fraction,
+                                      sum_dtype=torch.float64 if args.fp64_grad_sum else torch.float32)
         for table, rows in zero.rows.items() if args.tables_by_rows else ():
             rows.hold_by_rows(embedding_tables(model)[table])
         self.tie = None if self.tied_names is None else TiedEmbedding(
@@ -4575,7 +4710,9 @@ class Layout:
                                          dp=ctx.dp, owner_of=zero.gradient_owners(), reduce_to_owner=zero.stage >= 2,
                                          summed_first=self.shared, held=adam_params if args.adam_every > 1 else None,
                                          tables=embedding_tables(model),
-                                         table_rows={t: rows.rows for t, rows in zero.rows.items()})
+                                         table_rows={t: rows.rows for t, rows in zero.rows.items()},
+                                         summed_by_rows={t: rows for t, rows in zero.rows.items()
+                                                         if rows.by_rows and rows.sum_dtype == torch.float64})
         # the float64 sums take an embedding's few rows from a sparse gradient, for less work (the plan's meta
         # tensors have no values to find those rows in; torch.compile does not lower sparse embeddings)
         for module in model.modules() if args.fp64_grad_sum and ctx.device.type != "meta" and not args.compile else ():
@@ -4612,7 +4749,9 @@ class Layout:
     def gradient_squares(self) -> Tensor:
         """This rank's share of the squared global gradient norm, of the gradients the step uses (not those held)."""
         waiting = self.gradients.waiting()
-        grads = [p.grad for p in self.norm_params if p.grad is not None and p not in waiting]
+        waiting |= {rows.rows for table, rows in self.zero.rows.items() if table in waiting}
+        grads = [summed_rows(p.grad)[1] if p.grad.is_sparse else p.grad for p in self.norm_params
+                 if p.grad is not None and p not in waiting]
         return torch.nn.utils.get_total_norm(grads).square() if grads else torch.zeros((), device=self.ctx.device)
 
     def loss_share(self, loss: Tensor) -> Tensor:
@@ -4733,13 +4872,15 @@ class GradientBuckets:
     holds them (hold()), stay on each rank and add up with the following steps', reduced only when a step uses
     them. tables: parameters whose gradient has a row per lookup of an embedding (-> the embedding), averaged as
     the rows looked up (average_rows); table_rows: those whose rows each rank keeps (ROW_OWNERS) -> the parameter of
-    this rank's rows, which gets their gradient."""
+    this rank's rows, which gets their gradient; summed_by_rows: tables held by rows whose float64 sums their
+    TableRows keeps (-> it), handed over as the others are."""
 
     def __init__(self, params, bucket_mb: float = 25, sum_dtype: torch.dtype | None = None,
                  owner_of: dict | None = None, reduce_to_owner: bool = False, dp: Axis = Axis(),
                  summed_first: dict | None = None, held: set | None = None, tables: dict | None = None,
-                 table_rows: dict | None = None):
+                 table_rows: dict | None = None, summed_by_rows: dict | None = None):
         self.dp, self.owner_of, self.sum_dtype, self.table_rows = dp, owner_of, sum_dtype, table_rows or {}
+        self.summed_by_rows = summed_by_rows or {}
         self.reduce_to_owner, self.summed_first = reduce_to_owner and owner_of is not None, summed_first or {}
         self.held, self.holding = held or set(), False
         self.tables = tables if dp.size > 1 and tables else {}
@@ -4873,6 +5014,9 @@ class GradientBuckets:
     def wait(self) -> None:
         """Wait for every reduction and hand each parameter this rank keeps its averaged gradient (the held ones,
         in a step that holds them: this rank's own sum, kept)."""
+        for table, rows in self.summed_by_rows.items():
+            if not (self.holding and table in self.held):
+                rows.take_sum()
         if self.idle:
             return
         reducing = [i for i in range(len(self.buckets)) if not self._waits(i)]
@@ -4987,6 +5131,8 @@ class GradientBuckets:
         """Drop the float64 sums and what was held (the parameters' own gradients are the optimizers' to clear)."""
         for sums in self.sums or []:
             sums.zero_()
+        for rows in self.summed_by_rows.values():
+            rows.sum = None
         self.rows_summed.clear()
         self.holding = False
 
@@ -5149,16 +5295,20 @@ class Zero:
 
     @staticmethod
     def build(stage: int, adam: torch.optim.Optimizer, muon: Muon, dp: Axis, device: torch.device,
-              tied: list[Tensor] = (), tables: list[Tensor] = ()) -> "Zero":
-        """tables: the embedding tables whose rows may be shared out (Adam then steps each rank's rows)."""
+              tied: list[Tensor] = (), tables: list[Tensor] = (), by_rows: bool = False,
+              host_fraction: float = 0.0, sum_dtype: torch.dtype = torch.float32) -> "Zero":
+        """tables: the embedding tables whose rows may be shared out (Adam then steps each rank's rows); by_rows:
+        shared out on any number of ranks, to be held by rows; host_fraction: the share of each rank's rows of a
+        table that Adam steps by row kept in host memory."""
         owner_of = muon_owners([p for group in muon.param_groups for p in group["params"]], dp.size)
         adam_params, load = [p for group in adam.param_groups for p in group["params"]], [0] * dp.size
         for p in tied:  # a tied head and embedding: one owner, the same on every pipeline stage (TiedEmbedding)
             owner_of[p] = 0
             load[0] += p.numel()
-        sharing = stage >= 1 and dp.size > 1
-        rows = {t: TableRows(t, dp, device) for t in tables if t in set(adam_params) and t not in owner_of} \
-            if sharing else {}
+        sharing = stage >= 1 and dp.size > 1 or by_rows
+        stepped_by_row = {p for group in adam.param_groups if group["rows"] for p in group["params"]}
+        rows = {t: TableRows(t, dp, device, host_fraction if t in stepped_by_row else 0.0, sum_dtype) for t in tables
+                if t in set(adam_params) and t not in owner_of} if sharing else {}
         owner_of.update(dict.fromkeys(rows, ROW_OWNERS))
         # the others largest first, each to the least loaded rank
         for p in sorted((p for p in adam_params if p not in owner_of), key=lambda p: -p.numel()):
@@ -5217,7 +5367,7 @@ class Zero:
 
     def peak_parameter_bytes(self, model: nn.Module) -> int:
         """The most parameter bytes this rank held at once (ZeRO 3 gathers them for a while)."""
-        held = sum(p.untyped_storage().nbytes() for p in self.parameters(model))
+        held = sum(map(device_bytes, self.parameters(model)))
         return max(held, self.sharded.peak_bytes) if self.sharded is not None else held
 
     def take_rows_from_tables(self, whole: dict[Tensor, Tensor] | None = None) -> None:
@@ -5227,7 +5377,7 @@ class Zero:
             if not rows.by_rows:
                 rows.rows.data.copy_(rows.own(table.detach()))
             elif whole is not None:
-                rows.rows.data.copy_(rows.own(whole[table]).to(rows.rows))  # (not the whole table on the device)
+                rows.load(whole[table])  # (not the whole table on the device)
 
     def held_by_rows(self, model: nn.Module) -> dict[str, "TableRows"]:
         """The tables held by rows (their names in the model): they hold no values, their rows do."""
@@ -5238,15 +5388,34 @@ class TableRows:
     them (the rows whose gradients it sums: GradientBuckets.average_rows), and the ranks gather each other's rows into
     the table. (#89's bigram table is 290M parameters: over half the record's, too many for one owner.) Held by rows
     (hold_by_rows, --tables_by_rows), a rank keeps only its rows, never the table: a lookup fetches the rows from
-    their ranks, and backward sends their gradients back (#92's table is 65B parameters: 16 GB a rank of 8)."""
+    their ranks, and backward sends their gradients back by row (#92's table is 65B parameters: 16 GB a rank of 8);
+    on one rank too, where its rows are the table's. host_fraction: the share of a rank's rows (its last) kept in
+    host memory (pinned on a GPU machine: the host tier, read and written by row); `rows` is then a handle of their
+    shape holding no values, and `rows.tiers` (device rows, host rows) holds them."""
 
-    def __init__(self, table: Tensor, dp: Axis, device: torch.device):
+    def __init__(self, table: Tensor, dp: Axis, device: torch.device, host_fraction: float = 0.0,
+                 sum_dtype: torch.dtype = torch.float32):
         """A table built on meta (Layout.tables_built_by_rows) is zeros, as the n-gram table starts: its rows are
-        made here."""
-        self.table, self.dp = table, dp
+        made here. sum_dtype float64 (--fp64_grad_sum): held by rows, the rows' gradients are summed in float64 over
+        micro-batches and steps until a step uses them (take_sum), as GradientBuckets sums the others."""
+        self.table, self.dp, self.sum_dtype = table, dp, sum_dtype
+        self.sum: Tensor | None = None  # (by row: its rows' gradients so far, summed over the ranks, not averaged)
         self.most = -(-len(table) // dp.size)  # rows a rank keeps (the first len % W ranks; the others a row of zeros)
-        self.rows = nn.Parameter(self.own(table.detach()) if not table.is_meta or device.type == "meta" else
-                                 table.new_zeros(self.most, *table.shape[1:], device=device))  # which Adam steps
+        host_rows = int(host_fraction * self.most)
+        mine = self.own(table.detach()) if not table.is_meta or device.type == "meta" else None
+        if not host_rows:  # (the rows Adam steps)
+            self.rows = nn.Parameter(mine if mine is not None else
+                                     table.new_zeros(self.most, *table.shape[1:], device=device))
+        else:
+            near, host = self.most - host_rows, torch.device("meta" if device.type == "meta" else "cpu")
+            far = torch.zeros(host_rows, *table.shape[1:], dtype=table.dtype, device=host,
+                              pin_memory=device.type == "cuda")
+            if mine is not None:
+                far.copy_(mine[near:])
+            self.rows = nn.Parameter(table.new_zeros((1,) * table.dim(), device=device).expand(mine.shape if mine
+                                     is not None else (self.most, *table.shape[1:])))
+            self.rows.tiers = (mine[:near].clone() if mine is not None else
+                               table.new_zeros(near, *table.shape[1:], device=device), far)
         self.pending: tuple[Tensor, object] | None = None  # a gather in flight: its buffer and handle
         self.by_rows = False
 
@@ -5256,10 +5425,13 @@ class TableRows:
         self.by_rows = True
         self.table.requires_grad_(False)
         self.table.data.untyped_storage().resize_(0)
-        embedding.forward = lambda ids: _LookedUpByRows.apply(ids, self.rows, self)
+        # (eager under torch.compile: an exchange between the ranks, and reads of host memory)
+        embedding.forward = torch.compiler.disable(lambda ids: _LookedUpByRows.apply(ids, self.rows, self))
 
     def _exchange(self, t: Tensor, send: list[int], receive: list[int]) -> Tensor:
         """Rows of t to the data-parallel ranks, send[j] to rank j; receive[j] from each."""
+        if self.dp.size == 1:
+            return t
         count_comm("table_all_to_all", t)
         out = t.new_empty(sum(receive), *t.shape[1:])
         dist.all_to_all_single(out, t.contiguous(), receive, send, group=self.dp.group)
@@ -5281,23 +5453,67 @@ class TableRows:
         counts = self._exchange(torch.tensor(send, device=flat.device), [1] * W, [1] * W)  # (what each asks here)
         receive = send if counts.device.type == "meta" else counts.tolist()
         asked = self._exchange(wanted // W, send, receive)  # (this rank's rows the others want)
-        found = self._exchange(self.rows.detach()[asked], receive, send)
+        found = self._exchange(read_rows(self.rows, asked), receive, send)
         return found[where].view(*ids.shape, -1), (asked, send, receive, where, len(wanted))
 
-    def send_back(self, grad: Tensor, fetched: tuple) -> Tensor:
-        """The gradient of this rank's rows: each lookup's gradient summed by distinct row, sent to its rank, summed
-        there over the ranks in float32 and averaged (the data-parallel mean)."""
+    def send_back(self, grad: Tensor, fetched: tuple) -> Tensor | None:
+        """The gradient of this rank's rows, by row: each lookup's gradient summed by distinct row (float32, in the
+        lookups' order, as an embedding's backward sums them), sent to its rank, summed there over the ranks, and
+        averaged (the data-parallel mean); or, with float64 sums, added to them (None)."""
         asked, send, receive, where, distinct = fetched
         per_row = grad.new_zeros(distinct, grad.size(-1), dtype=torch.float32)
         per_row.index_add_(0, where, grad.reshape(-1, grad.size(-1)).float())
-        summed = self._exchange(per_row.to(grad.dtype), send, receive)
-        mine = self.rows.new_zeros(self.rows.shape, dtype=torch.float32).index_add_(0, asked, summed.float())
-        return mine.div_(self.dp.size).to(self.rows.dtype)
+        wide = self.sum_dtype == torch.float64
+        summed = self._exchange(per_row.to(torch.float64 if wide else grad.dtype), send, receive)
+        part = by_rows(*summed_rows(torch.sparse_coo_tensor(asked[None], summed.to(self.sum_dtype), self.rows.shape,
+                                                            check_invariants=False)), self.rows.shape)
+        if wide:
+            self.sum = part if self.sum is None else summed_by_rows(self.sum, part)
+            return None
+        return by_rows(part._indices()[0], part._values().div_(self.dp.size).to(self.rows.dtype), self.rows.shape)
+
+    def held_gradient(self, dtype: torch.dtype | None = None) -> Tensor:
+        """Its rows' gradients so far, by row, averaged over the ranks: the float64 sums (in float64, or rounded to
+        dtype), or else those autograd holds."""
+        if self.sum_dtype != torch.float64:
+            return self.rows.grad if self.rows.grad is not None else no_rows(self.rows)
+        if self.sum is None:
+            return no_rows(self.rows)
+        return by_rows(self.sum._indices()[0], (self.sum._values() / self.dp.size).to(dtype or torch.float64),
+                       self.rows.shape)
+
+    def take_sum(self) -> None:
+        """With float64 sums, the step uses them: its rows' gradient, rounded once, and the sums start again."""
+        self.rows.grad, self.sum = self.held_gradient(self.rows.dtype), None
+
+    def hold(self, grad: Tensor | None) -> None:
+        """Its rows' gradients so far (by row, averaged over the ranks: held_gradient's) from a checkpoint."""
+        if grad is None or self.sum_dtype != torch.float64:
+            self.rows.grad = by_rows_on(self.rows, grad) if grad is not None else None
+            return
+        rows, values = summed_rows(grad)
+        self.sum = by_rows(rows.to(self.rows.device), values.to(self.rows.device, torch.float64) * self.dp.size,
+                           self.rows.shape)
 
     def own(self, t: Tensor) -> Tensor:
-        """This rank's rows of a tensor shaped like the table, padded to `most` rows (a copy)."""
+        """This rank's rows of a tensor shaped like the table, padded to `most` rows (a copy); of one by row (a
+        checkpoint's), its rows held here."""
+        if t.is_sparse:
+            rows, values = summed_rows(t)
+            mine = rows % self.dp.size == self.dp.rank
+            return by_rows(rows[mine] // self.dp.size, values[mine], (self.most, *t.shape[1:]))
         mine = t[self.dp.rank::self.dp.size]
         return torch.cat([mine, mine.new_zeros(self.most - len(mine), *mine.shape[1:])])
+
+    @torch.no_grad()
+    def load(self, t: Tensor, chunk_bytes: int = 2**28) -> None:
+        """Set this rank's rows from a tensor shaped like the table (a checkpoint's, on the host), a chunk of rows at
+        a time."""
+        per_chunk = max(1, chunk_bytes // (self.dp.size * t[0].numel() * t.element_size()))
+        for start in range(0, self.most, per_chunk):
+            part = t[self.dp.size * start + self.dp.rank:self.dp.size * (start + per_chunk):self.dp.size]
+            rows = torch.arange(start, start + len(part), device=self.rows.device)
+            write_rows(self.rows, rows, part.to(self.rows.device, self.rows.dtype))
 
     def _all_gather(self, t: Tensor) -> tuple[Tensor, object]:
         """Async: a tensor shaped like this rank's rows from every rank."""
@@ -5317,15 +5533,27 @@ class TableRows:
                                                   len(self.table)))
         self.pending = None
 
+    @torch.no_grad()
     def whole(self, t: Tensor, chunk_bytes: int = 2**28) -> Tensor | None:
         """A tensor by this rank's rows (its values, Adam state or gradient), every rank's together in the table's
         order, on the CPU of data-parallel rank 0 (None elsewhere): a checkpoint's. Gathered a chunk of rows at a
-        time, so that no device holds more than chunk_bytes of it (#92's table is 130 GB)."""
+        time, so that no device holds more than chunk_bytes of it (#92's table is 130 GB); one by row (a gradient)
+        stays by row."""
         W, row_shape = self.dp.size, t.shape[1:]
+        if t.is_sparse:
+            rows, values = summed_rows(t)
+            rows = rows * W + self.dp.rank
+            gathered = [rows.cpu(), values.cpu()] if W == 1 else self._gather_to_first(rows, values)
+            return by_rows(*summed_rows(torch.sparse_coo_tensor(gathered[0][None], gathered[1], (len(self.table),
+                           *row_shape), check_invariants=False)), (len(self.table), *row_shape)) \
+                if gathered is not None else None
         per_chunk = max(1, chunk_bytes // (W * row_shape.numel() * t.element_size()))
         out = t.new_empty(W * self.most, *row_shape, device="cpu") if self.dp.rank == 0 else None
         for start in range(0, self.most, per_chunk):
-            chunk = t[start:start + per_chunk]
+            chunk = read_rows(t, torch.arange(start, min(start + per_chunk, self.most), device=t.device))
+            if W == 1:
+                out[start:start + len(chunk)] = chunk.cpu()
+                continue
             gathered, handle = self._all_gather(chunk)
             handle.wait()
             if out is not None:  # (every rank's local rows start.. are the table's rows W x start..)
@@ -5333,8 +5561,23 @@ class TableRows:
                     gathered.view(W, len(chunk), *row_shape), W * len(chunk))
         return out[:len(self.table)] if out is not None else None
 
+    def _gather_to_first(self, rows: Tensor, values: Tensor) -> list[Tensor] | None:
+        """Every rank's rows and values (counts differing) on data-parallel rank 0's CPU; None elsewhere."""
+        counts = rows.new_empty(self.dp.size)
+        all_gather_single(counts, rows.new_full((1,), len(rows)), group=self.dp.group)
+        most, counts = int(counts.max()), counts.tolist()
+        padded = [torch.cat([t, t.new_zeros(most - len(t), *t.shape[1:])]) for t in (rows, values)]
+        gathered = [t.new_empty(self.dp.size * most, *t.shape[1:]) for t in padded]
+        for whole, part in zip(gathered, padded):
+            count_comm("all_gather_single", whole)
+            all_gather_single(whole.view(-1), part.view(-1), group=self.dp.group)
+        if self.dp.rank != 0:
+            return None
+        kept = torch.cat([torch.arange(j * most, j * most + n) for j, n in enumerate(counts)]).to(rows.device)
+        return [t[kept].cpu() for t in gathered]
+
 class _LookedUpByRows(torch.autograd.Function):
-    """A lookup of a table held by rows (TableRows.fetch), whose gradient is its rows' (TableRows.send_back)."""
+    """A lookup of a table held by rows (TableRows.fetch), whose gradient is its rows' by row (TableRows.send_back)."""
 
     @staticmethod
     def forward(ctx, ids: Tensor, rows: Tensor, table_rows: TableRows) -> Tensor:
@@ -5374,7 +5617,7 @@ class ShardedParameters:
         self.handles: dict[int, list] = {}  # unit -> broadcasts in flight
         self.resident: set[int] = set(range(len(self.units)))
         self.grads_in = [0] * len(self.units)
-        self.bytes = sum(p.untyped_storage().nbytes() for p in zero.parameters(model))  # held now
+        self.bytes = sum(map(device_bytes, zero.parameters(model)))  # held now
         self.peak_bytes = 0
         for u, (_, module) in enumerate(blocks + others):
             # a block prefetches its neighbour: the next one going forward, the one before going backward
@@ -6232,10 +6475,12 @@ def account_step(trainer: Trainer, batches, step: int = 0) -> dict:
         loss = forward_backward(trainer, batches, step)
     params = trainer.layout.zero.parameters(trainer.model)
     held = dict(gradients=sum(nbytes(p.grad) for p in params if p.grad is not None),
-                gradient_sums=sum(map(nbytes, trainer.layout.gradients.sums or [])), activations=saved.peak)
+                gradient_sums=sum(map(nbytes, trainer.layout.gradients.sums or [])) + sum(
+                    nbytes(rows.sum) for rows in trainer.layout.gradients.summed_by_rows.values() if rows.sum is not None),
+                activations=saved.peak)
     trainer.layout.step_stats(loss, trainer.layout.gradient_squares(), stop=False)
     optimizer_step(trainer, step)
-    held.update(parameters=sum(p.untyped_storage().nbytes() for p in params),
+    held.update(parameters=sum(map(device_bytes, params)), host_tier=host_tier_bytes(params),
                 peak_parameters=trainer.layout.zero.peak_parameter_bytes(trainer.model),
                 buffers=sum(b.untyped_storage().nbytes() for b in trainer.model.buffers()),
                 optimizer_states=sum(nbytes(t) for opt in trainer.optimizers for state in opt.state.values()
@@ -6340,16 +6585,66 @@ def planned_peak(args: Hyperparameters, world_size: int) -> int:
     """The largest per-rank bytes of a CUDA run's plan."""
     return peak_of(plan_layout(args, world_size, cuda=True))
 
-H100_BYTES = 80 * 10**9  # (the plan's GPU: 80 GB, the record's)
+GPU_MEMORY = {"80 GB GPUs (an H100's)": 80 * 10**9, "141 GB GPUs (an H200's)": 141 * 10**9,
+              "192 GB GPUs (a B200's)": 192 * 10**9}
 
-def fit_on_h100s(args: Hyperparameters, plan: dict) -> str:
-    """Whether a CUDA run's plan fits 80 GB GPUs (their free memory less the allocator's headroom), or with what."""
-    needed, room = peak_of(plan), MEMORY_HEADROOM * H100_BYTES
-    if needed <= room:
-        return f"on 80 GB GPUs (an H100's): fits, {needed / 1e9:.1f} GB of {room / 1e9:.1f} GB a rank"
-    fits = fitting_changes(args, plan["world_size"], needed, room)
-    return (f"on 80 GB GPUs (an H100's): does not fit, {needed / 1e9:.1f} GB of {room / 1e9:.1f} GB a rank; "
-            + (f"it would fit with {' or '.join(fits)}" if fits else "nothing tried makes it fit"))
+def fit_on_gpus(args: Hyperparameters, plan: dict) -> list[str]:
+    """Whether a CUDA run's plan fits GPUs of each size (their memory less the allocator's headroom), or with what:
+    on 80 GB GPUs anything tried, on the larger a host tier."""
+    needed, lines = peak_of(plan), []
+    for i, (gpus, size) in enumerate(GPU_MEMORY.items()):
+        room = MEMORY_HEADROOM * size
+        if needed <= room:
+            lines.append(f"on {gpus}: fits, {needed / 1e9:.1f} GB of {room / 1e9:.1f} GB a rank")
+            continue
+        fits = fitting_changes(args, plan["world_size"], needed, room) if i == 0 else \
+            [advice for advice in [host_tier_advice(args, plan["world_size"], needed, room)] if advice]
+        lines.append(f"on {gpus}: does not fit, {needed / 1e9:.1f} GB of {room / 1e9:.1f} GB a rank; "
+                     + (f"it would fit with {' or '.join(fits)}" if fits else "nothing tried makes it fit"))
+    return lines
+
+def host_tier(args: Hyperparameters, world_size: int, needed: int, room: float) -> tuple[dict, int] | None:
+    """The least --table_host_fraction (in hundredths, with the flags it needs) with which a CUDA run whose plan needs
+    `needed` bytes a rank fits `room`, and the pinned host bytes a rank then holds; None where none does. Linear: a
+    row moved to the host frees its bf16 values on the device; checked by the plan with it."""
+    if not (args.bigram_optimizer == "rows" and args.bigram_rows and args.tp == args.pp == 1 and args.zero <= 2):
+        return None
+    movable = -(-args.bigram_rows // world_size) * args.model_dim * 2
+    fraction = math.ceil(100 * (needed - room + args.table_host_fraction * movable) / movable) / 100
+    if fraction >= 1:
+        return None
+    change = dict(tables_by_rows=True, table_host_fraction=fraction)
+    plan = plan_layout(dataclasses.replace(args, **change), world_size, cuda=True)
+    return (change, max(rank["host_tier"] for rank in plan["ranks"])) if peak_of(plan) <= room else None
+
+def host_tier_advice(args: Hyperparameters, world_size: int, needed: int, room: float) -> str | None:
+    """host_tier's flags, and the host memory they take."""
+    if (tier := host_tier(args, world_size, needed, room)) is None:
+        return None
+    change, host = tier
+    flags = " ".join(f"--{name} {str(value).lower()}" for name, value in change.items()
+                     if getattr(args, name) != value or name == "table_host_fraction")
+    return f"{flags} ({host / 1e9:.1f} GB of pinned host memory a rank, {world_size * host / 1e9:.1f} GB on one host)"
+
+def plan_gpu_counts(args: Hyperparameters) -> list[str]:
+    """The run on 1, 2, 4 and 8 GPUs: a rank's bytes by its plan, and whether it fits GPUs of each size, with how
+    much host memory."""
+    lines = []
+    for gpus in (1, 2, 4, 8):
+        try:
+            check_world_size(args, gpus)
+        except UserError as e:
+            lines.append(f"{gpus} GPU(s): not run: {e}")
+            continue
+        needed = peak_of(plan_layout(args, gpus, cuda=True))
+        fits = []
+        for name, size in GPU_MEMORY.items():
+            room = MEMORY_HEADROOM * size
+            advice = host_tier_advice(args, gpus, needed, room) if needed > room else None
+            fits.append(f"{name.split(' (')[0]}: " + ("fits" if needed <= room else f"fits with {advice}" if advice
+                                                       else "does not fit"))
+        lines.append(f"{gpus} GPU(s): {needed / 1e9:.1f} GB a rank by its plan; " + "; ".join(fits))
+    return lines
 
 def largest_bigram_table(args: Hyperparameters, world_size: int, room: float, needed: int) -> int:
     """The most --bigram_rows whose plan fits `room` bytes (0: none), the rest of the model as it is: the plan is
@@ -6371,7 +6666,8 @@ def largest_bigram_table(args: Hyperparameters, world_size: int, room: float, ne
 
 def fitting_changes(args: Hyperparameters, world_size: int, needed: int, room: float) -> list[str]:
     """The flags with which a run whose plan needs `needed` bytes a rank would fit `room`: shorter sequences (the
-    longest that fits), ZeRO 3, twice the processes with it, tables held by rows, the largest bigram table."""
+    longest that fits), ZeRO 3, twice the processes with it, tables held by rows, a host tier, the largest bigram
+    table."""
     unit, dp = math.lcm(ATTENTION_BLOCK_SIZE, args.tp if args.sp else 1), world_size // (args.tp * args.pp)
     shorter = [",".join(str(n // divisor) for n in stage_seq_lens(args)) for divisor in (2, 4, 8)
                if all(n % (divisor * unit) == 0 for n in stage_seq_lens(args))]
@@ -6388,6 +6684,7 @@ def fitting_changes(args: Hyperparameters, world_size: int, needed: int, room: f
         if not (flags.startswith("--train_seq_len") and any(f.startswith("--train_seq_len") for f in fits)) and \
                 planned_peak(dataclasses.replace(args, **change), n) <= room:
             fits.append(flags)
+    fits += [advice for advice in [host_tier_advice(args, world_size, needed, room)] if advice]
     # (a smaller table: where the bigram table is at least half the model, as #92's is)
     rows = largest_bigram_table(args, world_size, room, needed) \
         if 2 * args.bigram_rows * args.model_dim >= parameter_count(args) else 0
@@ -6414,12 +6711,13 @@ def format_plan(plan: dict) -> str:
              f"{plan['dp']} x tensor parallel {plan['tp']}, ZeRO stage {plan['zero']}, {plan['grad_accum_steps']} "
              f"micro-batches per rank per step, {psi:,} parameters",
              "rank stage  parameters  (peak)  buffers  gradients  optimizer  grad sums  activations (est.)    total   "
-             "[MiB]"
+             "[MiB]" + ("   host tier (pinned)" if any(r["host_tier"] for r in plan["ranks"]) else "")
              + ("   (activations of a compiled step)" if plan["compiled"] else "")]
     for rank, r in enumerate(plan["ranks"]):
         values = [r[kind] / mib for kind in memory]
         lines.append(f"{rank:4d} {r['stage']:5d}  {values[0]:10.1f} {values[1]:7.1f} {values[2]:8.1f} "
-                     f"{values[3]:10.1f} {values[4]:10.1f} {values[5]:10.1f} {values[6]:19.1f} {sum(values[1:]):8.1f}")
+                     f"{values[3]:10.1f} {values[4]:10.1f} {values[5]:10.1f} {values[6]:19.1f} {sum(values[1:]):8.1f}"
+                     + (f" {r['host_tier'] / mib:20.1f}" if r["host_tier"] else ""))
     lines.append("collectives per training step, bytes handed over per rank (table_*: the embedding tables' gradients, "
                  "at most: each lookup taken for a row of its own):")
     for rank, r in enumerate(plan["ranks"]):
@@ -6591,9 +6889,9 @@ def _rank_worker(rank, world_size, port, fn, args, results, backend):
             dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=torch.device("cuda", rank))
         elif world_size > 1:
             dist.init_process_group(backend, rank=rank, world_size=world_size)
-        # tensors as numpy arrays (a shared-memory tensor would not outlive its worker), bfloat16 as float32
-        result = pytree.tree_map(lambda t: (t.float() if t.dtype == torch.bfloat16 else t).detach().cpu().numpy()
-                                 if isinstance(t, Tensor) else t, fn(rank, world_size, *args))
+        # tensors as numpy arrays (a shared-memory tensor would not outlive its worker), bfloat16 as float32, dense
+        result = pytree.tree_map(lambda t: (dense(t).float() if t.dtype == torch.bfloat16 else dense(t)).detach()
+                                 .cpu().numpy() if isinstance(t, Tensor) else t, fn(rank, world_size, *args))
         results.put((rank, "ok", result))
     except UserError as e:
         results.put((rank, "refused", str(e)))

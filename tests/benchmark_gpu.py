@@ -3,11 +3,12 @@ same shape (the compile), on the FineWeb shards or, where they are missing, on s
 
     torchrun --standalone --nproc_per_node=$(nvidia-smi -L | wc -l) tests/benchmark_gpu.py [--steps 30] [flags]
 
-Further flags go to train_gpt.py's parser (the record preset, #92's, is the base: on fewer than 8 GPUs give a
-smaller --bigram_rows, as tests/gpu_session.py does). It prints ms per step, tokens per second per GPU, MFU (model
-FLOPs counted as below, against the GPU's dense bf16 peak), peak memory, and the step split into forward+backward,
-the gradient wait (the compute stream waiting for the last gradient reduction) and the optimizer. The steps are
-taken at the middle of the schedule (--at_step), where the sliding window is half grown.
+Further flags go to train_gpt.py's parser (the record preset, #92's, is the base: its whole n-gram table, whose rows
+the GPUs here cannot hold wait in a host tier as the run's plan sets it, unless --table_host_fraction is given). It
+prints ms per step, tokens per second per GPU, MFU (model FLOPs counted as below, against the GPU's dense bf16 peak),
+peak memory, the bytes the host tier moved a step, and the step split into forward+backward, the gradient wait (the
+compute stream waiting for the last gradient reduction) and the optimizer. The steps are taken at the middle of the
+schedule (--at_step), where the sliding window is half grown.
 """
 import argparse
 import sys
@@ -70,16 +71,19 @@ def main():
     need_at_least("--steps", ours.steps, 1, "timed steps")
     need_at_least("--untimed_steps", ours.untimed_steps, 0, "steps before the timed ones")
     train_gpt.keep_freed_memory_for_reuse()  # the trainer's allocator settings, before CUDA's first allocation
-    args = train_gpt.parse_args(["--preset", "record89", *rest])
+    args = train_gpt.parse_args(["--preset", "record", *rest])
     for name in ("train_files", "val_files"):  # (left out, synthetic shards stand in for FineWeb's where it is missing)
         need(name not in args.given or train_gpt.glob.glob(getattr(args, name)), f"--{name} {getattr(args, name)} "
              "matches no file: name existing shards, or leave the flag out")
     at_step = args.num_iterations // 2 if ours.at_step is None else ours.at_step
     need(0 <= at_step < args.num_iterations, f"--at_step {at_step}: give a step of the schedule, 0 to "
          f"{args.num_iterations - 1} (--num_iterations {args.num_iterations})")
+    tier = host_tier_as_planned(args)
     ctx = train_gpt.setup_distributed(args.tp, args.pp)
     if args.compile is None:
         args.compile = train_gpt.compiles_by_default(args, ctx.device)
+    if tier and ctx.is_master:
+        print(tier, flush=True)
     step_tokens = args.seqs_per_step * train_gpt.batch_shape(at_step, args)[0]
     with tempfile.TemporaryDirectory() as scratch:
         if not train_gpt.glob.glob(args.train_files):
@@ -105,6 +109,26 @@ def main():
     report(args, ctx, source, at_step, ours.steps, phases)
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def host_tier_as_planned(args) -> str | None:
+    """Where the run's plan does not fit the GPUs here, the least host tier that makes it fit, set in args (unless
+    --table_host_fraction is given); a line saying so, or None. Each rank plans alike: by the GPU's whole memory
+    (its free memory differs from rank to rank), before the process group (a plan runs in one process)."""
+    if not torch.cuda.is_available() or "table_host_fraction" in args.given:
+        return None
+    world_size = int(train_gpt.os.environ.get("WORLD_SIZE", "1"))
+    needed = train_gpt.planned_peak(args, world_size)
+    room = train_gpt.MEMORY_HEADROOM * torch.cuda.mem_get_info()[1]
+    tier = train_gpt.host_tier(args, world_size, needed, room) if needed > room else None
+    if tier is None:
+        return None
+    change, host = tier
+    for name, value in change.items():
+        setattr(args, name, value)
+    return (f"host tier: --table_host_fraction {args.table_host_fraction} ({host / 1e9:.1f} GB of the table's rows a "
+            f"GPU in pinned host memory), as the plan sets it: {needed / 1e9:.1f} GB a GPU without, "
+            f"{room / 1e9:.1f} GB of the GPU's memory")
 
 
 class Marks:
@@ -143,7 +167,7 @@ def time_steps(trainer, batches, at_step: int, steps: int, device: torch.device)
     train_gpt.device_synchronize(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
+    start, moved = time.perf_counter(), dict(train_gpt.HOST_TIER_BYTES)
     pending = None
     for step in range(at_step, at_step + steps):
         marks.mark("start")
@@ -162,7 +186,8 @@ def time_steps(trainer, batches, at_step: int, steps: int, device: torch.device)
     for name, ms in marks.durations_ms():
         if name != "start":
             totals[name] = totals.get(name, 0.0) + ms
-    return dict(wall_ms=wall_ms, **totals)
+    host = {kind: train_gpt.HOST_TIER_BYTES[kind] - moved.get(kind, 0) for kind in ("read", "written")}
+    return dict(wall_ms=wall_ms, host=host, **totals)
 
 
 def report(args, ctx, source: str, at_step: int, steps: int, phases: dict) -> None:
@@ -183,6 +208,8 @@ def report(args, ctx, source: str, at_step: int, steps: int, phases: dict) -> No
              + (f"{flops_per_gpu / (ms / 1000) / peak:.1%} of {peak / 1e12:.0f} TFLOP/s dense bf16" if peak
                 else "unknown peak for this device"),
              train_gpt.peak_memory_line(ctx.device),
+             f"host tier per step and GPU: {phases['host']['read'] / steps / 1e6:,.1f} MB read to the GPU, "
+             f"{phases['host']['written'] / steps / 1e6:,.1f} MB written back",
              "per step: " + ", ".join(f"{name} {phases[name] / steps:.2f} ms" for name in
                                       ("forward+backward", "gradient wait", "optimizer") if name in phases)]
     if ctx.is_master:

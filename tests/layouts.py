@@ -311,7 +311,11 @@ def assert_holds_and_sends_what_the_plan_predicts(ranks, files, **layout):
     for rank, predicted in zip(ranks, plan["ranks"]):
         held = rank["accounted"]
         for kind in ("parameters", "peak_parameters", "gradients", "gradient_sums", "optimizer_states"):
-            assert held[kind] == predicted[kind], kind
+            # (a table held by rows: its gradients and sums are of the rows read, which the plan takes for a row a
+            # lookup, at most)
+            assert held[kind] == predicted[kind] or args.tables_by_rows and kind in ("gradients", "gradient_sums",
+                                                                                     "optimizer_states") and \
+                held[kind] < predicted[kind], (kind, held[kind], predicted[kind])
         assert_sends_what_the_plan_says(held["comm"], predicted["comm"])
 
 

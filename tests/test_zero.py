@@ -75,8 +75,9 @@ def test_tables_held_by_rows_leave_each_rank_its_share_of_their_rows_and_no_whol
     for rows, kept in zip(by_rows, whole):
         held, full = rows["accounted"], kept["accounted"]
         assert held["parameters"] == full["parameters"] - tables
-        # (the tiny preset sums gradients in float64: whole tables there too; by rows, their rows' float32 share)
-        assert held["gradient_sums"] == full["gradient_sums"] - 2 * tables and held["gradients"] <= full["gradients"]
+        # (the tiny preset sums gradients in float64: whole tables there too; by rows, the rows read, by row)
+        assert 0 < held["gradient_sums"] - (full["gradient_sums"] - 2 * tables) < tables
+        assert held["gradients"] <= full["gradients"]
         assert held["comm"]["table_all_to_all"] > full["comm"]["table_all_to_all"]  # (the lookups too)
         assert "all_gather_single" not in held["comm"] or \
             held["comm"]["all_gather_single"] < full["comm"]["all_gather_single"] - tables / 2  # (no table gathered)
@@ -102,17 +103,18 @@ def test_counted_collective_bytes_per_step_equal_the_plan(tmp_path, files, layou
     assert_sends_what_the_plan_says(counted, plan["ranks"][0]["comm"])
 
 
-def test_a_plan_without_a_preset_prints_per_rank_memory_for_92s_record_on_eight_gpus_and_it_fits(capsys):
-    train_gpt.main(["--plan", "true", "--nproc", "8"])
+def test_a_plan_without_a_preset_prints_per_rank_memory_for_92s_record_on_four_gpus_and_it_fits(capsys):
+    train_gpt.main(["--plan", "true", "--nproc", "4"])
     out = capsys.readouterr().out
     assert "preset record" in out  # (said: no preset was named)
-    assert "8 processes = pipeline 1 x data parallel 8 x tensor parallel 1, ZeRO stage 1" in out  # (the preset's)
-    assert len(re.findall(r"^\s+\d+\s+\d+\s+\d+\.\d+ ", out, flags=re.M)) == 8  # one memory row per rank
-    # #92's n-gram table, 84,602,880 x 768, is all but 0.45% of the model; held by rows it fits an 80 GB GPU
+    assert "4 processes = pipeline 1 x data parallel 4 x tensor parallel 1, ZeRO stage 1" in out  # (the preset's)
+    assert len(re.findall(r"^\s+\d+\s+\d+\s+\d+\.\d+ ", out, flags=re.M)) == 4  # one memory row per rank
+    # #92's n-gram table, 84,602,880 x 768, is all but 0.45% of the model; held by rows, its gradients and its
+    # cadence's sums by row, it fits an 80 GB GPU of 4: 31.5 GB of it its rows (bf16), 18.5 the activations
     count = int(re.search(r"([\d,]+) parameters", out).group(1).replace(",", ""))
     assert 84_602_880 * 768 < count < 1.0045 * 84_602_880 * 768
     fits = re.search(r"on 80 GB GPUs \(an H100's\): fits, (\d+\.\d) GB of 76\.0 GB a rank", out)
-    assert fits and 60 < float(fits.group(1)) < 76
+    assert fits and 2 * count / 4 / 1e9 < float(fits.group(1)) < 60
     # record #89's model (the record89 preset), by hand: the head and the token embedding tied to it 2 x 50304 x 768,
     # 5 value embeddings 5 x 50257 x 768, 10 attention layers 4 x 768^2 + 1 (v's scale), 11 MLPs 8 x 768^2, the
     # scales of the residual and the output (2 each) of 10 MLPs and 9 attentions (not the dense layer's), the skip's
