@@ -27,6 +27,7 @@ import hashlib
 import itertools
 import json
 import math
+import mmap
 import multiprocessing
 import os
 import pickle
@@ -2834,30 +2835,60 @@ def evaluate(trainer: Trainer, step: int) -> float:
 
 class CanonicalMaskBuild:
     """The canonical mask built while training runs, as #92 does: in a child forked from the first rank, numpy and
-    Python only, into shared memory. The final validation waits for it (on the clock); a child that failed or died
-    leaves the build to be done then."""
+    Python only, into memory shared with it: an anonymous mapping, not /dev/shm (a container's 64 MiB holds no 316 MB
+    mask), which a killed run leaves nothing of; the child dies with its parent. The final validation waits for it
+    (on the clock). Where the mapping or the child cannot be had, where the child failed, or where it has not ended
+    DEADLINE_S after it began (stopped, say: it is then ended), the mask is built in the process, saying so."""
+    DEADLINE_S = 600.0  # (the build takes about 30 s on a CPU core)
 
-    def __init__(self, vocab_size: int):
+    def __init__(self, vocab_size: int, in_child: bool = True):
         self.rows = next_multiple_of_n(vocab_size, n=128)
         self.ranks = gpt2_encoding()._mergeable_ranks
-        self.whole = torch.zeros(self.rows, self.rows // 8, dtype=torch.uint8).share_memory_()
-        into = self.whole.numpy()
-        self.child = os.fork()
+        self.child, self.shared, self.started = None, None, time.monotonic()
+        if not in_child:
+            return
+        try:
+            self.shared = mmap.mmap(-1, self.rows * (self.rows // 8))
+            self.child = os.fork()
+        except OSError as e:
+            self.note(f"no memory to share with a child ({e.strerror})")
+            return
         if self.child == 0:
             built = False
             try:
                 os.closerange(3, 2**16)  # (not the run's lock or sockets: a restart must not wait for this child)
-                into[:] = canonical_mask(self.ranks, self.rows)
+                ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # (PR_SET_PDEATHSIG: ends with its parent)
+                self.mask()[:] = canonical_mask(self.ranks, self.rows)
                 built = True
             finally:
                 os._exit(0 if built else 1)
 
+    def mask(self) -> np.ndarray:
+        return np.frombuffer(self.shared, dtype=np.uint8).reshape(self.rows, self.rows // 8)
+
+    def note(self, why: str) -> None:
+        print_if_possible(f"canonical mask: {why}: built in the process at the final validation", file=sys.stderr)
+
     def result(self) -> Tensor:
-        """The mask, once the child has ended (built here if it failed)."""
-        if self.child is not None:
-            failed, self.child = os.waitpid(self.child, 0)[1] != 0, None
-            if failed:
-                self.whole.numpy()[:] = canonical_mask(self.ranks, self.rows)
+        """The mask, once the child has ended (built here where it did not build it)."""
+        if hasattr(self, "whole"):
+            return self.whole
+        built = False
+        while self.child is not None:
+            pid, status = os.waitpid(self.child, os.WNOHANG)
+            waited = time.monotonic() - self.started
+            if pid:
+                built, self.child = status == 0, None
+                if not built:
+                    self.note(f"its child failed (wait status {status})")
+            elif waited > self.DEADLINE_S:
+                os.kill(self.child, signal.SIGKILL)
+                os.waitpid(self.child, 0)
+                self.child = None
+                self.note(f"its child had not ended {waited:.0f} s after it began, and was ended")
+            else:
+                time.sleep(0.05)
+        self.whole = torch.from_numpy(self.mask().copy() if built else canonical_mask(self.ranks, self.rows))
         return self.whole
 
 def set_canonical_mask(trainer: Trainer, build: CanonicalMaskBuild | None = None) -> None:
@@ -2865,7 +2896,7 @@ def set_canonical_mask(trainer: Trainer, build: CanonicalMaskBuild | None = None
     (CanonicalMaskBuild, else one now) broadcast; each rank keeps its part of the vocabulary."""
     rows, device = next_multiple_of_n(trainer.args.vocab_size, n=128), trainer.ctx.device
     if trainer.ctx.is_master:
-        whole = (build or CanonicalMaskBuild(trainer.args.vocab_size)).result().to(device)
+        whole = (build or CanonicalMaskBuild(trainer.args.vocab_size, in_child=False)).result().to(device)
     else:
         whole = None
     trainer.layout.set_buffers("canonical_mask", whole, (rows, rows // 8), torch.uint8)
@@ -3947,15 +3978,21 @@ def check_room_for_the_run(args: Hyperparameters, start_step: int) -> None:
                         + ("raise --save_every or set --keep_last, " if saves > 1 else "")
                         + "or point --log_dir at another disk")
 
+CHECKPOINT_OTHER_BYTES = 2**20  # what a checkpoint holds besides its tensors and the source: position, RNG, flags
+
 def checkpoint_bytes_at_most(args: Hyperparameters) -> int:
-    """A checkpoint's tensors, 4 bytes a number at most: the weights, their gradients held for Adam's next step,
-    every optimizer state as one step leaves it (Adam's moments, a cadence's held sums, Muon's or ANVIL's momenta;
-    #92's table keeps one moment a row), and the tail averages."""
+    """A checkpoint's size, but for the source it keeps: its tensors, 4 bytes a number at most (the weights, every
+    optimizer state as one step leaves it: Adam's moments, a cadence's held sums, Muon's or ANVIL's momenta, #92's
+    table's one moment a row; the tail averages), the gradients held for Adam's next step (8 bytes a number with
+    float64 sums), an index a row of each embedding table for what is held by row, and CHECKPOINT_OTHER_BYTES."""
     model, states = build_model(args, torch.device("meta")), optimizer_state_shapes(args, cuda_dtypes=False)
     params = dict(model.named_parameters())
     averages = tail_copies(tail_kinds(model)) if args.tail_average else []
-    return 4 * (2 * sum(p.numel() for p in params.values()) + sum(params[name].numel() for name in averages)
-                + sum(math.prod(shape) for kept in states.values() for shape in kept.values()))
+    numbers = sum(p.numel() for p in params.values()) + sum(params[name].numel() for name in averages) + sum(
+        math.prod(shape) for kept in states.values() for shape in kept.values())
+    held = (8 if args.fp64_grad_sum else 4) * sum(p.numel() for p in params.values())
+    by_row = 2 * 8 * sum(len(table) for table in embedding_tables(model))  # (held gradients and sums by row)
+    return 4 * numbers + held + by_row + CHECKPOINT_OTHER_BYTES
 
 def parameter_count(args: Hyperparameters) -> int:
     return sum(p.numel() for p in build_model(args, torch.device("meta")).parameters())

@@ -1,8 +1,11 @@
 """Record #91's canonical token mask: the pairs (previous token, next token) GPT-2's tokenizer never writes. Its size
 against the count #91's own builder gives on GPT-2's ranks, each masked pair against the tokenizer itself (the two
 tokens' text re-encoded), and text the tokenizer wrote (the embedded Shakespeare) against the mask."""
+import errno
 import os
 import re
+import signal
+import time
 
 import numpy as np
 import pytest
@@ -153,6 +156,35 @@ def test_the_first_rank_builds_the_mask_in_a_child_while_training_runs_and_build
     assert maker(build) == child and maker(build) == child  # (asked twice: the same)
     monkeypatch.setattr(train_gpt, "canonical_mask", fails_in_a_child)
     assert maker(train_gpt.CanonicalMaskBuild(vocab_size=300)) == parent
+
+
+def test_a_stopped_child_is_ended_at_its_deadline_and_no_memory_to_share_builds_the_mask_in_the_process(
+        encoding, monkeypatch, capsys):
+    # a child stopped (SIGSTOP) never ends by itself: past CanonicalMaskBuild.DEADLINE_S from its start (here 1 s)
+    # it is killed and the rank builds the mask; where no memory can be shared (a container's /dev/shm would not
+    # have held it; here the mapping refused), the rank builds it too, each saying so in one line
+    parent = os.getpid()
+
+    def slow_in_a_child(ranks, rows):
+        if os.getpid() != parent:
+            time.sleep(30)
+        return np.full((rows, rows // 8), 7, dtype=np.uint8)
+    monkeypatch.setattr(train_gpt, "canonical_mask", slow_in_a_child)
+    monkeypatch.setattr(train_gpt.CanonicalMaskBuild, "DEADLINE_S", 1.0)
+    build = train_gpt.CanonicalMaskBuild(vocab_size=300)
+    os.kill(build.child, signal.SIGSTOP)
+    child, started = build.child, time.monotonic()
+    assert (build.result() == 7).all() and time.monotonic() - started < 5
+    with pytest.raises(ChildProcessError):  # (ended, and waited for)
+        os.waitpid(child, os.WNOHANG)
+    assert "had not ended" in capsys.readouterr().err
+
+    def no_mapping(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(train_gpt.mmap, "mmap", no_mapping)
+    build = train_gpt.CanonicalMaskBuild(vocab_size=300)
+    assert build.child is None and (build.result() == 7).all()
+    assert "no memory to share with a child (No space left on device)" in capsys.readouterr().err
 
 
 def test_a_run_masks_only_its_final_validation_with_the_mask_its_child_built(packed, monkeypatch, tmp_path):
