@@ -2156,7 +2156,16 @@ def check_hyperparameters(args: Hyperparameters) -> None:
          f"got {args.top_k}")
     need(args.cooldown_frac <= 1, f"--cooldown_frac must be in [0, 1], got {args.cooldown_frac}")
     candidate_counts(args)
-    table_cadence(args)
+    cadence = table_cadence(args)
+    for (start, every), end in zip(cadence, [start for start, _ in cadence[1:]] + [args.num_iterations]):
+        need(start < args.num_iterations, f"{flag_value(args, 'table_cadence')}: its step {start} is past the run's "
+             f"{flag_value(args, 'num_iterations')} steps, where it changes nothing; leave it out")
+    firsts = [start + (-(start + 1)) % every for start, every in cadence]
+    need(not cadence or any(first < end for first, end in zip(firsts, [s for s, _ in cadence[1:]] +
+                                                              [args.num_iterations])),
+         f"{flag_value(args, 'table_cadence')}: the tables would first step after step {firsts[0] + 1}, past the "
+         f"run's {flag_value(args, 'num_iterations')} steps, so the n-gram table and the value embeddings would never "
+         "train: give cycles of at most --num_iterations steps")
     need(args.collective_timeout < 2**31, f"--collective_timeout must be below 2**31 seconds (68 years), got "
          f"{args.collective_timeout:g}")
     need(args.extension_steps < args.num_iterations, f"{flag_value(args, 'extension_steps')} must be below "
@@ -3899,6 +3908,12 @@ def check_schedule_kept(args: Hyperparameters, saved: Hyperparameters, checkpoin
          f"checkpoint {path} holds gradients summed for Adam's next step on the cadence of --adam_every "
          f"{saved.adam_every}; resume with --adam_every {saved.adam_every}, or change it from a checkpoint saved on "
          "one of Adam's steps")
+    cycle_sums = any((t._values() if t.is_sparse else t).any() for state in checkpoint["adam"].values()
+                     for key, t in state.items() if key == "held")
+    need(not cycle_sums or table_cadence(args) == table_cadence(saved), f"--table_cadence {args.table_cadence!r}: "
+         f"checkpoint {path} holds the tables' gradients summed over part of a cycle of --table_cadence "
+         f"{saved.table_cadence!r}, whose betas and decay its next step applies; resume with --table_cadence "
+         f"{saved.table_cadence!r}, or change it from a checkpoint saved at the end of a cycle")
 
 def check_run_id_is_free(args: Hyperparameters, checkpoint: dict | None) -> None:
     """A new log must not replace another run's: only a resume of this id's own checkpoint continues its log."""

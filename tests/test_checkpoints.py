@@ -567,3 +567,20 @@ def test_a_resume_that_would_change_what_was_trained_is_refused_before_any_file_
     log = run(tmp_path, files, 1, "saved", save_every=saved_at, tied_stages=tied_stages, val_loss_every=0,
               resume=saved, **kept)
     assert f"resumed: step:{saved_at}/{kept['num_iterations']}" in log
+
+
+def test_a_table_cadence_that_cannot_act_is_refused_and_so_is_a_changed_one_mid_cycle(tmp_path, files):
+    # a cadence whose first cycle ends past the run would never step the tables; one with a step past the run changes
+    # nothing
+    with pytest.raises(train_gpt.UserError, match=r"first step after step 8, past the run's --num_iterations 4"):
+        train_gpt.parse_args(tiny_flags(files, num_iterations=4, table_cadence="0:8"), cuda=False)
+    with pytest.raises(train_gpt.UserError, match=r"its step 6 is past the run's --num_iterations 4"):
+        train_gpt.parse_args(tiny_flags(files, num_iterations=4, table_cadence="0:2,6:4"), cuda=False)
+    # saved after step 5 of a 4-step cycle (steps 4 to 7): step 5's gradients summed for its step after step 7, at
+    # the betas of a cycle of 4; a cycle of 2 from there would step them after step 5's sum alone
+    run(tmp_path, files, 1, "saved", save_every=6, table_cadence="0:4", val_loss_every=0)
+    saved = tmp_path / "logs" / "saved" / "step000006.pt"
+    assert checkpoint(tmp_path, "saved", 6)["adam"]["bigram.table.weight"]["held"].any()
+    with pytest.raises(train_gpt.UserError, match=r"--table_cadence '0:2': checkpoint .* holds the tables' gradients "
+                                                  r"summed over part of a cycle of --table_cadence '0:4'"):
+        run(tmp_path, files, 1, "saved", save_every=6, table_cadence="0:2", val_loss_every=0, resume=saved)
