@@ -69,6 +69,14 @@ def need(ok: bool, message: str) -> None:
     if not ok:
         raise UserError(message)
 
+def accepted(check: Callable[[], object]) -> bool:
+    """Whether check() runs without refusing: advice is checked as the run would check it before it is given."""
+    try:
+        check()
+    except UserError:
+        return False
+    return True
+
 def file_size_limit() -> int | None:
     """This process's largest file in bytes (`ulimit -f`), or None where there is no limit."""
     import resource
@@ -2160,7 +2168,7 @@ def check_hyperparameters(args: Hyperparameters) -> None:
     for (start, every), end in zip(cadence, [start for start, _ in cadence[1:]] + [args.num_iterations]):
         need(start < args.num_iterations, f"{flag_value(args, 'table_cadence')}: its step {start} is past the run's "
              f"{flag_value(args, 'num_iterations')} steps, where it changes nothing; leave it out")
-    firsts = [start + (-(start + 1)) % every for start, every in cadence]
+    firsts = [start + (-(start + 1)) % every for start, every in cadence] or [0]
     need(not cadence or any(first < end for first, end in zip(firsts, [s for s, _ in cadence[1:]] +
                                                               [args.num_iterations])),
          f"{flag_value(args, 'table_cadence')}: the tables would first step after step {firsts[0] + 1}, past the "
@@ -2263,6 +2271,13 @@ def check_hyperparameters(args: Hyperparameters) -> None:
          "(no path separators, not dots only)")
     need(not args.kill_switch or not Path(args.kill_switch).is_dir(),
          f"--kill_switch {args.kill_switch} is a directory: name a file (the run stops when it appears)")
+
+def checked(args: Hyperparameters, **change) -> Hyperparameters:
+    """args with these flags changed (as given), refused as the command line's would be."""
+    changed = dataclasses.replace(args, **change)
+    changed.given = getattr(args, "given", set()) | set(change)
+    check_hyperparameters(changed)
+    return changed
 
 def check_world_size(args: Hyperparameters, world_size: int) -> int:
     """Micro-batches per rank for this world size, --tp and --pp; a layout that does not fit is refused."""
@@ -3875,9 +3890,13 @@ def check_run_inputs(args: Hyperparameters, ctx: "ParallelContext") -> tuple[Pat
     resume_path = find_checkpoint(args, ctx)
     checkpoint = load_checkpoint(resume_path) if resume_path else None
     if checkpoint is not None and checkpoint["step"] > args.num_iterations:
-        raise UserError(f"checkpoint {resume_path} is at step {checkpoint['step']}, past --num_iterations "
-                        f"{args.num_iterations}: resume with --num_iterations "
-                        f"{checkpoint['hyperparameters']['num_iterations']} (or at least {checkpoint['step']})")
+        step, saved = checkpoint["step"], saved_hyperparameters(checkpoint, resume_path)
+        advice = [n for n in sorted({max(saved.num_iterations, step), step})
+                  if accepted(lambda: check_schedule_kept(checked(args, num_iterations=n), saved, checkpoint,
+                                                          resume_path))]
+        raise UserError(f"checkpoint {resume_path} is at step {step}, past --num_iterations {args.num_iterations}: "
+                        + (f"resume with --num_iterations {advice[-1]}" + (f" (or at least {advice[0]})"
+                           if len(advice) > 1 else "") if advice else "resume from an earlier checkpoint"))
     if checkpoint is not None:
         check_schedule_kept(args, saved_hyperparameters(checkpoint, resume_path), checkpoint, resume_path)
     on_master(check_run_id_is_free, args, checkpoint)
@@ -6663,9 +6682,9 @@ def host_tier(args: Hyperparameters, world_size: int, needed: int, room: float) 
         return None
     movable = -(-args.bigram_rows // world_size) * args.model_dim * 2
     fraction = math.ceil(100 * (needed - room + args.table_host_fraction * movable) / movable) / 100
-    if fraction >= 1:
-        return None
     change = dict(tables_by_rows=True, table_host_fraction=fraction)
+    if fraction >= 1 or not accepted(lambda: checked(args, **change)):
+        return None
     plan = plan_layout(dataclasses.replace(args, **change), world_size, cuda=True)
     return (change, max(rank["host_tier"] for rank in plan["ranks"])) if peak_of(plan) <= room else None
 
@@ -6712,7 +6731,7 @@ def largest_bigram_table(args: Hyperparameters, world_size: int, room: float, ne
     while rows > small:
         rows -= rows % even
         if planned_peak(dataclasses.replace(args, bigram_rows=rows), world_size) <= room:
-            return rows
+            return rows if accepted(lambda: checked(args, bigram_rows=rows)) else 0
         rows = int(rows * 0.99)
     return 0
 
@@ -6732,8 +6751,9 @@ def fitting_changes(args: Hyperparameters, world_size: int, needed: int, room: f
         options.append((f"--zero {max(args.zero, 1)} --tables_by_rows true", dict(zero=max(args.zero, 1),
                                                                                tables_by_rows=True), world_size))
     fits = []
-    for flags, change, n in options:  # (the longest sequence that fits, then the other ways)
+    for flags, change, n in options:  # (the longest sequence that fits, then the other ways; each one a run takes)
         if not (flags.startswith("--train_seq_len") and any(f.startswith("--train_seq_len") for f in fits)) and \
+                accepted(lambda: check_world_size(checked(args, **change), n)) and \
                 planned_peak(dataclasses.replace(args, **change), n) <= room:
             fits.append(flags)
     fits += [advice for advice in [host_tier_advice(args, world_size, needed, room)] if advice]

@@ -584,3 +584,15 @@ def test_a_table_cadence_that_cannot_act_is_refused_and_so_is_a_changed_one_mid_
     with pytest.raises(train_gpt.UserError, match=r"--table_cadence '0:2': checkpoint .* holds the tables' gradients "
                                                   r"summed over part of a cycle of --table_cadence '0:4'"):
         run(tmp_path, files, 1, "saved", save_every=6, table_cadence="0:2", val_loss_every=0, resume=saved)
+
+
+def test_a_checkpoint_past_the_step_count_is_refused_with_a_step_count_that_resumes_it(tmp_path, files):
+    # advice is a command that works: the step count given is checked as the resume would check it, then taken
+    run(tmp_path, files, 1, "long", save_every=5, num_iterations=5, val_loss_every=0)
+    saved = tmp_path / "logs" / "long" / "step000005.pt"
+    with pytest.raises(train_gpt.UserError, match=r"is at step 5, past --num_iterations 3: resume with "
+                                                  r"--num_iterations 5$") as refused:
+        run(tmp_path, files, 1, "long", num_iterations=3, val_loss_every=0, resume=saved)
+    steps = re.search(r"--num_iterations (\d+)$", str(refused.value)).group(1)
+    assert "resumed: step:5/5" in run(tmp_path, files, 1, "long", num_iterations=steps, val_loss_every=0,
+                                      resume=saved)

@@ -73,3 +73,25 @@ def test_the_memory_check_names_the_largest_bigram_table_that_fits():
     rows = int(re.search(r"--bigram_rows (\d+)", str(refused.value)).group(1))
     assert 990_000 <= rows <= 1_000_000 and rows % 2 == 0
     assert train_gpt.planned_peak(dataclasses.replace(args, bigram_rows=rows), 1) <= free * train_gpt.MEMORY_HEADROOM
+
+
+def test_every_change_the_memory_check_advises_is_one_a_run_accepts_and_it_fits():
+    # the advice is checked as the run would check it: with #92's tail averages, which ZeRO 3 does not keep, neither
+    # --zero 3 nor more processes with it is advised; a host tier for a table stepped by row is, with its host memory;
+    # each advised change, taken, is accepted and fits
+    base = ["--preset", "record89", "--train_seq_len", "256", "--val_seq_len", "256", "--val_tokens", "2048",
+            "--compile", "false", "--seqs_per_step", "4", "--tail_average", "true", "--bigram_optimizer", "rows",
+            *TWO_LAYERS]
+    args = train_gpt.parse_args(base, cuda=True)
+    room = train_gpt.planned_peak(dataclasses.replace(args, zero=3, compile=False), 4) + 2**24  # (ZeRO 3 would fit)
+    assert train_gpt.planned_peak(args, 2) > room
+    with pytest.raises(train_gpt.UserError, match=r"it would fit with ") as refused:
+        train_gpt.check_memory(args, 2, int(room / train_gpt.MEMORY_HEADROOM))
+    advice = re.search(r"it would fit with (.*); --memory_check", str(refused.value)).group(1)
+    assert "--zero 3" not in advice and "--table_host_fraction" in advice and "GB of pinned host memory" in advice
+    for change in re.sub(r" \([^)]*\)", "", advice).split(" or "):
+        processes = re.match(r"(\d+) processes with (.*)", change)
+        world_size, flags = (int(processes[1]), processes[2]) if processes else (2, change)
+        taken = train_gpt.parse_args([*base, *flags.split()], cuda=True)
+        train_gpt.check_world_size(taken, world_size)
+        assert train_gpt.planned_peak(taken, world_size) <= room, change
