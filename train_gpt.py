@@ -2147,6 +2147,8 @@ def check_hyperparameters(args: Hyperparameters) -> None:
     need(not (args.tail_average and args.zero >= 3), "--tail_average with --zero 3: the averages are kept where the "
          "weights are between steps, which ZeRO 3 leaves on their owners alone; that is not built: use --zero 2 or "
          "less")
+    need(args.check_layout.strip() or "check_layout" not in getattr(args, "given", ()), "--check_layout '' names no "
+         "layout: give --check_layout alone for all its layouts, or a comma-separated list of them")
     need(not (args.tables_by_rows and args.tp > 1), f"--tables_by_rows with --tp {args.tp}: a table split over the "
          "tensor-parallel ranks and held by rows over the data-parallel ones is not built; drop one")
     need(args.table_host_fraction < 1, f"{flag_value(args, 'table_host_fraction')} must be below 1: a share of the "

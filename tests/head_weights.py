@@ -69,7 +69,7 @@ from torch import Tensor
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 import train_gpt  # noqa: E402
-from tool_inputs import need_out_folder, open_own, run_tool  # noqa: E402
+from tool_inputs import need, need_at_least, need_out_folder, open_own, run_tool  # noqa: E402
 
 HEAD_CPU = REPO_ROOT.parent / "shared" / "head_cpu"
 GPT2_RANKS = REPO_ROOT / "data" / ".cache" / "gpt2.tiktoken"
@@ -523,6 +523,9 @@ def main(argv=None) -> None:
     parser.add_argument("--no_step1", action="store_true", help="skip the step-1 comparison (initial weights)")
     parser.add_argument("--no_fp32", action="store_true", help="skip #89's fp32 forward against this file's")
     a = parser.parse_args(argv)
+    need_at_least("--steps", a.steps, 2, "head_cpu's schedule, of which --step is one")
+    need(1 <= a.step <= a.steps, f"--step {a.step}: give a step of head_cpu's run, 1 to --steps {a.steps} (its state "
+         "before that step is compared)")
     if a.out:
         need_out_folder("--out", Path(a.out))
     if not (HEAD_CPU / "run_head_cpu.py").is_file():

@@ -209,6 +209,11 @@ def test_a_vocabulary_without_the_end_of_text_token_is_refused_at_parse_time():
     (["--mlp_free_layers", "1", "--double_mlp_layers", "1,2"], "--mlp_free_layers '1' and --double_mlp_layers '1,2' "
                                                                "both name layers [1]"),
     (["--narrow_attention_scale", "0"], "--narrow_attention_scale must be a finite number > 0, got 0.0"),
+    # issue 67: flags that do what they say or are refused
+    (["--check_layout", ""], "--check_layout '' names no layout"),
+    (["--table_host_fraction", "0.5"], "--table_host_fraction 0.5 keeps rows of a table stepped by row in host "
+                                       "memory: it needs --tables_by_rows true, --bigram_optimizer rows"),
+    (["--table_host_fraction", "1", "--tables_by_rows", "--bigram_optimizer", "rows"], "must be below 1"),
 ])
 def test_values_that_cannot_train_are_refused_at_parse_time(argv, words):
     with pytest.raises(train_gpt.UserError) as error:

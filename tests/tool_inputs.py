@@ -31,8 +31,8 @@ def need_files(flag: str, folder: Path, names: tuple[str, ...], what: str) -> No
 
 
 def need_out_folder(flag: str, folder: Path) -> None:
-    """An output folder the tool may make and write into: not a file, under no file, and not a symbolic link (a
-    tool writes only into folders of its own, never through a link)."""
+    """An output folder the tool may make and write into: not a file, under no file, not a symbolic link (a tool
+    writes only into folders of its own, never through a link), and one it can write into (made, and tried)."""
     folder = Path(folder)
     if folder.is_symlink():
         raise FlagError(f"{flag} {folder} is a symbolic link (to {os.readlink(folder)}): a tool writes into folders of "
@@ -44,6 +44,15 @@ def need_out_folder(flag: str, folder: Path) -> None:
     named = ", ".join(f"{link.name} (to {os.readlink(link)})" for link in links[:3])
     need(not links, f"{flag} {folder} holds {len(links)} symbolic link(s): {named}: the tool writes its files there, "
          "never through a link; remove the links, or name another folder")
+    try:  # (made now, and written to once: a report lost after the work, on a read-only disk, is the work lost)
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write_check_{os.getpid()}"
+        with open(probe, "x"):
+            pass
+        probe.unlink()
+    except OSError as e:
+        raise FlagError(f"{flag} {folder}: the tool cannot write there ({e.strerror}): name a folder it may write "
+                        "into") from None
 
 
 def open_own(path: Path, mode: str = "w"):
