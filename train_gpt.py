@@ -1986,7 +1986,7 @@ PRESETS = {
         # steps, then every fourth from step 336, at 70 x #92's base Adam lr 0.008; the weights' tail averages
         matrix_optimizer="anvil", muon_weight_decay=2.25, muon_momentum_peak=0.93, muon_momentum_warmup_steps=240,
         table_cadence="0:2,336:4", bigram_optimizer="rows", lr_embed=0.56, tail_average=True,
-        # the table's 130 GB held by rows over the data-parallel ranks (the plan: 70.7 GB a GPU on 8)
+        # the table's 130 GB held by rows over the data-parallel ranks (the plan: 38.2 GB a GPU on 8, 54.9 on 4)
         zero=1, tables_by_rows=True),
     # record #89 (1.23 minutes on 8 GPUs): this file's defaults, proven step by step against #89's own trainer
     "record89": {},
@@ -2732,6 +2732,9 @@ def build_trainer(args: Hyperparameters, ctx: "ParallelContext", cuda_dtypes: bo
          f"{' (halved in narrow layers)' * bool(narrow)}: FlexAttention's CUDA kernels take heads of "
          f"{FLEX_MIN_HEAD_DIM} dims or more; on a GPU give --head_dim {FLEX_MIN_HEAD_DIM * (2 if narrow else 1)} or "
          "more (and --model_dim = --num_heads x --head_dim)")
+    # (on meta first, as a run's checks build it before any layout: a fork that builds something once and keeps
+    # it then fails here, under --check_layout as in a run)
+    state_shapes = optimizer_state_shapes(args, cuda_dtypes)
     torch.manual_seed(args.seed)
     model = build_model(args, torch.device("meta" if ctx.device.type == "meta" else "cpu"),
                         table_on_meta=Layout.tables_built_by_rows(args, ctx) and not nonzero_init)
@@ -2740,7 +2743,6 @@ def build_trainer(args: Hyperparameters, ctx: "ParallelContext", cuda_dtypes: bo
             nn.init.normal_(p.detach(), std=0.02)
     full_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     groups = optimizer_param_groups(model, args.vocab_size, args.model_dim)  # (refused before any layout work)
-    state_shapes = optimizer_state_shapes(args, cuda_dtypes)
     layout = apply_layout(model, args, ctx, stream_specs)  # on the CPU: slices and stages cut before the copy
     model = to_device(model, ctx.device, cuda_dtypes)
     optimizers = layout.share(build_optimizers(model, groups, args, ctx.device, cuda_dtypes))
@@ -6920,7 +6922,10 @@ def check_layouts(args: Hyperparameters) -> None:
     argv = [f"--{k}={v}" for k, v in flags.items()]
     print(f"checking {len(names)} layouts: the tiny model, 3 steps and a validation, against one process", flush=True)
     # the processes fork from this one, which has trained nothing: they run this file's model as it stands
-    reference = run_on_ranks(train_steps, 1, argv, 3, start_method="fork")[0]
+    try:
+        reference = run_on_ranks(train_steps, 1, argv, 3, start_method="fork")[0]
+    except RuntimeError as e:  # (a run of this model on one process would fail the same way)
+        raise RunEnded(f"one process FAILED: {str(e).strip().splitlines()[-1]}: a run would fail so too", 1) from None
     floors = noise_floors(run_on_ranks(train_steps, 1, argv, 3, "cpu", ROUNDING_JITTER, start_method="fork")[0],
                           reference)
     print(f"one process: validation loss {reference['val_loss']:.6f}; with its gradients jittered by 2**-20 it "

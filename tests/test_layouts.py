@@ -239,6 +239,35 @@ def test_check_layout_finds_a_layout_that_mixes_positions_or_skips_gpt_forward_w
     assert any(line.startswith("pp2_1f1b ") and " DIFFERS " in line for line in lines), done.stdout
 
 
+# a per-token scale of the embedding from a table built once and kept (#375's kind of token-normalisation table, made
+# by a function under functools.cache): the model built on meta first, as a run's checks build it, keeps a table of
+# no values, which every later build then shares
+CACHED_TABLE = [("""        self.embed.tied_to_head = c.tied_embed
+""", """        self.embed.tied_to_head = c.tied_embed
+        self.token_scale = nn.Buffer(token_scales(c.vocab_size), persistent=False)
+"""), ("""            x = self.embed(input_seq)
+            x = norm(""", """            x = self.embed(input_seq) * self.token_scale[input_seq, None]
+            x = norm("""), ("""class GPT(nn.Module):
+""", """@functools.cache
+def token_scales(vocab_size: int) -> Tensor:
+    return torch.linspace(0.5, 1.5, vocab_size)
+
+class GPT(nn.Module):
+""")]
+
+
+def test_check_layout_builds_the_model_as_a_run_does_and_fails_where_the_run_would(tmp_path):
+    # the check builds the model on meta before its one-process run, as main() does: a fork keeping its first build's
+    # table fails there as a run fails at its first step, and the check says so
+    forked = tmp_path / "fork.py"
+    forked.write_text(forked_source(CACHED_TABLE))
+    done = subprocess.run([sys.executable, str(forked), "--check_layout", "dp2"], capture_output=True, text=True,
+                          timeout=300, cwd=REPO_ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 1 and "one process FAILED: " in done.stderr and "device meta" in done.stderr, \
+        done.stdout + done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+
+
 def test_a_second_gated_skip_as_the_readme_writes_it_adds_lines_in_three_places_and_passes_check_layout(tmp_path):
     # the forking section's example: lines added where the gate is made, where layer 0 leaves its output on the
     # stream and where the last layer takes it in, and nothing else; --check_layout on the fork's file trains it
