@@ -185,6 +185,10 @@ FORKS["token_shift_in_a_block"] = [('''        self.mlp = MLP(dim, hidden) if la
         if dense is not None:''', f'''        x = x + self.shift_gain * {SHIFT.format("x")}
         dense_value = None
         if dense is not None:''')]
+# a token-id table read in the layer loop (#378's document copy feature's kind): whole sequences, where sequence
+# parallelism hands the layer a part of one
+FORKS["token_table_in_the_layer_loop"] = [("""            dense = i == c.dense_layer""", """            s.x = s.x + 0.01 * norm(self.embed(input_seq))[None]
+            dense = i == c.dense_layer""")]
 # a weight matrix inside attention, on its heads' output, that neither reads the region's input nor writes its
 # output: no tensor-parallel rule places it
 FORKS["unplaced_matrix_in_attention"] = [('''        self.sum_over_heads = SumOverHeads() if composed else None

@@ -173,6 +173,15 @@ def test_sequence_parallelism_refuses_a_token_shift_inside_a_block_by_name(layou
         build_edited(layout_files, "token_shift_in_a_block", tp=2, sp=True)
 
 
+def test_sequence_parallelism_refuses_by_name_a_layer_that_fails_on_part_of_the_sequence(layout_files):
+    # the probe runs the layer on a part of the sequence: what fails there is refused as what gives another result
+    build_edited(layout_files, "token_table_in_the_layer_loop", tp=2)
+    with pytest.raises(fork("token_table_in_the_layer_loop").UserError, match=r"sequence parallelism: layer 0 mixes "
+                       r"positions outside attention and the MLP \(run on a part of the sequence, its part of "
+                       r"GPT.forward raises RuntimeError: The size of tensor a \(64\)"):
+        build_edited(layout_files, "token_table_in_the_layer_loop", tp=2, sp=True)
+
+
 def test_a_matrix_no_module_kind_claims_is_muons_when_of_the_stream_width_and_refused_otherwise():
     model = nn.Module()
     model.bank = nn.Parameter(torch.zeros(6, 3, 64, 32))  # per layer, three matrices reading the 32-wide stream
