@@ -2639,9 +2639,15 @@ ADAM_RECIPES = {
                gate=dict(betas=(0.9, 0.99), cautious_weight_decay=0.005)),
 }
 
-def optimizer_param_groups(model: nn.Module, vocab_size: int, model_dim: int) -> dict[str, list[str]]:
-    """The names of each optimizer group's parameters, by the kind of module holding each. A matrix (or a bank of
-    them) that no module kind claims is a hidden matrix when it is one of the stream's width; otherwise refused."""
+VECTOR_STACK_ROWS = 32  # a 2-D parameter of fewer rows, no module kind claiming it, is a stack of vectors (Adam's)
+
+def optimizer_param_groups(model: nn.Module, vocab_size: int, model_dim: int,
+                           placed_by_shape: list[str] | None = None) -> dict[str, list[str]]:
+    """The names of each optimizer group's parameters, by the kind of module holding each. A parameter no module
+    kind claims is placed by its shape: a stack of vectors (one per layer or head: fewer than VECTOR_STACK_ROWS
+    rows) is Adam's, as a vector is; a matrix (or a bank of them) of the stream's width is a hidden one, Muon's;
+    any other is refused. Its `optimizer` attribute ("adam" or "muon") chooses instead; placed_by_shape gets a line
+    for each placed so."""
     kinds, lr_scales = collections.defaultdict(set), collections.defaultdict(set)
     hashed = {m.table.weight for m in model.modules() if isinstance(m, BigramHashEmbedding)}
     for module in model.modules():
@@ -2652,18 +2658,35 @@ def optimizer_param_groups(model: nn.Module, vocab_size: int, model_dim: int) ->
                          "gate" if isinstance(module, (Gate, GateNetwork)) else "scalar" if p.ndim < 2 else
                          "head" if is_head(module, vocab_size) or getattr(module, "tied_to_head", False) else
                          "muon" if linear else "ngram" if p in hashed
-                         else "embed" if isinstance(module, nn.Embedding) else
-                         "muon" if model_dim in p.shape[-2:] else None)
+                         else "embed" if isinstance(module, nn.Embedding) else placed(p, model_dim))
     groups = {kind: [] for kind in OPTIMIZER_GROUPS}
+    claimed = {p for module in model.modules() if isinstance(module, (CastedLinear, nn.Linear, nn.Embedding, Gate,
+                                                                      GateNetwork, SublayerScales))
+               for p in module.parameters(recurse=False)}
     for name, p in model.named_parameters():
         kind = next((kind for kind in OPTIMIZER_GROUPS if kind in kinds[p]), None)
+        if placed_by_shape is not None and p.ndim >= 2 and p not in claimed and kind in ("scalar", "muon"):
+            chosen = f"its optimizer attribute {p.optimizer!r}" if hasattr(p, "optimizer") else "its shape"
+            placed_by_shape.append(f"{name} {tuple(p.shape)}: {'Muon' if kind == 'muon' else 'Adam'}, by {chosen} "
+                                   "(set its `optimizer` attribute to \"adam\" or \"muon\" to choose)")
         need(kind is not None, f"{name} is a {p.ndim}-D parameter of shape {tuple(p.shape)} held by no linear layer, "
-             f"embedding or head, and not a matrix of the stream's width ({model_dim}), so no optimizer rule places "
-             "it: hold it in a CastedLinear (Muon) or an nn.Embedding (Adam), or make it a vector (Adam)")
+             f"embedding or head, and not a matrix of the stream's width ({model_dim}) nor a stack of fewer than "
+             f"{VECTOR_STACK_ROWS} vectors, so no optimizer rule places it: hold it in a CastedLinear (Muon) or an "
+             "nn.Embedding (Adam), or set its `optimizer` attribute to \"adam\" or \"muon\"")
         need(len(lr_scales[p]) == 1, f"{name} is held by modules of different lr_scale ({sorted(lr_scales[p])}), "
              "so its Adam lr is not one number: give the modules that share it one lr_scale")
         groups[kind].append(name)
     return groups
+
+def placed(p: Tensor, model_dim: int) -> str | None:
+    """The optimizer group of a parameter no module kind claims (optimizer_param_groups)."""
+    if hasattr(p, "optimizer"):
+        need(p.optimizer in ("adam", "muon"), f"a parameter of shape {tuple(p.shape)} has the optimizer attribute "
+             f"{p.optimizer!r}: give \"adam\" or \"muon\"")
+        return "scalar" if p.optimizer == "adam" else "muon"
+    if p.ndim == 2 and p.size(0) < VECTOR_STACK_ROWS:  # (Muon would orthogonalise a handful of rows: not a matrix)
+        return "scalar"
+    return "muon" if model_dim in p.shape[-2:] else None
 
 def held_attribute(model: nn.Module, name: str, default) -> dict[Tensor, object]:
     """Each parameter's value of an attribute of the module holding it (the default where it has none)."""
@@ -3062,7 +3085,9 @@ def train(args: Hyperparameters, ctx: "ParallelContext") -> float:
         trainer = build_trainer(args, ctx)
         if args.compile and args.warmup_steps > 0:
             warmup_and_restore(trainer, args.warmup_steps)
-        run.start(trainer, notes=[fp8] if fp8 else [])  # restores the checkpoint, then opens the log
+        placed_by_shape = []  # (a fork's parameters no module kind claims: the optimizer each gets, said)
+        optimizer_param_groups(build_model(args, torch.device("meta")), args.vocab_size, args.model_dim, placed_by_shape)
+        run.start(trainer, notes=([fp8] if fp8 else []) + [f"optimizer: {line}" for line in placed_by_shape])
         mask_build = CanonicalMaskBuild(args.vocab_size) if args.canonical_mask and ctx.is_master else None
         train_loader = train_batches(trainer, run.data_position)
         val_loss = float("nan")

@@ -182,16 +182,25 @@ def test_sequence_parallelism_refuses_by_name_a_layer_that_fails_on_part_of_the_
         build_edited(layout_files, "token_table_in_the_layer_loop", tp=2, sp=True)
 
 
-def test_a_matrix_no_module_kind_claims_is_muons_when_of_the_stream_width_and_refused_otherwise():
+def test_a_parameter_no_module_kind_claims_is_placed_by_its_shape_or_its_attribute_and_refused_otherwise():
     model = nn.Module()
     model.bank = nn.Parameter(torch.zeros(6, 3, 64, 32))  # per layer, three matrices reading the 32-wide stream
     model.gains = nn.Parameter(torch.zeros(6))
     assert train_gpt.optimizer_param_groups(model, vocab_size=50257, model_dim=32) == dict(
         scalar=["gains"], residual_scale=[], output_scale=[], gate=[], head=[], ngram=[], embed=[], muon=["bank"])
-    model.table = nn.Parameter(torch.zeros(5, 4))
-    with pytest.raises(train_gpt.UserError, match=r"table is a 2-D parameter of shape \(5, 4\) held by no linear "
+    # a stack of per-layer vectors of the stream's width is Adam's (Muon would orthogonalise its 6 rows as a matrix),
+    # said in a line the log prints; its `optimizer` attribute chooses otherwise
+    model.layer_gates = nn.Parameter(torch.zeros(6, 32))
+    placed = []
+    assert train_gpt.optimizer_param_groups(model, 50257, 32, placed)["scalar"] == ["gains", "layer_gates"]
+    assert placed == [f"{name}: {kind}, by its shape (set its `optimizer` attribute to \"adam\" or \"muon\" to "
+                      "choose)" for name, kind in (("bank (6, 3, 64, 32)", "Muon"), ("layer_gates (6, 32)", "Adam"))]
+    model.layer_gates.optimizer = "muon"
+    assert train_gpt.optimizer_param_groups(model, 50257, 32)["muon"] == ["bank", "layer_gates"]
+    model.table = nn.Parameter(torch.zeros(40, 4))
+    with pytest.raises(train_gpt.UserError, match=r"table is a 2-D parameter of shape \(40, 4\) held by no linear "
                                                   r"layer, embedding or head, and not a matrix of the stream's width "
-                                                  r"\(32\)"):
+                                                  r"\(32\) nor a stack of fewer than 32 vectors"):
         train_gpt.optimizer_param_groups(model, vocab_size=50257, model_dim=32)
 
 
