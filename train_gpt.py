@@ -5126,8 +5126,9 @@ class GradientBuckets:
         missing = [i for i in reducing if self.reduced[i] is None]
         if missing:
             shapes = [tuple(p.shape) for p in self.buckets[missing[0]] if p.grad is None]
-            raise RuntimeError(f"gradient bucket {missing[0]} was never reduced; parameters without a gradient "
-                               f"this step: {shapes}")
+            raise UserError(f"parameters of shape {shapes} got no gradient this step, so their gradient bucket "
+                            f"({missing[0]}) was never reduced: the model's forward does not use them; use them or "
+                            "remove them")
         for bucket, reduced, handles in ((self.buckets[i], self.reduced[i], self.handles[i]) for i in reducing):
             for handle in handles:
                 handle.wait()
