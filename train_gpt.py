@@ -2056,12 +2056,33 @@ def parse_args(argv=None, cuda: bool | None = None) -> Hyperparameters:
                           {int: "N", float: "X", str: "TEXT"}[field.type])
         group.add_argument(f"--{field.name}", **kwargs)
     flags = parser.parse_args(argv)
+    need(flags.check_layout is None or flags.check_layout.strip(), "--check_layout '' names no layout: give "
+         "--check_layout alone for all its layouts, or a comma-separated list of them")
     preset = flags.preset or ("record" if cuda or flags.plan else "cpu")
     args = Hyperparameters(**dict(PRESETS[preset], preset=preset,
                                   **{k: v for k, v in vars(flags).items() if v is not None and k != "preset"}))
     args.given = {k for k, v in vars(flags).items() if v is not None}  # (not a field: the log lists the values)
     check_hyperparameters(args)
+    for name in sorted(args.given & ACTS_ONLY_WITH.keys()):  # (a checkpoint's flags are held to the rest alone)
+        needed, acts = ACTS_ONLY_WITH[name]
+        need(acts(args) or getattr(args, name) is False, f"--{name} {getattr(args, name)!r} acts only with {needed}, "
+             "which this run does not have: it would change nothing; drop it, or give that too")
     return args
+
+# flags that act only beside another flag's value: given without it (a boolean: set), they would change nothing
+ACTS_ONLY_WITH = {
+    **dict.fromkeys(("prompt", "max_new_tokens", "temperature", "top_k", "num_samples"),
+                    ("--sample (a checkpoint to sample from) or --sample_every",
+                     lambda args: args.sample or args.sample_every)),
+    **dict.fromkeys(("nproc", "plan_device"), ("--plan", lambda args: args.plan)),
+    "pp_schedule": ("--pp 2 or more", lambda args: args.pp > 1),
+    "anvil_blend_step": ("--matrix_optimizer anvil", lambda args: args.matrix_optimizer == "anvil"),
+    "prefix_quarters": ("--prefix_loss true", lambda args: args.prefix_loss),
+    "mudd_head": ("--mudd true", lambda args: args.mudd),
+    "narrow_attention_scale": ("--narrow_qk_layers", lambda args: args.narrow_qk_layers.strip()),
+    **dict.fromkeys(("trigrams", "bigram_optimizer", "bigram_layers"),
+                    ("an n-gram table (--bigram_rows)", lambda args: args.bigram_rows)),
+}
 
 # what each flag of layer indices takes
 LAYER_FLAGS = {"attention_free_layers": (None, "comma-separated layer indices such as '6', or '' for none"),
@@ -2147,8 +2168,6 @@ def check_hyperparameters(args: Hyperparameters) -> None:
     need(not (args.tail_average and args.zero >= 3), "--tail_average with --zero 3: the averages are kept where the "
          "weights are between steps, which ZeRO 3 leaves on their owners alone; that is not built: use --zero 2 or "
          "less")
-    need(args.check_layout.strip() or "check_layout" not in getattr(args, "given", ()), "--check_layout '' names no "
-         "layout: give --check_layout alone for all its layouts, or a comma-separated list of them")
     need(not (args.tables_by_rows and args.tp > 1), f"--tables_by_rows with --tp {args.tp}: a table split over the "
          "tensor-parallel ranks and held by rows over the data-parallel ones is not built; drop one")
     need(args.table_host_fraction < 1, f"{flag_value(args, 'table_host_fraction')} must be below 1: a share of the "
@@ -2918,7 +2937,7 @@ class CanonicalMaskBuild:
         return np.frombuffer(self.shared, dtype=np.uint8).reshape(self.rows, self.rows // 8)
 
     def note(self, why: str) -> None:
-        print_if_possible(f"canonical mask: {why}: built in the process at the final validation", file=sys.stderr)
+        print(f"canonical mask: {why}: built in the process at the final validation", file=sys.stderr, flush=True)
 
     def result(self) -> Tensor:
         """The mask, once the child has ended (built here where it did not build it)."""

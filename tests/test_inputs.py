@@ -214,6 +214,12 @@ def test_a_vocabulary_without_the_end_of_text_token_is_refused_at_parse_time():
     (["--table_host_fraction", "0.5"], "--table_host_fraction 0.5 keeps rows of a table stepped by row in host "
                                        "memory: it needs --tables_by_rows true, --bigram_optimizer rows"),
     (["--table_host_fraction", "1", "--tables_by_rows", "--bigram_optimizer", "rows"], "must be below 1"),
+    (["--top_k", "5"], "--top_k 5 acts only with --sample (a checkpoint to sample from) or --sample_every"),
+    (["--nproc", "4"], "--nproc 4 acts only with --plan"),
+    (["--anvil_blend_step", "3"], "--anvil_blend_step 3 acts only with --matrix_optimizer anvil"),
+    (["--pp_schedule", "afab"], "--pp_schedule 'afab' acts only with --pp 2 or more"),
+    (["--bigram_optimizer", "rows", "--bigram_rows", "0"], "--bigram_optimizer 'rows' acts only with an n-gram "
+                                                           "table (--bigram_rows)"),
 ])
 def test_values_that_cannot_train_are_refused_at_parse_time(argv, words):
     with pytest.raises(train_gpt.UserError) as error:

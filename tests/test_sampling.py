@@ -127,7 +127,8 @@ def test_a_prompt_may_hold_a_document_start_and_the_least_temperature_samples_th
                                                                                               capsys):
     """Issue 32, case 5: `<|endoftext|>` in --prompt once raised tiktoken's ValueError (it is the token that starts
     each document), and --temperature 1e-45 gave inf and nan to multinomial (it is greedy sampling)."""
-    args = train_gpt.parse_args(["--preset", "tiny", "--prompt", "<|endoftext|> hello"], cuda=False)
+    args = train_gpt.parse_args(["--preset", "tiny", "--prompt", "<|endoftext|> hello", "--sample_every", "10"],
+                                cuda=False)
     encoding = train_gpt.gpt2_encoding()
     assert train_gpt.sampling_prompt(args, encoding, 128, 1) == [train_gpt.EOT_TOKEN] * 2 + encoding.encode(" hello")
     texts = [sampled(saved, "--prompt", "<|endoftext|>To be", "--max_new_tokens", "40", *flags)
