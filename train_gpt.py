@@ -709,6 +709,9 @@ class CausalSelfAttention(nn.Module):
         self.v = CastedLinear(dim, num_heads * self.v_dim)
         self.value_scale = nn.Parameter(torch.tensor(0.5))  # #89's 0.5 on the v weight (q and k are normed)
         self.rotary = rotary or Rotary(qk_dim)
+        # #89's and #92's second attention scalar (sa_lambdas[1]) on the output projection, apart from the block's
+        # scale of attention's output: a scalar's lr and betas, where the block's has an output scale's
+        self.proj_scale = nn.Parameter(torch.tensor(1.0))
         self.c_proj = CastedLinear(num_heads * self.v_dim, dim)
         if zero_out:  # each block starts as the identity (#23's); else uniform as the other matrices (#89's, #64)
             self.c_proj.weight.detach().zero_()
@@ -732,7 +735,7 @@ class CausalSelfAttention(nn.Module):
             y = y - torch.tanh(xsa.type_as(y))[..., None] * along_v * v
         if output_gate is not None:
             y = y * output_gate.type_as(y)[..., None]
-        return self.c_proj(y.contiguous().view(B, T, -1))
+        return self.c_proj((self.proj_scale.type_as(y) * y).contiguous().view(B, T, -1))
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: BlockMask | Tensor) -> Tensor:
         """Each head's attention output (B, T, H, D) from its rotated queries and keys and its values; paired, over
@@ -798,12 +801,13 @@ class MLP(nn.Module):
 
 class Gate(nn.Module):
     """A learned per-token gate's logits: a linear map of the first `reads` channels of its input, starting at zero.
-    Adam trains it (a few rows are no hidden matrix for Muon) at lr_scale times the gates' lr (--lr_gate)."""
+    Adam trains it (a few rows are no hidden matrix for Muon) at lr_scale times the gates' lr (--lr_gate), with the
+    gates' decay where it decays."""
 
-    def __init__(self, reads: int, outputs: int, lr_scale: float = 1.0):
+    def __init__(self, reads: int, outputs: int, lr_scale: float = 1.0, decays: bool = True):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(outputs, reads))
-        self.lr_scale = lr_scale
+        self.lr_scale, self.decays = lr_scale, decays
 
     def forward(self, x: Tensor) -> Tensor:
         return F.linear(x[..., :self.weight.size(-1)], self.weight.type_as(x))
@@ -811,11 +815,11 @@ class Gate(nn.Module):
 class Smear(nn.Module):
     """Each token's embedding takes in a gated share of the previous token's (#89's smear, by @classiclarryd):
     x_t + scale sigmoid(gate(x_t)) x_(t-1), the scale starting at 0 and the gate, reading 12 channels, learning at
-    1/100 of the gates' lr."""
+    1/100 of the gates' lr and not decayed (#89's and #92's `smear_gate`)."""
 
     def __init__(self, gate_channels: int = 12):
         super().__init__()
-        self.gate = Gate(gate_channels, 1, lr_scale=0.01)
+        self.gate = Gate(gate_channels, 1, lr_scale=0.01, decays=False)
         self.scale = nn.Parameter(torch.zeros(()))
 
     def forward(self, x: Tensor) -> Tensor:  # (T, D): one sequence's embeddings
@@ -880,17 +884,21 @@ class BigramHashEmbedding(nn.Module):
 
 class GateNetwork(nn.Module):
     """Per-token coefficients for the layers it serves, read off the stream entering the first of them:
-    (W2 gelu(W1 x) + b) s, 64 hidden units, s a learned scale starting at 0.1 (#85's gate networks), or MUDD's fixed
-    0.1 (dynamic dense connections, Xiao et al. 2025; #40, #81). W2 starts at zero, so each coefficient starts at its
-    block's value. Adam trains it as a gate, at lr_scale times the gates' lr (#89's: 1/10; MUDD's 1/4). With
+    (W2 gelu(W1 x) + b) s, 64 hidden units, s a learned scale starting at 0.1 that every gate network shares (#85's
+    gate networks; #89's and #92's one `_mudd_gate_scale`), or MUDD's fixed 0.1 (dynamic dense connections, Xiao et
+    al. 2025; #40, #81). W2 starts at zero, so each coefficient starts at its block's value. Adam trains it as a gate,
+    at lr_scale times the gates' lr (#89's: 1/10; MUDD's 1/4), and decays its matrices, not b or s (as #89 and #92:
+    `wd_mul` 0 on their biases and scale). With
     channel_groups G (#92's head: 12), each coefficient (of width 1) is one per channel: for each of G equal groups of
     channels, its value plus a delta of its own from a third map of the hidden units, D gelu(W1 x) times the scale, D
     starting at zero."""
     SCALE = 0.1
+    decays = False  # (Adam: its own parameters are b and s; its Gates' matrices decay)
 
     def __init__(self, dim: int, wanted: dict[str, dict[str, tuple[int, float]]], hidden: int = 64,
                  lr_scale: float = 0.1, learned_scale: bool = True, channel_groups: int = 0):
-        """wanted: layer -> coefficient name -> (width, starting value, or a tuple of one for each)."""
+        """wanted: layer -> coefficient name -> (width, starting value, or a tuple of one for each); learned_scale:
+        s is a parameter of its own, or MUDD's constant (the forward may be handed another network's)."""
         super().__init__()
         self.widths = {layer: {name: width for name, (width, _) in coefs.items()} for layer, coefs in wanted.items()}
         starts = [s for coefs in wanted.values() for width, start in coefs.values()
@@ -905,8 +913,10 @@ class GateNetwork(nn.Module):
         self.channel_groups = channel_groups
         self.group_deltas = Gate(hidden, len(starts) * channel_groups, lr_scale) if channel_groups else None
 
-    def forward(self, x: Tensor) -> dict[str, dict[str, Tensor]]:
-        scale = self.scale.type_as(x) if isinstance(self.scale, Tensor) else self.scale
+    def forward(self, x: Tensor, scale: Tensor | float | None = None) -> dict[str, dict[str, Tensor]]:
+        """Each served layer's coefficients by name; scale: s where it is another network's (shared)."""
+        scale = self.scale if scale is None else scale
+        scale = scale.type_as(x) if isinstance(scale, Tensor) else scale
         hidden = F.gelu(self.hidden(x))
         coefs = (self.out(hidden) + self.bias.type_as(x)) * scale
         if self.group_deltas is None:
@@ -1404,8 +1414,12 @@ class GPT(nn.Module):
         starts = [i for i, layer in enumerate(c.layers) if layer.gate_network] + [c.num_layers]
         wanted = {start: {i: self.blocks[i].gate_coefficients for i in range(start, end)
                           if self.blocks[i].gate_coefficients} for start, end in zip(starts, starts[1:])}
-        self.gate_networks = nn.ModuleDict({str(start): GateNetwork(c.model_dim, layers)
-                                            for start, layers in wanted.items() if layers})
+        # one learned scale for them all (#89's and #92's one `_mudd_gate_scale`): the first network's, which
+        # GPT.forward hands to the others
+        serving = [start for start, layers in wanted.items() if layers]
+        self.gate_networks = nn.ModuleDict({str(start): GateNetwork(c.model_dim, wanted[start],
+                                                                    learned_scale=start == serving[0])
+                                            for start in serving})
         # MUDD's networks: the dense layer's coefficients, and the head's: one for each earlier state its input takes
         # in (the backout folded in, starting at -0.5), per token, or with #92's head per group of channels
         head_sources = ("first_input", "attended", "penultimate", "value_embed", "skip") if c.mudd_head == "89" else (
@@ -1460,7 +1474,8 @@ class GPT(nn.Module):
             block, layer = self.blocks[i], c.layers[i]
             for networks in (self.gate_networks, self.dense_networks):  # per-token coefficients, by layer
                 if str(i) in networks:
-                    for j, coefficients in networks[str(i)](s.x).items():
+                    shared_scale = self.gate_scale() if networks is self.gate_networks else None
+                    for j, coefficients in networks[str(i)](s.x, shared_scale).items():
                         s.gates[j] = {**s.gates.get(j, {}), **coefficients}
             gates = s.gates.pop(i, {})
             if layer.bigram == "input":  # the bigram embedding joins the first layer's input
@@ -1503,6 +1518,10 @@ class GPT(nn.Module):
         out = self.lm_head(norm(x)[0], target_seq, previous=None if self.training else input_seq,
                            candidates=candidates)
         return out if self.training or target_seq is None else out / len(target_seq)
+
+    def gate_scale(self) -> Tensor:
+        """The gate networks' one learned scale: the first network's."""
+        return next(iter(self.gate_networks.values())).scale
 
     def head_sources(self, s: Stream) -> dict[str, Tensor]:
         """The earlier states MUDD's head takes in, by name (GPT.__init__ starts their shares)."""
@@ -2645,8 +2664,9 @@ OPTIMIZER_GROUPS = ("scalar", "residual_scale", "output_scale", "gate", "head", 
 # #89's where its lrs are this file's: the token and value embeddings share the lr of its value embeddings (0.6), the
 # scalars that of its scalars (0.04), as its residual scales do, and its output scales a fifth of it (its base 0.008);
 # the head #89's (its decay 150 x its base 0.005), at its lr 0.008, which the token embedding tied to it takes too
-# (#89's, apart or not); the gates its base lr 0.008 and decay 0.005 (the smear's gate has none there: 0.005 x
-# (0.01 x 0.008)^2 is nothing). The hashed n-gram table (ngram) is an embedding to both
+# (#89's, apart or not); the gates its base lr 0.008 and decay 0.005 (a module's `decays` False exempts its own
+# parameters: the smear's gate, a gate network's bias and scale, as #89 and #92 exempt them). The hashed n-gram
+# table (ngram) is an embedding to both
 ADAM_RECIPES = {
     "23": dict(head=dict(betas=(0.8, 0.95)), embed=dict(betas=(0.8, 0.95)), ngram=dict(betas=(0.8, 0.95)),
                scalar=dict(betas=(0.8, 0.95)), residual_scale=dict(betas=(0.8, 0.95)),
@@ -2719,7 +2739,7 @@ def build_optimizers(model: nn.Module, groups: dict[str, list[str]], args: Hyper
     rows the n-gram table steps as #92's does."""
     params = dict(model.named_parameters())
     held = {kind: [params[name] for name in names if name in params] for kind, names in groups.items()}
-    lr_scale = held_attribute(model, "lr_scale", 1.0)
+    lr_scale, decays = held_attribute(model, "lr_scale", 1.0), held_attribute(model, "decays", True)
     lrs = dict(head=args.lr_head, ngram=args.lr_embed, embed=args.lr_embed, scalar=args.lr_scalar,
                residual_scale=args.lr_scalar, output_scale=args.lr_scalar, gate=args.lr_gate)
     recipes = {kind: dict(ADAM_RECIPES[args.optimizer_recipe][kind]) for kind in lrs}
@@ -2727,8 +2747,9 @@ def build_optimizers(model: nn.Module, groups: dict[str, list[str]], args: Hyper
         recipes[kind]["own_cadence"] = True
     recipes["ngram"]["rows"] = args.bigram_optimizer == "rows"
     lrs = {kind: lr * recipes[kind].pop("lr_scale", 1.0) for kind, lr in lrs.items()}
-    adam = Adam([dict(params=[p for p in held[kind] if lr_scale[p] == scale], lr=lrs[kind] * scale, **recipes[kind])
-                 for kind in lrs for scale in sorted({lr_scale[p] for p in held[kind]})],
+    adam = Adam([dict(params=[p for p in held[kind] if (lr_scale[p], decays[p]) == split], lr=lrs[kind] * split[0],
+                      **{**recipes[kind], **({} if split[1] else dict(cautious_weight_decay=0.0))})
+                 for kind in lrs for split in sorted({(lr_scale[p], decays[p]) for p in held[kind]})],
                 fused=device.type != "meta")  # (stages lack some kinds; meta: the plan)
     anvil = args.matrix_optimizer == "anvil"
     orthogonalize = anvil_quintics if anvil else polar_express

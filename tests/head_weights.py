@@ -32,15 +32,15 @@ index among those with attention, i - (i > 6)). Heads keep #89's order: in a pai
 - qk_bank[6a:6a+6] (rows: q heads, then k heads) -> blocks.i.attn.qk.weight (2, W, W): as is (#89's sa_lambda0 on q
   and k is undone by the QK-norm), each head's rows permuted for the rotary (rotary_permutation)
 - vo_bank[2a]; scalars[2i] -> blocks.i.attn.v.weight; attn.value_scale: as is
-- vo_bank[2a + 1] -> blocks.i.attn.c_proj.weight: times sa_lambda1 = scalars[2i + 1]
+- vo_bank[2a + 1]; scalars[2i + 1] -> blocks.i.attn.c_proj.weight; attn.proj_scale: as is
 - mlp_bank[i, 0]; mlp_bank[i, 1] (4W, W) -> blocks.i.mlp.c_fc.weight; blocks.i.mlp.c_proj.weight (W, 4W): as is;
   transposed
 - resid_lambdas[i], post_lambdas[i] ([:, 0] attention, [:, 1] MLP) -> blocks.i.attn_scales.residual, .output,
   blocks.i.mlp_scales.residual, .output
 - ve_gate_bank[0..3] -> blocks.{1,2,8,9}.value_gate.weight: as is
 - mudd_gate_w1[g], mudd_gate_w2[g], mudd_gate_b2[g], _mudd_gate_scale (g = 0: pre, 1: post) ->
-  gate_networks.{0,4}.hidden.weight, .out.weight, .bias, .scale: the out rows and bias in this file's order
-  (GATE_LAYOUT)
+  gate_networks.{0,4}.hidden.weight, .out.weight, .bias, and the first's .scale: the out rows and bias in this
+  file's order (GATE_LAYOUT)
 - mudd_w1[m], mudd_w2[m], mudd_b2[m] (m = 0: layer 10, 1: post-loop) -> dense_networks.{10,head}.hidden.weight,
   .out.weight, .bias: rows in this file's order (DENSE_LAYOUT)
 
@@ -49,8 +49,8 @@ layer 6's sa_lambdas and attention resid/post lambdas, the dense layer 10's resi
 coefficients there) and its ve_gate_bank[4] (MUDD's lanes gate its value embedding), mlp_bank[11] (padding to 12
 layers), the value tables' rows past the vocabulary, mudd_gate_w2/b2[0] rows 26-40 (the pre gate uses 26 of 41),
 mudd_w2/b2[1] rows 5-13 (the post-loop uses 5 of 14), and the buffers of #89's FP8 MLP (this file has none) and its
-rotary tables and prefix table (built here). #89's one _mudd_gate_scale is both gate networks' scale: each of this
-file's two networks gets a copy (the same forward; in training this file learns two scales where #89 learns one).
+rotary tables and prefix table (built here). #89's one _mudd_gate_scale is both gate networks' scale, as this file's
+`gate_networks.0.scale` is (the first network's, handed to the second).
 """
 import argparse
 import glob
@@ -223,7 +223,8 @@ def port_state_from_head(head_weights: dict[str, Tensor], model: train_gpt.GPT) 
         out[p + "attn.qk.weight"] = qk[:, rows]
         out[p + "attn.v.weight"] = h["vo_bank"][2 * a]
         out[p + "attn.value_scale"] = lambda_in
-        out[p + "attn.c_proj.weight"] = lambda_out * h["vo_bank"][2 * a + 1]
+        out[p + "attn.proj_scale"] = lambda_out
+        out[p + "attn.c_proj.weight"] = h["vo_bank"][2 * a + 1]
         if block.attn_scales is not None:
             out[p + "attn_scales.residual"], out[p + "attn_scales.output"] = h["resid_lambdas"][i, 0], \
                 h["post_lambdas"][i, 0]
@@ -232,7 +233,7 @@ def port_state_from_head(head_weights: dict[str, Tensor], model: train_gpt.GPT) 
         out.update({f"gate_networks.{name}.hidden.weight": h["mudd_gate_w1"][g],
                     f"gate_networks.{name}.out.weight": h["mudd_gate_w2"][g, rows_],
                     f"gate_networks.{name}.bias": h["mudd_gate_b2"][g, rows_],
-                    f"gate_networks.{name}.scale": h["_mudd_gate_scale"]})  # one scale for both in #89
+                    **({f"gate_networks.{name}.scale": h["_mudd_gate_scale"]} if g == 0 else {})})  # (one, shared)
     for m, (name, network) in enumerate(model.dense_networks.items()):
         rows_ = _network_rows(network.widths, DENSE_LAYOUT[name])
         out.update({f"dense_networks.{name}.hidden.weight": h["mudd_w1"][m],

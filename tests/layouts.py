@@ -151,7 +151,7 @@ FORKS = {"forks": [
 PAIRS = '''        q, k = self.rotary(norm(q), norm(k))  # heads j and j + H/2 as one head of twice the width
         pairs = [torch.cat(t.chunk(2, dim=2), dim=-1).transpose(1, 2) for t in (q, k, self.values(v, ve))]
         y = attention(*pairs, mask, self.rotary.attention_scale).transpose(1, 2)
-        return self.c_proj(torch.cat(y.chunk(2, dim=-1), dim=2).reshape(B, T, -1))
+        return self.c_proj(self.proj_scale * torch.cat(y.chunk(2, dim=-1), dim=2).reshape(B, T, -1))
 '''
 NO_PAIRED_HEADS = ('''                 paired_head_layers="2,5", dc_layers="3",''', '''                 paired_head_layers="", dc_layers="3",''')
 FORKS["heads_in_pairs"] = [NO_PAIRED_HEADS, ('''        B, T = q.size(0), q.size(1)  # B == 1: masks are per sequence
@@ -194,8 +194,8 @@ FORKS["token_table_in_the_layer_loop"] = [("""            dense = i == c.dense_l
 FORKS["unplaced_matrix_in_attention"] = [('''        self.sum_over_heads = SumOverHeads() if composed else None
 ''', '''        self.sum_over_heads = SumOverHeads() if composed else None
         self.mix = CastedLinear(dim, dim)
-'''), ('''        return self.c_proj(y.contiguous().view(B, T, -1))''',
-       '''        return self.c_proj(self.mix(y.contiguous().view(B, T, -1)))''')]
+'''), ('''        return self.c_proj((self.proj_scale.type_as(y) * y).contiguous().view(B, T, -1))''',
+       '''        return self.c_proj(self.mix((self.proj_scale.type_as(y) * y).contiguous().view(B, T, -1)))''')]
 # a value embedding handed to attention ungated (#23's form): a stream tensor only attention reads, whole under
 # sequence parallelism, entering beside the input as each rank's heads' part
 FORKS["ungated_value_embeds"] = [

@@ -39,10 +39,11 @@ def gated_by_the_formula(block, read, ve):
     return torch.cat([gate[:, h:h + 1] * part for h, part in enumerate(ve.chunk(gate.size(-1), dim=-1))], dim=-1)
 
 
-def coefficients_by_the_formula(network, x):
+def coefficients_by_the_formula(network, x, scale=None):
     """#85's gate network and MUDD's: (W2 gelu(W1 x) + b) s, cut into its layers' coefficients in the order it lists
-    them (MUDD's: its dense layer's, or the head's)."""
-    flat = (F.gelu(x @ network.hidden.weight.T) @ network.out.weight.T + network.bias) * network.scale
+    them (MUDD's: its dense layer's, or the head's); s the network's own, or the one every gate network shares."""
+    flat = (F.gelu(x @ network.hidden.weight.T) @ network.out.weight.T + network.bias) * \
+        (network.scale if scale is None else scale)
     parts = iter(flat.split([w for widths in network.widths.values() for w in widths.values()], dim=-1))
     return {layer: {name: next(parts) for name in widths} for layer, widths in network.widths.items()}
 
@@ -94,9 +95,10 @@ def logits_by_the_formulas(model, tokens, window, backout=True, attend_over=True
     c = model.config
     (skip_from, skip_to), over = c.skip, c.attend_over
     for i, block in enumerate(model.blocks):
-        for network in (networks[str(i)] for networks in (model.gate_networks, model.dense_networks)
-                        if str(i) in networks):
-            for layer, coefs in coefficients_by_the_formula(network, x).items():
+        for network, scale in ((networks[str(i)], shared) for networks, shared in (
+                (model.gate_networks, model.gate_networks["0"].scale), (model.dense_networks, None))
+                if str(i) in networks):  # (#89's one scale for its gate networks: the first one's)
+            for layer, coefs in coefficients_by_the_formula(network, x, scale).items():
                 coefficients.setdefault(layer, {}).update(coefs)
         gates = coefficients.get(i, {})
         if i == skip_to:
@@ -253,7 +255,7 @@ def test_gates_go_to_adam_at_their_own_share_of_the_gates_lr():
     model = train_gpt.build_model(args, torch.device("cpu"))
     groups = train_gpt.optimizer_param_groups(model, args.vocab_size, args.model_dim)
     networks = [f"gate_networks.{i}.{name}" for i in (0, 2) for name in ("scale", "bias", "hidden.weight",
-                                                                         "out.weight")]
+                                                                         "out.weight") if name != "scale" or i == 0]
     networks += [f"dense_networks.{i}.{name}" for i in (5, "head") for name in ("bias", "hidden.weight", "out.weight")]
     assert groups["gate"] == ["smear.gate.weight", *(f"blocks.{i}.value_gate.weight" for i in (1, 2)), *networks]
     assert "smear.scale" in groups["scalar"]
@@ -267,6 +269,14 @@ def test_gates_go_to_adam_at_their_own_share_of_the_gates_lr():
     for p in model.dense_networks.parameters():  # #89's MUDD networks: 1/4 of it
         assert lr_of[p] == (0.5 * 0.25, (0.9, 0.99))
     assert all(p is not model.smear.gate.weight for group in muon.param_groups for p in group["params"])
+    # #89's decay (0.005 x lr^2) on the gates' matrices, none on the smear's gate nor a network's bias and its scale
+    decay_of = {p: group["cautious_weight_decay"] for group in adam.param_groups for p in group["params"]}
+    undecayed = {model.smear.gate.weight, model.gate_networks["0"].scale,
+                 *(network.bias for network in [*model.gate_networks.values(), *model.dense_networks.values()])}
+    assert {decay_of[p] for p in undecayed} == {0.0}
+    matrices = [m.weight for m in model.modules() if isinstance(m, train_gpt.Gate) and m.weight is not
+                model.smear.gate.weight]  # (the value gates, and each network's two or three)
+    assert len(matrices) == 2 + 2 * 2 + 2 * 2 and {decay_of[p] for p in matrices} == {0.005}
 
 
 @pytest.mark.parametrize("mudd", [False, True])
@@ -399,7 +409,7 @@ def test_yarn_stretches_the_rotary_and_raises_the_attention_scale_at_each_change
         y = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                                              attn.values(v, None).transpose(1, 2), attn_mask=mask,
                                                              scale=scale)
-        expected = attn.c_proj(y.transpose(1, 2).reshape(1, seq_len, -1))
+        expected = attn.c_proj(attn.proj_scale * y.transpose(1, 2).reshape(1, seq_len, -1))
         torch.testing.assert_close(attn(x, None, mask), expected, rtol=1e-5, atol=1e-6)
 
 

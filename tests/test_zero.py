@@ -38,9 +38,11 @@ def test_zero_on_two_ranks_splits_what_each_rank_holds(layout_runs, layout_files
     # after the step's reduction each rank keeps the gradients of the parameters it updates: one copy in all
     assert sum(rank["gradients"] for rank in held) == full["gradients"] + padding
     if zero >= 3:  # one copy of the parameters across the ranks between uses, and more while a step runs (those
-        # read outside the unit holding them are whole on each rank: the tiny model's one is layer 4's skip gate,
-        # which GPT.forward reads where the skip joins; its backout is one of MUDD's head coefficients)
-        whole = train_gpt.build_model(args, torch.device("meta")).blocks[4].skip_gate.numel() * 4
+        # read outside the unit holding them are whole on each rank: the tiny model's are layer 4's skip gate,
+        # which GPT.forward reads where the skip joins, and the gate networks' one scale, which the second network
+        # reads; its backout is one of MUDD's head coefficients)
+        model = train_gpt.build_model(args, torch.device("meta"))
+        whole = (model.blocks[4].skip_gate.numel() + model.gate_networks["0"].scale.numel()) * 4
         assert sum(rank["parameters"] for rank in held) == full["parameters"] + padding + whole
         assert all(rank["parameters"] < rank["peak_parameters"] < full["parameters"] for rank in held)
     # one copy of the optimizer states (Adam's two moments of the padding, and a step count a table on each rank)
@@ -116,12 +118,13 @@ def test_a_plan_without_a_preset_prints_per_rank_memory_for_92s_record_on_four_g
     fits = re.search(r"on 80 GB GPUs \(an H100's\): fits, (\d+\.\d) GB of 76\.0 GB a rank", out)
     assert fits and 2 * count / 4 / 1e9 < float(fits.group(1)) < 60
     # record #89's model (the record89 preset), by hand: the head and the token embedding tied to it 2 x 50304 x 768,
-    # 5 value embeddings 5 x 50257 x 768, 10 attention layers 4 x 768^2 + 1 (v's scale), 11 MLPs 8 x 768^2, the
-    # scales of the residual and the output (2 each) of 10 MLPs and 9 attentions (not the dense layer's), the skip's
-    # gate, 4 value-embedding gates 6 x 12, the smear's gate (12) and scale, two gate networks of 64 x 768 + 1 (the
-    # scale) and 26 and 41 coefficients (DC-MHA's 12 among them) of 64 + 1 each, MUDD's two of 64 x 768 and 14 and 5
-    # coefficients of 65, the bigram table 377280 x 768: 635,704,886 (#89's file: 643,751,335)
-    assert train_gpt.parameter_count(train_gpt.parse_args(["--preset", "record89"], cuda=True)) == 635_704_886
+    # 5 value embeddings 5 x 50257 x 768, 10 attention layers 4 x 768^2 + 2 (v's scale and the output projection's),
+    # 11 MLPs 8 x 768^2, the scales of the residual and the output (2 each) of 10 MLPs and 9 attentions (not the
+    # dense layer's), the skip's gate, 4 value-embedding gates 6 x 12, the smear's gate (12) and scale, two gate
+    # networks of 64 x 768 and 26 and 41 coefficients (DC-MHA's 12 among them) of 64 + 1 each and their one scale,
+    # MUDD's two of 64 x 768 and 14 and 5 coefficients of 65, the bigram table 377280 x 768: 635,704,895 (#89's
+    # file: 643,751,335)
+    assert train_gpt.parameter_count(train_gpt.parse_args(["--preset", "record89"], cuda=True)) == 635_704_895
 
 
 def test_the_plan_counts_adams_gradients_held_whole_on_every_rank(files):
