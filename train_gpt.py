@@ -5886,8 +5886,9 @@ def enter_beside(x: Tensor, tp: Axis, sequence_shard: bool, runs: int, num_heads
 
 def per_head(t, num_heads: int, v_dim: int) -> bool:
     """Whether an argument of a head-split region beside its input is per head: a float tensor as wide as its heads'
-    values together, or with one value per head (handed by position or by keyword alike)."""
-    return isinstance(t, Tensor) and t.is_floating_point() and t.ndim >= 2 and t.size(-1) in (num_heads * v_dim,
+    values together, or with one value per head, per token or not (a parameter of the block's or the GPT's, a value
+    made of one), handed by position or by keyword alike."""
+    return isinstance(t, Tensor) and t.is_floating_point() and t.ndim >= 1 and t.size(-1) in (num_heads * v_dim,
                                                                                                num_heads)
 
 def cut_per_head(args: tuple, kwargs: dict, cut: Callable, num_heads: int, v_dim: int) -> tuple[tuple, dict]:
@@ -6059,6 +6060,11 @@ def tensor_parallelize(model: GPT, tp: Axis, args: Hyperparameters, trace: Model
     refuse_a_loss_outside_cross_entropy(model, trace, heads)
     names, checked = {p: name for name, p in model.named_parameters()}, next(model.parameters()).device.type != "meta"
     held_in_regions = {p for region in regions for p in model.get_submodule(region).parameters()}
+    # (parameter, region): one handed to a region split by heads beside its input, per head, enters as this rank's
+    # heads' part, and its gradient comes back whole (enter_beside gathers it)
+    beside = {(parameter, name) for name, call in regions.items() if split_by(call.module) == "heads"
+              for t in [*call.args[1:], *call.kwargs.values()] if per_head(t, args.num_heads, call.module.v_dim)
+              for parameter in trace.origins.get(id(t), ())}
     for p in [p for p in model.parameters() if p not in splits]:
         uses = trace.data_uses(names[p])
         region = next((region_of(op.modules, regions) for op in uses if region_of(op.modules, regions)), None)
@@ -6066,7 +6072,8 @@ def tensor_parallelize(model: GPT, tp: Axis, args: Hyperparameters, trace: Model
              f"shape {tuple(p.shape)}) that {region} uses through a value made of it, but it is held outside the "
              "region, so no rule splits it with the region's heads or width: hold each layer's matrices in a "
              "CastedLinear inside the region (its role follows from what it reads and writes), or train without --tp")
-        partial = {bool(region_of(op.modules, regions) or heads.intersection(op.modules)) or (args.sp and op.cut)
+        partial = {(names[p], region_of(op.modules, regions)) not in beside and (
+            bool(region_of(op.modules, regions) or heads.intersection(op.modules)) or (args.sp and op.cut))
                    for op in uses}
         need(partial != {True, False}, f"tensor parallelism: {names[p]} is used both on part of the data (in a region "
              "or a head, or between embedding and head under --sp) and on whole data, so its gradient is neither a "
@@ -6105,8 +6112,8 @@ def tensor_parallelize(model: GPT, tp: Axis, args: Hyperparameters, trace: Model
             call.module.register_forward_pre_hook(lambda m, a: (enter_region(a[0], tp, args.sp), *a[1:]))
         if split_by(call.module) == "heads":  # the per-head tensors beside its input: this rank's heads' part
             call.module.register_forward_pre_hook(lambda m, a, kw: cut_per_head(a, kw, lambda t: enter_beside(
-                t, tp, args.sp and t.size(-2) * tp.size == seq_len[0], head_runs(m), args.num_heads), args.num_heads,
-                m.v_dim), with_kwargs=True)
+                t, tp, args.sp and t.ndim > 1 and t.size(-2) * tp.size == seq_len[0], head_runs(m), args.num_heads),
+                args.num_heads, m.v_dim), with_kwargs=True)
         call.module.register_forward_hook(lambda m, a, out: leave_region(out, tp, args.sp))
     for module in model.modules():
         if isinstance(module, SumOverHeads):  # this rank's heads' share of the sum: all-reduced, either way

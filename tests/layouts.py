@@ -24,7 +24,8 @@ ATTENTION_GATE = [("""        self.mlp = MLP(dim, hidden) if layer.mlps else Non
 # parameter, a learnable soft cap and a temperature the two heads share, a per-head temperature, a block's scalar read
 # by the GPT after the block ran) and the later records' kinds: code in GPT.forward itself (a scale on the stream
 # before the head; the rotaries stretched as the window grows, as dynamic YaRN does), a GPT vector whose entries
-# attention takes by keyword, a per-head gate made in the block and handed to attention by keyword, a block returning
+# attention takes by keyword, a per-head gate made in the block and a per-head vector the block holds, each handed
+# to attention by keyword, a block returning
 # a second stream, a bias per vocabulary entry and a fixed offset per vocabulary entry held as the head's buffer
 FORKS = {"forks": [
     ('''        value_embed=i in listed("value_embed_layers"), xsa''',
@@ -44,7 +45,7 @@ FORKS = {"forks": [
 '''),
     ('''                banded: Tensor | None = None) -> Tensor:
 ''', '''                banded: Tensor | None = None, scale: Tensor | float = 1.0,
-                head_gate: Tensor | None = None) -> Tensor:
+                head_gate: Tensor | None = None, key_temperature: Tensor | None = None) -> Tensor:
 '''),
     ('''        if output_gate is not None:
             y = y * output_gate.type_as(y)[..., None]
@@ -59,15 +60,17 @@ FORKS = {"forks": [
         B, T = q.size(0), q.size(1)  # B == 1: masks are per sequence
         q, k = self.rotary(norm(q), norm(k), self.head_offsets)  # QK-norm, then rotate
         q = q * self.head_temperature[:, None]
+        k = k * key_temperature.type_as(k)[:, None]
 '''),
     *ATTENTION_GATE,
     ('''        self.mlp = MLP(dim, hidden) if layer.mlps else None
 ''', '''        self.mlp = MLP(dim, hidden) if layer.mlps else None
         self.head_gate = Gate(8, num_heads) if layer.attention else None
+        self.key_temperature = nn.Parameter(torch.linspace(0.9, 1.1, num_heads)) if layer.attention else None
 '''),
     ('''                         gates.get("dc_weight"), banded, **for_attention)''',
      '''                         gates.get("dc_weight"), banded, head_gate=torch.sigmoid(self.head_gate(read) + 1),
-                         **for_attention)'''),    ('''        dense_value = None
+                         key_temperature=self.key_temperature, **for_attention)'''),    ('''        dense_value = None
         if dense is not None:''', '''        block_input = x
         dense_value = None
         if dense is not None:'''),

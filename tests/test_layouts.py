@@ -42,14 +42,15 @@ def test_each_layout_trains_the_one_process_model_holding_and_sending_what_the_p
 def test_a_forked_model_trains_the_one_process_model_under_the_fork_layouts_untouched(layout_runs, name):
     # the edits of tests/layouts.py's "forks": an attention-output gate, a 4th value embedding, a gated MLP, a
     # per-layer vector on the GPT, a hashed token-pair embedding, a token shift of the embedding, a second head, tied
-    # embeddings, a learnable soft cap, a per-head temperature, a GPT parameter read in the heads, a block's scalar
-    # read by the GPT; and the later kinds, each with a test of its own below
+    # embeddings, a learnable soft cap, a per-head temperature (one held by attention, one by the block and handed to
+    # attention by keyword: cut with the heads either way), a GPT parameter read in the heads, a block's scalar read
+    # by the GPT; and the later kinds, each with a test of its own below
     processes, layout = LAYOUTS[name]
     single = layout_runs("one process", "forks")
     edited = {"blocks.0.attn_gate", "value_embeds.0.weight", "blocks.0.mlp.c_gate.weight", "layer_gains",
               "pair_embed.weight", "smear_gate.weight", "next_head.weight", "lm_head.cap", "head_temperature",
               "blocks.0.attn.head_temperature", "out_scale", "attention_scales", "lm_head.logit_bias",
-              "blocks.0.head_gate.weight"}
+              "blocks.0.head_gate.weight", "blocks.0.key_temperature"}
     assert edited <= single["state"]["model"].keys() and "lm_head.weight" not in single["state"]["model"]  # (tied)
     assert_trains_like_one_process(layout_runs(name, "forks"), single, layout_runs.floors("forks"))
 
