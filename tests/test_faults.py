@@ -511,9 +511,11 @@ def test_a_plan_of_4096_ranks_takes_seconds(capsys):
 
 
 def test_a_plan_at_the_largest_sequence_and_step_count_the_checks_accept_runs_as_any_plan(capsys):
-    # its cost grows with ranks and layers: not with --num_iterations (the steps it accounts are found by arithmetic)
-    # nor --train_seq_len (the dense twin's scores stand in for FlexAttention's on the meta device: within int64 here)
+    # its cost grows with ranks, layers and micro-batches: not with --num_iterations (the steps it accounts are found
+    # by arithmetic) nor --train_seq_len (the dense twin's scores stand in for FlexAttention's on the meta device:
+    # within int64 here); one sequence a step, so that the plans of what would fit cost one micro-batch each
     longest = str(train_gpt.MAX_SEQ_LEN)
     train_gpt.main(["--preset", "tiny", "--plan", "--nproc", "1", "--num_iterations", str(2**31 - 1), "--adam_every",
-                    str(2**31 - 2), "--train_seq_len", longest, "--val_seq_len", longest, "--val_tokens", longest])
+                    str(2**31 - 2), "--train_seq_len", longest, "--val_seq_len", longest, "--val_tokens", longest,
+                    "--seqs_per_step", "1"])
     assert "per rank" in capsys.readouterr().out

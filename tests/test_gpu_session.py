@@ -24,9 +24,10 @@ def test_the_dry_run_writes_a_report_with_every_gpu_check_not_run_for_want_of_cu
     assert "data: synthetic shards in FineWeb's format" in report and "missing:" not in report
     assert "[passed] CPU rehearsal" in report and "    ms per step: " in report  # benchmark_gpu.py's own code ran
     assert "0 of 4 checks failed" in report
-    # the checks' default budgets and this session's own work (the shards, the report; the rehearsal's few
-    # seconds of a 2-core CPU stand in for the GPU machine's setup) within the 8 minutes a lent machine gives
-    assert sum(gpu_session.BUDGETS_S.values()) + (time.monotonic() - start) < 8 * 60
+    # the checks' default budgets within the 8 minutes a lent machine gives, less 20 s for the session's own work
+    # (the shards, the report), which here (with the CPU rehearsal, on 2 cores where the GPU machine has 16) takes
+    # well under a minute: bounded apart, so that a busy CI machine does not fail the budgets' sum
+    assert sum(gpu_session.BUDGETS_S.values()) <= 8 * 60 - 20 and time.monotonic() - start < 60
 
 
 def test_the_flat_collectives_fall_back_to_their_torch_2_11_names():
