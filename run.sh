@@ -24,7 +24,7 @@ CHECK
 if [ "${1:-}" = "test" ]; then
     shift
     # the tests write checkpoints of over 100 MiB: keep only a failed session's folders, and only the last one's
-    exec python -m pytest -q -o tmp_path_retention_policy=failed -o tmp_path_retention_count=1 tests "$@"
+    exec python -m pytest -q --durations=10 -o tmp_path_retention_policy=failed -o tmp_path_retention_count=1 tests "$@"
 fi
 gpus=$(python -c "import torch; print(torch.cuda.device_count())")
 if [ "$gpus" -gt 0 ]; then
