@@ -339,8 +339,10 @@ HOST_TIER_BYTES = collections.Counter()  # bytes of rows read from the host tier
 
 def read_rows(p: Tensor, rows: Tensor) -> Tensor:
     """Rows of a table's part p, on p's device, those of the host tier staged through pinned memory."""
-    if not hasattr(p, "tiers") or p.is_meta:  # (the plan: shapes only)
-        return p[rows] if not p.is_meta else p.new_empty(len(rows), *p.shape[1:])
+    if p.is_meta:  # (the plan: shapes only)
+        return p.new_empty(len(rows), *p.shape[1:])
+    if not hasattr(p, "tiers"):
+        return p[rows]
     (near, far), out = p.tiers, p.new_empty(len(rows), *p.shape[1:])
     on_device = rows < len(near)
     out[on_device] = near[rows[on_device]]
@@ -351,9 +353,10 @@ def read_rows(p: Tensor, rows: Tensor) -> Tensor:
     return out
 
 def write_rows(p: Tensor, rows: Tensor, values: Tensor) -> None:
-    if not hasattr(p, "tiers") or p.is_meta:
-        if not p.is_meta:
-            p[rows] = values
+    if p.is_meta:  # (the plan)
+        return
+    if not hasattr(p, "tiers"):
+        p[rows] = values
         return
     (near, far), on_device = p.tiers, rows < len(p.tiers[0])
     near[rows[on_device]] = values[on_device]
@@ -363,6 +366,10 @@ def write_rows(p: Tensor, rows: Tensor, values: Tensor) -> None:
 def by_rows(rows: Tensor, values: Tensor, shape: tuple) -> Tensor:
     """A gradient of these rows (distinct, rising) of a table of this shape."""
     return torch.sparse_coo_tensor(rows[None], values, shape, is_coalesced=True, check_invariants=False)
+
+def by_rows_summed(rows: Tensor, values: Tensor, shape: tuple) -> Tensor:
+    """A gradient by row of these (row, value) pairs, in any order and repeating: each row's values summed."""
+    return by_rows(*summed_rows(torch.sparse_coo_tensor(rows[None], values, shape, check_invariants=False)), shape)
 
 def dense(t: Tensor) -> Tensor:
     """A tensor by row (or not) as a dense one."""
@@ -400,9 +407,8 @@ def summed_rows(grad: Tensor) -> tuple[Tensor, Tensor]:
 def summed_by_rows(*grads: Tensor) -> Tensor:
     """Gradients of one table (by row, or dense) summed, by row."""
     parts = [summed_rows(grad) for grad in grads]
-    together = torch.sparse_coo_tensor(torch.cat([rows for rows, _ in parts])[None],
-                                       torch.cat([values for _, values in parts]), grads[0].shape, check_invariants=False)
-    return by_rows(*summed_rows(together), grads[0].shape)
+    return by_rows_summed(torch.cat([rows for rows, _ in parts]), torch.cat([values for _, values in parts]),
+                          grads[0].shape)
 
 class Adam(torch.optim.Adam):
     """torch's Adam with cautious weight decay, as record #89 has it: where the step moves a weight towards zero, the
@@ -2205,12 +2211,12 @@ def check_hyperparameters(args: Hyperparameters) -> None:
     need(args.cooldown_frac <= 1, f"--cooldown_frac must be in [0, 1], got {args.cooldown_frac}")
     candidate_counts(args)
     cadence = table_cadence(args)
-    for (start, every), end in zip(cadence, [start for start, _ in cadence[1:]] + [args.num_iterations]):
+    ends = [start for start, _ in cadence[1:]] + [args.num_iterations]
+    for start, _ in cadence:
         need(start < args.num_iterations, f"{flag_value(args, 'table_cadence')}: its step {start} is past the run's "
              f"{flag_value(args, 'num_iterations')} steps, where it changes nothing; leave it out")
     firsts = [start + (-(start + 1)) % every for start, every in cadence] or [0]
-    need(not cadence or any(first < end for first, end in zip(firsts, [s for s, _ in cadence[1:]] +
-                                                              [args.num_iterations])),
+    need(not cadence or any(first < end for first, end in zip(firsts, ends)),
          f"{flag_value(args, 'table_cadence')}: the tables would first step after step {firsts[0] + 1}, past the "
          f"run's {flag_value(args, 'num_iterations')} steps, so the n-gram table and the value embeddings would never "
          "train: give cycles of at most --num_iterations steps")
@@ -2780,6 +2786,7 @@ class Trainer:
     micro_batches: int
     full_shapes: dict[str, tuple]  # the one-process model's parameter shapes, by name: what checkpoints hold
     state_shapes: dict[str, dict[str, tuple]]  # the shape of each of a parameter's optimizer states, by name and key
+    placed_by_shape: list[str]  # the parameters no module kind claims, and the optimizer each got (the log says)
     tail: "TailAverages | None" = None  # --tail_average's
 
 def build_trainer(args: Hyperparameters, ctx: "ParallelContext", cuda_dtypes: bool | None = None,
@@ -2805,14 +2812,15 @@ def build_trainer(args: Hyperparameters, ctx: "ParallelContext", cuda_dtypes: bo
         if not p.any():
             nn.init.normal_(p.detach(), std=0.02)
     full_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    groups = optimizer_param_groups(model, args.vocab_size, args.model_dim)  # (refused before any layout work)
+    placed_by_shape = []  # (refused, where no rule places a parameter, before any layout work)
+    groups = optimizer_param_groups(model, args.vocab_size, args.model_dim, placed_by_shape)
     layout = apply_layout(model, args, ctx, stream_specs)  # on the CPU: slices and stages cut before the copy
     model = to_device(model, ctx.device, cuda_dtypes)
     optimizers = layout.share(build_optimizers(model, groups, args, ctx.device, cuda_dtypes))
     if args.compile:
         model.compile(dynamic=False)
     trainer = Trainer(args, ctx, model, optimizers, layout, args.seqs_per_step // ctx.dp.size, full_shapes,
-                      state_shapes)
+                      state_shapes, placed_by_shape)
     trainer.tail = TailAverages(trainer) if args.tail_average else None
     return trainer
 
@@ -2935,7 +2943,7 @@ class CanonicalMaskBuild:
     def __init__(self, vocab_size: int, in_child: bool = True):
         self.rows = next_multiple_of_n(vocab_size, n=128)
         self.ranks = gpt2_encoding()._mergeable_ranks
-        self.child, self.shared, self.started = None, None, time.monotonic()
+        self.child, self.shared, self.started, self.whole = None, None, time.monotonic(), None
         if not in_child:
             return
         try:
@@ -2962,7 +2970,7 @@ class CanonicalMaskBuild:
 
     def result(self) -> Tensor:
         """The mask, once the child has ended (built here where it did not build it)."""
-        if hasattr(self, "whole"):
+        if self.whole is not None:
             return self.whole
         built = False
         while self.child is not None:
@@ -3125,9 +3133,7 @@ def train(args: Hyperparameters, ctx: "ParallelContext") -> float:
         trainer = build_trainer(args, ctx)
         if args.compile and args.warmup_steps > 0:
             warmup_and_restore(trainer, args.warmup_steps)
-        placed_by_shape = []  # (a fork's parameters no module kind claims: the optimizer each gets, said)
-        optimizer_param_groups(build_model(args, torch.device("meta")), args.vocab_size, args.model_dim, placed_by_shape)
-        run.start(trainer, notes=([fp8] if fp8 else []) + [f"optimizer: {line}" for line in placed_by_shape])
+        run.start(trainer, notes=([fp8] if fp8 else []) + [f"optimizer: {line}" for line in trainer.placed_by_shape])
         mask_build = CanonicalMaskBuild(args.vocab_size) if args.canonical_mask and ctx.is_master else None
         train_loader = train_batches(trainer, run.data_position)
         val_loss = float("nan")
@@ -5606,8 +5612,7 @@ class TableRows:
         per_row.index_add_(0, where, grad.reshape(-1, grad.size(-1)).float())
         wide = self.sum_dtype == torch.float64
         summed = self._exchange(per_row.to(torch.float64 if wide else grad.dtype), send, receive)
-        part = by_rows(*summed_rows(torch.sparse_coo_tensor(asked[None], summed.to(self.sum_dtype), self.rows.shape,
-                                                            check_invariants=False)), self.rows.shape)
+        part = by_rows_summed(asked, summed.to(self.sum_dtype), self.rows.shape)
         if wide:
             self.sum = part if self.sum is None else summed_by_rows(self.sum, part)
             return None
@@ -5685,9 +5690,7 @@ class TableRows:
             rows, values = summed_rows(t)
             rows = rows * W + self.dp.rank
             gathered = [rows.cpu(), values.cpu()] if W == 1 else self._gather_to_first(rows, values)
-            return by_rows(*summed_rows(torch.sparse_coo_tensor(gathered[0][None], gathered[1], (len(self.table),
-                           *row_shape), check_invariants=False)), (len(self.table), *row_shape)) \
-                if gathered is not None else None
+            return by_rows_summed(*gathered, (len(self.table), *row_shape)) if gathered is not None else None
         per_chunk = max(1, chunk_bytes // (W * row_shape.numel() * t.element_size()))
         out = t.new_empty(W * self.most, *row_shape, device="cpu") if self.dp.rank == 0 else None
         for start in range(0, self.most, per_chunk):

@@ -183,6 +183,14 @@ def test_sequence_parallelism_refuses_by_name_a_layer_that_fails_on_part_of_the_
         build_edited(layout_files, "token_table_in_the_layer_loop", tp=2, sp=True)
 
 
+def test_a_run_says_at_its_start_which_optimizer_a_parameter_placed_by_its_shape_gets(layout_files, tmp_path):
+    # the bank fork's qkv_bank, which no module kind claims: Muon's by its shape, and the run's log says so
+    fork("bank_in_pairs").main(tiny_flags(layout_files, num_iterations=2, val_loss_every=0, log_dir=tmp_path,
+                                          run_id="bank"))
+    assert "\noptimizer: qkv_bank (6, 3, 32, 32): Muon, by its shape (set its `optimizer` attribute to \"adam\" or " \
+        "\"muon\" to choose)\n" in (tmp_path / "bank.txt").read_text()
+
+
 def test_a_parameter_no_module_kind_claims_is_placed_by_its_shape_or_its_attribute_and_refused_otherwise():
     model = nn.Module()
     model.bank = nn.Parameter(torch.zeros(6, 3, 64, 32))  # per layer, three matrices reading the 32-wide stream
