@@ -47,7 +47,7 @@ import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -993,6 +993,7 @@ class ModelConfig:
     smear: bool = False  # each token's embedding takes in a gated share of the previous token's (#89)
     mtp: bool = False  # training also predicts the MTP_TOKENS - 1 tokens after the next (#53)
     prefix_loss: bool = False  # training also predicts the next token's prefix token (#88)
+    copy_window: int = 0  # a copy pointer over this many earlier positions joins the next token's distribution
     canonical_mask: bool = False  # the final validation masks the pairs GPT-2's tokenizer never writes (#91)
     fp8_head: bool = False  # the head multiplies in FP8 in training
     tied_embed: bool = False  # the head and the token embedding start as one table (#51)
@@ -1217,23 +1218,36 @@ class SoftCap(torch.autograd.Function):
         capped, = ctx.saved_tensors
         return torch.ops.aten.sigmoid_backward(grad * ctx.cap, capped).div_(ctx.divisor), None, None, None
 
-class CrossEntropy(nn.Module):
-    """Cross-entropy over the vocabulary, summed over tokens; with targets (tokens, J) and weights (J,), each
-    column's weighted (a target of -1 counts nothing). With `columns`, the logits are those of these entries of the
-    vocabulary (sorted; a sampled softmax's candidates), and a target outside them counts nothing. A layout that
-    splits the vocabulary hands the forward `over_split`, the loss of logits that hold this rank's part of it: the
-    model's hook, so the head stays one-device code."""
+class LogitStatistics(NamedTuple):
+    """What a loss needs of a head's logits, per token: their log-sum-exp over the vocabulary (or over the candidates
+    it scored), the logits of chosen entries (targets (tokens, J)) and whether each is among them (a target of -1, or
+    one outside the candidates, is not). Both may be shifted by one value a token (a split vocabulary's maximum)."""
+    logsumexp: Tensor  # (tokens,)
+    picked: Tensor  # (tokens, J)
+    found: Tensor  # (tokens, J), bool
 
-    def forward(self, logits: Tensor, targets: Tensor, weights: Tensor | None = None, columns: Tensor | None = None,
-                over_split: Callable | None = None) -> Tensor:
+    def log_probs(self) -> Tensor:
+        """Each chosen entry's log-probability (tokens, J): finite where not found, where it counts nothing."""
+        return self.picked - self.logsumexp[:, None]
+
+class VocabularyStatistics(nn.Module):
+    """A head's LogitStatistics of its logits: the one place that reduces over the vocabulary, so that a loss is
+    built from them in model code (GPT.forward). A layout that splits the vocabulary hands the forward `over_split`,
+    the statistics of logits that hold this rank's part of it: the model's hook, so the head stays one-device code."""
+
+    def forward(self, logits: Tensor, targets: Tensor, columns: Tensor | None = None,
+                over_split: Callable | None = None) -> LogitStatistics:
         if over_split is not None:
-            return over_split(logits, targets, weights, columns)
-        if columns is not None:
+            return over_split(logits, targets, columns)
+        if columns is not None:  # a sampled softmax's logits: those of these entries of the vocabulary
             targets = positions_among(columns, targets)
-        if weights is None:
-            return F.cross_entropy(logits, targets, reduction="sum", ignore_index=-1)
-        picked = logits.gather(1, targets.clamp_min(0))
-        return ((logits.logsumexp(-1, keepdim=True) - picked) * (targets >= 0) * weights).sum()
+        return LogitStatistics(logits.logsumexp(-1), logits.gather(1, targets.clamp_min(0)), targets >= 0)
+
+def summed_loss(log_probs: Tensor, found: Tensor, weights: Tensor | None = None) -> Tensor:
+    """The negative log-likelihood of the chosen entries found, summed over tokens; with weights (J,), each column's
+    weighted."""
+    counted = log_probs * found
+    return -(counted if weights is None else counted * weights).sum()
 
 def positions_among(columns: Tensor, ids: Tensor) -> Tensor:
     """Each id's position among the sorted columns; -1 where it is not one of them."""
@@ -1243,13 +1257,13 @@ def positions_among(columns: Tensor, ids: Tensor) -> Tensor:
     return torch.where(columns[at] == ids, at, -1)
 
 class LMHead(CastedLinear):
-    """The output layer and the loss: soft-capped logits (soft_cap: cap, shift, divisor), cross-entropy summed over
-    tokens (no targets: the logits). In training with `candidates` (sorted vocabulary entries: #92's sampled
-    softmax), the logits and the loss are those of their rows only; a layout that splits the vocabulary hands the
-    head its own rows among them. With canonical_mask, a buffer of bits [next token, previous token] (#91's, filled
-    by set_canonical_mask) that, once `masking`, sets the logit of each next token GPT-2's tokenizer never writes
-    after the previous one to CANONICAL_MASKED_LOGIT; by next token, so that a layout splits it with the head's
-    rows."""
+    """The output layer: soft-capped logits (soft_cap: cap, shift, divisor), and with targets (tokens, J) their
+    LogitStatistics, from which GPT.forward builds the loss. In training with `candidates` (sorted vocabulary
+    entries: #92's sampled softmax), the logits are those of their rows only; a layout that splits the vocabulary
+    hands the head its own rows among them. With canonical_mask, a buffer of bits [next token, previous token]
+    (#91's, filled by set_canonical_mask) that, once `masking`, sets the logit of each next token GPT-2's tokenizer
+    never writes after the previous one to CANONICAL_MASKED_LOGIT; by next token, so that a layout splits it with
+    the head's rows."""
     EVAL_ROWS = 16384  # evaluated this many tokens at a time: a 262K-token sequence's fp32 logits are 53 GB
     CANONICAL_MASKED_LOGIT = -60.0  # #91's: the soft cap keeps every other logit in [0, cap]
 
@@ -1257,33 +1271,67 @@ class LMHead(CastedLinear):
                  **kwargs):
         super().__init__(*args, **kwargs)
         self.soft_cap = soft_cap
-        self.cross_entropy = CrossEntropy()
+        self.statistics = VocabularyStatistics()
         rows = self.weight.size(0)
         self.canonical_mask = nn.Buffer(torch.zeros(rows, rows // 8, dtype=torch.uint8), persistent=False) \
             if canonical_mask else None
         self.masking = False
 
-    def forward(self, x: Tensor, targets: Tensor | None, weights: Tensor | None = None,
-                previous: Tensor | None = None, candidates: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, targets: Tensor | None, previous: Tensor | None = None,
+                candidates: Tensor | None = None) -> Tensor | LogitStatistics:
         if targets is None:
             return self.logits(x)
         if self.training and candidates is not None:
-            return self.cross_entropy(self.logits(x, candidates), targets, weights, columns=candidates)
+            return self.statistics(self.logits(x, candidates), targets, columns=candidates)
         rows, masked = len(x) if self.training else self.EVAL_ROWS, previous is not None and self.masking
-        return sum(self.summed_loss(x[i:i + rows], targets[i:i + rows], weights, previous[i:i + rows] if masked
-                                    else None) for i in range(0, len(x), rows))
+        parts = [self.statistics_of(x[i:i + rows], targets[i:i + rows], previous[i:i + rows] if masked else None)
+                 for i in range(0, len(x), rows)]
+        return parts[0] if len(parts) == 1 else LogitStatistics(*map(torch.cat, zip(*parts)))
 
     def logits(self, x: Tensor, rows: Tensor | None = None) -> Tensor:
         """The soft-capped logits of every row, or of these."""
         return SoftCap.apply(super().forward(x, rows).float(), *self.soft_cap)
 
-    def summed_loss(self, x: Tensor, targets: Tensor, weights: Tensor | None = None,
-                    previous: Tensor | None = None) -> Tensor:
+    def statistics_of(self, x: Tensor, targets: Tensor, previous: Tensor | None = None) -> LogitStatistics:
+        """The statistics of these tokens' logits over the whole vocabulary, masked after `previous` tokens."""
         logits = self.logits(x)
         if previous is not None:  # bit p & 7 of byte p >> 3 in the next token's row: never after token p
             never = self.canonical_mask.index_select(1, previous >> 3) >> (previous & 7).to(torch.uint8) & 1
             logits = logits.masked_fill(never.T.bool(), self.CANONICAL_MASKED_LOGIT)
-        return self.cross_entropy(logits, targets, weights)
+        return self.statistics(logits, targets)
+
+class CopyPointer(nn.Module):
+    """A copy distribution mixed into the head's next-token one (modded-nanogpt PR #379's kind, after pointer-sentinel
+    mixtures, Merity et al. 2017): each position points, by a learned query and key of the head's input, at the
+    `window` positions before it in its document and at a sentinel, each earlier position offering the token that
+    followed it there; what the sentinel takes goes to the head's distribution. Built from the head's statistics
+    alone, so every layout runs it as model code. Its sentinel starts with most of the mass (SENTINEL_START)."""
+    SENTINEL_START = 4.0
+
+    def __init__(self, dim: int, key_dim: int, window: int):
+        super().__init__()
+        self.query, self.key = CastedLinear(dim, key_dim), CastedLinear(dim, key_dim)
+        self.sentinel = Gate(dim, 1)
+        self.window = window
+
+    def forward(self, x: Tensor, input_seq: Tensor, target_seq: Tensor, head_log_probs: Tensor) -> Tensor:
+        """(T,) the mixture's log-probability of each next token, from the head's (head_log_probs)."""
+        T, q, k = len(x), self.query(x), self.key(x)
+        offsets = torch.arange(1, self.window + 1, device=x.device)
+        earlier = torch.arange(T, device=x.device)[:, None] - offsets  # (T, window): the positions pointed at
+        documents = torch.cumsum(input_seq == EOT_TOKEN, 0)
+        pointed = earlier.clamp_min(0)
+        valid = (earlier >= 0) & (documents[pointed] == documents[:, None])
+        # each query against the key w positions before it (none before the sequence's start): (T, window)
+        scores = torch.stack([F.pad((q[w:] * k[:max(T - w, 0)]).sum(-1), (min(w, T), 0)) for w in offsets.tolist()],
+                             dim=1)
+        dtype = head_log_probs.dtype  # (the mixture in the head's precision: fp32)
+        scores = scores.to(dtype).mul(q.size(-1) ** -0.5).masked_fill(~valid, -math.inf)
+        sentinel = self.sentinel(x).to(dtype) + self.SENTINEL_START
+        shares = torch.cat([sentinel, scores], dim=1).log_softmax(-1)  # (T, 1 + window)
+        copies = target_seq[pointed] == target_seq[:, None]  # the token that followed there is this one's
+        return torch.cat([shares[:, :1] + head_log_probs[:, None],
+                          shares[:, 1:].masked_fill(~copies, -math.inf)], dim=1).logsumexp(-1)
 
 MTP_TOKENS = 3  # with --mtp, training predicts from each position the next 3 tokens (#53)
 
@@ -1454,6 +1502,7 @@ class GPT(nn.Module):
             else None
         self.loss_weights = nn.Buffer(torch.ones(1 + self.later_targets + c.prefix_loss), persistent=False) \
             if c.mtp or c.prefix_loss else None
+        self.copy_pointer = CopyPointer(c.model_dim, c.head_dim, c.copy_window) if c.copy_window else None
         # where the stream enters the blocks and leaves them: identities a layout may hook (sequence parallelism cuts
         # the stream between them)
         self.stream_enters, self.stream_leaves = nn.Identity(), nn.Identity()
@@ -1518,12 +1567,18 @@ class GPT(nn.Module):
         if c.mudd:  # MUDD's dense connections into the head's input
             mu = self.dense_networks["head"](x)["head"]
             x = x + sum(mu[name] * source for name, source in self.head_sources(s).items())
-        if self.training and self.loss_weights is not None and target_seq is not None:
-            return self.lm_head(norm(x)[0], self.training_targets(target_seq), self.loss_weights,
-                                candidates=candidates)
-        out = self.lm_head(norm(x)[0], target_seq, previous=None if self.training else input_seq,
-                           candidates=candidates)
-        return out if self.training or target_seq is None else out / len(target_seq)
+        x = norm(x)[0]
+        if target_seq is None:
+            return self.lm_head(x, None)  # the logits
+        weights = self.loss_weights if self.training else None  # (evaluation: the next token's loss alone)
+        targets = target_seq[:, None] if weights is None else self.training_targets(target_seq)
+        stats = self.lm_head(x, targets, previous=None if self.training else input_seq, candidates=candidates)
+        log_probs = stats.log_probs()
+        if self.copy_pointer is not None:  # the next token's probability, mixed with the copy's
+            mixed = self.copy_pointer(x, input_seq, target_seq, log_probs[:, 0])
+            log_probs = torch.cat([mixed[:, None], log_probs[:, 1:]], dim=1)
+        loss = summed_loss(log_probs, stats.found, weights)
+        return loss if self.training else loss / len(target_seq)
 
     def gate_scale(self) -> Tensor:
         """The gate networks' one learned scale: the first network's."""
@@ -1841,6 +1896,10 @@ class Hyperparameters:
                                    "down to 0 over the second (#88)")
     prefix_quarters: bool = flag(False, "the prefix token's weight in the second stage is 0.20, 0.15, 0.10, then 0.05 "
                                         "in its quarters (#92's), not linear")
+    copy_window: int = flag(0, "a copy pointer (#379's kind, CopyPointer) over this many earlier positions of each "
+                               "document mixes into the next token's distribution in training and validation "
+                               "(--sample draws from the head's alone; 0: none; off in every preset, "
+                               "records/ABLATIONS.md has its figures)")
     canonical_mask: bool = flag(True, "the final validation sets to -60, after the soft cap, the logit of each next "
                                       "token GPT-2's tokenizer never writes after the token before it (#91)")
     sampled_softmax: str = flag("", "training's loss is a softmax over a set of candidate entries of the vocabulary "
@@ -2630,7 +2689,7 @@ def model_config(args: Hyperparameters) -> ModelConfig:
                        skip=layer_indices(args, "skip_layers") or None,
                        attend_over=next(iter(layer_indices(args, "attend_over_layer")), None), mudd=args.mudd,
                        mudd_head=args.mudd_head, bigram_rows=args.bigram_rows, trigrams=args.trigrams,
-                       smear=args.smear, mtp=args.mtp,
+                       smear=args.smear, mtp=args.mtp, copy_window=args.copy_window,
                        prefix_loss=args.prefix_loss, canonical_mask=args.canonical_mask, fp8_head=args.fp8_head,
                        tied_embed=args.tied_stages > 0,
                        zero_attention_out=args.zero_attn_out, soft_cap=soft_cap_terms(args),
@@ -6004,11 +6063,10 @@ def vocab_parallel_embedding(embedding: nn.Embedding, tp: Axis) -> None:
     embedding.register_forward_pre_hook(own_rows)
     embedding.register_forward_hook(summed)
 
-def vocab_parallel_cross_entropy(logits: Tensor, targets: Tensor, weights: Tensor | None, columns: Tensor | None,
-                                 tp: Axis, rows: int) -> Tensor:
-    """CrossEntropy's loss of logits split by vocabulary (this rank's `rows` of it, or its `columns` among them):
-    never whole on any rank."""
-    targets = targets[:, None] if weights is None else targets  # (tokens, J)
+def vocab_parallel_statistics(logits: Tensor, targets: Tensor, columns: Tensor | None, tp: Axis,
+                              rows: int) -> LogitStatistics:
+    """VocabularyStatistics of logits split by vocabulary (this rank's `rows` of it, or its `columns` among them),
+    whole on every rank: the logits are never whole on any rank. Both shifted by the split's maximum."""
     with torch.no_grad():
         top = logits.max(dim=-1).values if logits.size(-1) else logits.new_full(logits.shape[:1], -math.inf)
         count_comm("all_reduce", top)
@@ -6017,19 +6075,18 @@ def vocab_parallel_cross_entropy(logits: Tensor, targets: Tensor, weights: Tenso
     sum_exp = leave_region(shifted.exp().sum(dim=-1), tp, sp=False)
     local = targets - tp.rank * rows
     local = torch.where((local >= 0) & (local < rows), local, -1)
-    counted = targets >= 0
-    if columns is not None:  # (a target among no rank's columns counts nothing)
+    found = targets >= 0
+    if columns is not None:  # (a target among no rank's columns is not found)
         local = positions_among(columns, local)
         with torch.no_grad():
-            counted = (local >= 0).to(torch.int32)
-            count_comm("all_reduce", counted)
-            dist.all_reduce(counted, group=tp.group)
-            counted = counted > 0
-    inside = local >= 0  # (a rank holding none of the columns scores none of the targets)
-    target_logits = shifted.gather(1, local.clamp(0, shifted.size(-1) - 1)) * inside if shifted.size(-1) else \
+            found = (local >= 0).to(torch.int32)
+            count_comm("all_reduce", found)
+            dist.all_reduce(found, group=tp.group)
+            found = found > 0
+    inside = local >= 0  # (a rank holding none of the columns picks none of the targets)
+    picked = shifted.gather(1, local.clamp(0, shifted.size(-1) - 1)) * inside if shifted.size(-1) else \
         shifted.new_zeros(local.shape)
-    losses = (sum_exp.log()[:, None] - leave_region(target_logits, tp, sp=False)) * counted
-    return losses.sum() if weights is None else (losses * weights).sum()
+    return LogitStatistics(sum_exp.log(), leave_region(picked, tp, sp=False), found)
 
 def own_candidates(candidates: Tensor, tp: Axis, rows: int) -> Tensor:
     """This rank's rows (of `rows`, the vocabulary split by them) among a sampled softmax's candidates."""
@@ -6060,7 +6117,7 @@ def tensor_parallelize(model: GPT, tp: Axis, args: Hyperparameters, trace: Model
     whole_tables = {model.get_submodule(name).weight for name in whole}
     whole_tables |= {params[tied[0]]} if tied and params[tied[1]] in whole_tables else set()
     splits, roles = tensor_parallel_splits(model, trace, regions, heads, args.num_heads, whole_tables)
-    refuse_a_loss_outside_cross_entropy(model, trace, heads)
+    refuse_vocabulary_reductions_outside_statistics(model, trace, heads)
     names, checked = {p: name for name, p in model.named_parameters()}, next(model.parameters()).device.type != "meta"
     held_in_regions = {p for region in regions for p in model.get_submodule(region).parameters()}
     # (parameter, region): one handed to a region split by heads beside its input, per head, enters as this rank's
@@ -6131,25 +6188,34 @@ def tensor_parallelize(model: GPT, tp: Axis, args: Hyperparameters, trace: Model
                 (enter_region(a[0], tp, sp=False), *a[1:]),
                 {**kw, "candidates": own_candidates(kw["candidates"], tp, rows)} if kw.get("candidates") is not None
                 else kw), with_kwargs=True)
-            for loss in (m for m in module.modules() if isinstance(m, CrossEntropy)):  # the loss of logits split
-                # by vocabulary
-                loss.register_forward_pre_hook(lambda m, a, kw, rows=rows: (a, {**kw, "over_split": functools.partial(
-                    vocab_parallel_cross_entropy, tp=tp, rows=rows)}), with_kwargs=True)
+            for stats in (m for m in module.modules() if isinstance(m, VocabularyStatistics)):  # those of logits
+                # split by vocabulary
+                stats.register_forward_pre_hook(lambda m, a, kw, rows=rows: (a, {**kw, "over_split": functools.partial(
+                    vocab_parallel_statistics, tp=tp, rows=rows)}), with_kwargs=True)
     if args.sp:
         cut_stream_between_embedding_and_head(model, cut, tp, seq_len)
 
-# what a head must leave to CrossEntropy: over a split vocabulary, each rank holds only part of the logits
-VOCABULARY_REDUCTIONS = {"cross_entropy", "nll_loss", "log_softmax", "softmax", "logsumexp"}
+NORMALISING_OPS = {"softmax", "log_softmax", "cumsum", "sort", "argsort", "normalize"}  # (each keeps the width)
 
-def refuse_a_loss_outside_cross_entropy(model: GPT, trace: ModelTrace, heads: set[str]) -> None:
-    losses = {name for name, module in model.named_modules() if isinstance(module, CrossEntropy)}
+def refuse_vocabulary_reductions_outside_statistics(model: GPT, trace: ModelTrace, heads: set[str]) -> None:
+    """Over a split vocabulary each rank holds part of the logits: what reduces over them (a softmax, a loss, a sum
+    with a one-hot, an entry picked by index) must be a head's VocabularyStatistics, which tensor parallelism hands
+    the split's. Found as an op after the blocks reading a float tensor as wide as a split head's rows and returning
+    none as wide, or normalising it over them (NORMALISING_OPS)."""
+    widths = {model.get_submodule(name).weight.size(0): name for name in heads}
+    inside = {name for name, module in model.named_modules() if isinstance(module, VocabularyStatistics)}
     for op in trace.ops:
-        head = next((name for name in op.modules if name in heads), None)
-        need(not (op.name in VOCABULARY_REDUCTIONS and head and not losses.intersection(op.modules)),
-             f"tensor parallelism: the head {head} computes {op.name} over its logits outside a CrossEntropy module, "
-             "but its vocabulary is split and each rank holds part of the logits: compute its loss with a "
-             "CrossEntropy module (as LMHead's self.cross_entropy), which tensor parallelism hands the split's loss, "
-             "or train without --tp")
+        if op.step != "head" or inside.intersection(op.modules) or not op.outputs:
+            continue
+        read = [t.size(-1) for t in op.inputs if t.is_floating_point() and t.ndim and t.size(-1) in widths]
+        if read and (op.name in NORMALISING_OPS or not any(t.ndim and t.size(-1) == read[0] for t in op.outputs)):
+            where = next((name for name in reversed(op.modules) if name), "GPT.forward")
+            raise UserError(
+                f"tensor parallelism: {op.name} in {where} reduces over logits as wide as the vocabulary of the head "
+                f"{widths[read[0]]} ({read[0]} entries) outside its VocabularyStatistics, but under --tp each rank "
+                "holds part of them: build the loss from the statistics the head returns (LogitStatistics: the "
+                "log-sum-exp and the logits of chosen entries, as GPT.forward's summed_loss does), or train without "
+                "--tp")
 
 # how a module picks rows of a tensor by index: a head doing so to its own weight needs rows that other ranks hold
 PICKING_OPS = {"__getitem__", "index_select", "embedding", "take", "gather"}

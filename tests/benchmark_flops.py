@@ -110,9 +110,10 @@ def count_step(model: train_gpt.GPT, args, step: int, tokens: int, windows: tupl
                            "GPT.forward no longer reaches train_gpt.attention, and this count would be wrong")
     # the head alone, from its input to the loss (the counter's module breakdown files its backward elsewhere)
     head_input = torch.zeros(tokens, args.model_dim, device=meta, requires_grad=True)
-    targets = model.training_targets(seq) if model.loss_weights is not None else seq
+    targets = model.training_targets(seq) if model.loss_weights is not None else seq[:, None]
     with FlopCounterMode(display=False) as head:
-        model.lm_head(head_input, targets, model.loss_weights, candidates=candidates).backward()
+        stats = model.lm_head(head_input, targets, candidates=candidates)
+        train_gpt.summed_loss(stats.log_probs(), stats.found, model.loss_weights).backward()
     exact, blocks = attention_flops(model, tokens, windows)
     return dict(attention=exact, attention_blocks=blocks, head=head.get_total_flops(),
                 rest=whole.get_total_flops() - head.get_total_flops())

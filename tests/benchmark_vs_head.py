@@ -160,12 +160,11 @@ def port_run(config: dict, initial: Path, steps: int, fp8_head: bool) -> dict:
     next_token = []
 
     def next_token_loss(module, inputs, output):
-        logits, targets = inputs[0].detach(), inputs[1]
-        targets = targets if targets.dim() == 1 else targets[:, 0]
+        logits, targets = inputs[0].detach(), inputs[1][:, 0]
         next_token.append((torch.nn.functional.cross_entropy(logits.float(), targets, reduction="sum").item(),
                            len(targets)))
 
-    hook = trainer.model.lm_head.cross_entropy.register_forward_hook(next_token_loss)
+    hook = trainer.model.lm_head.statistics.register_forward_hook(next_token_loss)
     batches, records, states = train_gpt.train_batches(trainer), [], {}
     for step in range(steps):
         loss = train_gpt.forward_backward(trainer, batches, step)

@@ -76,9 +76,9 @@ FORKS = {"forks": [
         if dense is not None:'''),
     ('''        return (out, read) if mlp_input else out''', '''        return out, out - block_input'''),
     ('''        self.soft_cap = soft_cap
-        self.cross_entropy = CrossEntropy()
+        self.statistics = VocabularyStatistics()
 ''', '''        self.soft_cap = soft_cap
-        self.cross_entropy = CrossEntropy()
+        self.statistics = VocabularyStatistics()
         self.cap = nn.Parameter(torch.tensor(23.0))
         self.logit_bias = nn.Parameter(torch.zeros(self.weight.size(0)))
         self.logit_offsets = nn.Buffer(torch.linspace(-1, 1, self.weight.size(0)), persistent=False)
@@ -87,6 +87,7 @@ FORKS = {"forks": [
     ('''        return SoftCap.apply(super().forward(x, rows).float(), *self.soft_cap)''',
      '''        logits = super().forward(x, rows).float() + self.logit_bias + self.logit_offsets
         return self.cap * torch.sigmoid((logits + 5) / (7.5 * self.temperature))'''),
+    ('''    copy_window: int = flag(0, ''', '''    copy_window: int = flag(8, '''),
     ('''        self.rotary_windows = ()  # the windows YaRN has stretched the rotaries for (stretch_rotary)
 ''', '''        self.rotary_windows = ()  # the windows YaRN has stretched the rotaries for (stretch_rotary)
         self.layer_gains = nn.Parameter(torch.linspace(0.8, 1.2, c.num_layers))
@@ -143,10 +144,12 @@ FORKS = {"forks": [
 ''', '''        s = self.stream_leaves(s)
         x = s.x * self.out_scale + 0.1 * s.updates
 '''),
-    ('''            return self.lm_head(norm(x)[0], self.training_targets(target_seq), self.loss_weights,
-                                candidates=candidates)''',
-     '''            return self.lm_head(norm(x)[0], self.training_targets(target_seq), self.loss_weights,
-                                candidates=candidates) + self.next_head(norm(x)[0, :-1], target_seq[1:])'''),
+    ('''        loss = summed_loss(log_probs, stats.found, weights)
+''', '''        loss = summed_loss(log_probs, stats.found, weights)
+        if self.training:
+            after_next = self.next_head(x[:-1], target_seq[1:, None])
+            loss = loss + summed_loss(after_next.log_probs(), after_next.found)
+'''),
 ]}
 
 # heads j and j + H/2 attending as one head of twice the width, their queries, keys and values concatenated (a fork
@@ -219,15 +222,23 @@ FORKS["embedding_inside_attention"] = [('''        self.sum_over_heads = SumOver
         B, T''')]
 # a head scoring only some rows of its weight in training, picked by token (a sampled softmax's shape, #92's): the
 # rows of the step's targets and 64 more; tensor parallelism keeps such a head whole
-FORKS["head_picking_its_rows"] = [('''                    previous: Tensor | None = None) -> Tensor:
+FORKS["head_picking_its_rows"] = [('''        """The statistics of these tokens' logits over the whole vocabulary, masked after `previous` tokens."""
         logits = self.logits(x)
-''', '''                    previous: Tensor | None = None) -> Tensor:
-        if self.training:
+''', '''        if self.training:
             rows = torch.cat([targets[targets >= 0], torch.arange(64, device=x.device)]).unique()  # (sorted)
             logits = SoftCap.apply(F.linear(x, self.weight[rows].type_as(x)).float(), *self.soft_cap)
             picked = torch.where(targets >= 0, torch.searchsorted(rows, targets.clamp_min(0)), -1)
-            return self.cross_entropy(logits, picked, weights)
+            return self.statistics(logits, picked)
         logits = self.logits(x)
+''')]
+# two losses a forker might write over the head's logits themselves, where tensor parallelism's ranks each hold part
+# of them: the target's logit picked by a one-hot in the head, and a log-softmax in GPT.forward
+FORKS["target_logit_by_a_one_hot"] = [('''        return self.statistics(logits, targets)
+''', '''        one_hot = F.one_hot(targets.clamp_min(0), logits.size(-1)).to(logits.dtype)  # (tokens, J, vocabulary)
+        return self.statistics(logits, targets)._replace(picked=(logits[:, None] * one_hot).sum(-1))
+''')]
+FORKS["log_softmax_in_gpt_forward"] = [('''        log_probs = stats.log_probs()
+''', '''        log_probs = self.lm_head(x, None).log_softmax(-1).gather(1, targets.clamp_min(0))
 ''')]
 # a second, slower momentum kept by Muon beside its own, its update the mean of the two's
 FORKS["muon_with_a_second_momentum"] = [('''        buf = state["momentum_buffer"]

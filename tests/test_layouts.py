@@ -81,6 +81,8 @@ LATER_KINDS = {
     # a head's buffer with a value per vocabulary entry is split with its rows: the validation after the steps, whose
     # logits are split, adds each rank's part of it (the head's weight: the embedding's, tied)
     "offset_per_vocabulary_entry_held_as_the_heads_buffer": "embed.weight",
+    # a new output distribution (#379's copy pointer, --copy_window) built from the head's statistics: model code
+    "copy_pointer_mixed_into_the_heads_distribution": "copy_pointer.query.weight",
 }
 
 
@@ -101,6 +103,27 @@ def test_a_head_picking_rows_of_its_own_weight_by_token_stays_whole_under_tensor
     # a sampled softmax's candidates are anywhere in the vocabulary: the head, and the embedding tied to it, stay
     # whole on every rank, which computes its loss in full
     assert_the_edit_trains_under(layout_runs, "head_picking_its_rows", name, ["lm_head.weight", "embed.weight"])
+
+
+@pytest.mark.parametrize("edit, where", [("target_logit_by_a_one_hot", "sum in lm_head"),
+                                         ("log_softmax_in_gpt_forward", "log_softmax in GPT.forward")])
+def test_a_loss_reducing_the_split_logits_outside_the_heads_statistics_is_refused_by_tensor_parallelism(layout_files,
+                                                                                                     edit, where):
+    # each is the loss of the unedited model in one process (the same function, computed another way); under --tp
+    # each rank holds part of the logits
+    module, losses = fork(edit), []
+    for source in (module, train_gpt):
+        torch.manual_seed(0)
+        model = source.build_model(source.parse_args(tiny_flags(layout_files, **LAYOUT_TEST_FLAGS), cuda=False),
+                                   torch.device("cpu"))
+        torch.nn.init.normal_(model.lm_head.weight, std=0.02)  # (a zero head's logits are all alike)
+        with torch.no_grad():
+            losses.append(model(*source.ModelTrace(model, 128).run().probe))
+    assert losses[0].item() == pytest.approx(losses[1].item(), rel=1e-5) and losses[1].item() > 1
+    with pytest.raises(module.UserError, match=rf"tensor parallelism: {where} reduces over logits as wide as "
+                                                   r"the vocabulary of the head lm_head \(50304 entries\) outside "
+                                                   r"its VocabularyStatistics.* or train without --tp"):
+        build_edited(layout_files, edit, tp=2)
 
 
 def test_an_embedding_looked_up_inside_attention_is_refused_by_tensor_parallelism(layout_files):
@@ -151,7 +174,7 @@ def build_edited(files, edit, **layout):
 
 def test_tensor_and_sequence_parallelism_replace_no_method_of_the_model_and_set_no_attribute_on_it(layout_files):
     # the layouts change what the model does through hooks the model offers (module hooks, its seams, the head's
-    # CrossEntropy), so every module holds the attributes a freshly built one holds, and no function of its own
+    # VocabularyStatistics), so every module holds the attributes a freshly built one holds, and no function of its own
     model = build_edited(layout_files, None, tp=2, sp=True, async_tp=True)
     fresh = train_gpt.build_model(train_gpt.parse_args(tiny_flags(layout_files), cuda=False), torch.device("cpu"))
     for name, module in model.named_modules():

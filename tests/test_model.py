@@ -584,3 +584,34 @@ def test_the_loss_weights_follow_record_89s_stages():
         assert train_gpt.loss_weights(step, args) == pytest.approx(weights, abs=1e-12), step
     no_mtp = train_gpt.parse_args(["--preset", "record89", "--num_iterations", "1770", "--mtp", "false"], cuda=False)
     assert train_gpt.loss_weights(702, no_mtp) == pytest.approx([1, 0.2])
+
+
+@pytest.mark.parametrize("tokens", [40, 4])  # (4: fewer positions than the window)
+def test_the_copy_pointer_mixes_each_next_token_probability_by_its_formula(tokens):
+    """#379's kind: p(y_t) = a_sentinel p_head(y_t) + sum of a_s over the window's earlier positions s of t's
+    document where y_s = y_t, with a = softmax over [sentinel(x_t) + start, q_t . k_s / sqrt(d)]; in float64,
+    a position at a time."""
+    torch.manual_seed(0)
+    window, dim, key_dim = 6, 16, 8
+    pointer = train_gpt.CopyPointer(dim, key_dim, window).double()
+    with torch.no_grad():
+        pointer.sentinel.weight.normal_()
+    x = torch.randn(tokens, dim, dtype=torch.float64)
+    inputs = torch.randint(0, 5, (tokens,))  # (few kinds of token: many copies)
+    inputs[[0, tokens // 2]] = train_gpt.EOT_TOKEN
+    targets = torch.cat([inputs[1:], torch.tensor([3])])
+    head_log_probs = torch.randn(tokens, dtype=torch.float64).clamp_max(0) - 2
+    mixed = pointer(x, inputs, targets, head_log_probs)
+    q, k = x @ pointer.query.weight.T, x @ pointer.key.weight.T
+    documents = torch.cumsum(inputs == train_gpt.EOT_TOKEN, 0)
+    for t in range(tokens):
+        earlier = [s for s in range(max(t - window, 0), t) if documents[s] == documents[t]]
+        sentinel = (pointer.sentinel.weight @ x[t]).item() + pointer.SENTINEL_START
+        shares = torch.tensor([sentinel] + [(q[t] @ k[s]).item() / key_dim ** 0.5 for s in earlier],
+                              dtype=torch.float64).softmax(0)
+        p = shares[0] * head_log_probs[t].exp() + sum(shares[1 + i] for i, s in enumerate(earlier)
+                                                      if targets[s] == targets[t])
+        assert mixed[t].item() == pytest.approx(math.log(p), rel=1e-12, abs=1e-12), t
+    copied = mixed - head_log_probs
+    assert (copied < 0).any() and copied.max() > (0.5 if tokens > window else 0)  # (copies raise some tokens'
+    # probability, the sentinel's share lowers the others')

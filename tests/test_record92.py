@@ -13,8 +13,9 @@ import train_gpt
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 HEAD92 = REPO_ROOT.parent / "shared" / "head92_cpu"
-# this file's parameters the checks' table of #92's labels predates: the second attention scalar is #92's
-# `sa_lambdas[1]`, one of its `scalars`
+# the checks call this file's API as it was when they were written (head92_api: today's, as they call it); this
+# file's parameters the checks' table of #92's labels predates: the second attention scalar is #92's `sa_lambdas[1]`,
+# one of its `scalars`
 NEWER_LABELS = [(r"\.attn\.proj_scale$", "scalars")]
 
 
@@ -23,7 +24,7 @@ def pieces(tmp_path_factory) -> dict[str, dict]:
     if not (HEAD92 / "run_head92_cpu.py").exists():
         pytest.skip(f"{HEAD92} is not beside the repository")
     out = tmp_path_factory.mktemp("head92")
-    run = (f"import sys; sys.path.insert(0, {str(HEAD92)!r}); import run_head92_cpu as checks; "
+    run = (f"import sys; sys.path.insert(0, {str(HEAD92)!r}); import head92_api, run_head92_cpu as checks; "
            f"checks.ADAM_LABELS += {NEWER_LABELS!r}; checks.main(['--out', {str(out)!r}, '--mask', '0'])")
     done = subprocess.run([sys.executable, "-c", run], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

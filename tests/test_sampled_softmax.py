@@ -81,6 +81,12 @@ def float64_restricted_loss(soft_cap, weight, x, targets, weights, candidates):
     return ((lse[:, None] - picked) * counted * w).sum()
 
 
+def head_loss(head, x, targets, weights=None, **kwargs):
+    """The loss GPT.forward builds from the head's statistics."""
+    stats = head(x, targets, **kwargs)
+    return train_gpt.summed_loss(stats.log_probs(), stats.found, weights)
+
+
 @pytest.mark.parametrize("weighted", [False, True])
 def test_the_heads_sampled_loss_and_its_gradients_are_a_float64_softmax_over_the_candidates(weighted):
     """The head in training with candidates, against float64 restricted to them: the loss, and the gradients of the
@@ -101,12 +107,13 @@ def test_the_heads_sampled_loss_and_its_gradients_are_a_float64_softmax_over_the
     candidates = torch.cat([(targets if targets.dim() == 1 else targets[:, 0]), negatives]).unique()
     if weighted:
         assert not torch.isin(targets[:, 2][targets[:, 2] >= 0], candidates).all()  # some prefix targets left out
-    got = head(x, targets, weights, candidates=candidates)
+    targets = targets if weighted else targets[:, None]
+    got = head_loss(head, x, targets, weights, candidates=candidates)
     got.backward()
     x64, weight64 = (t.detach().double().requires_grad_() for t in (x, head.weight))
     expected = float64_restricted_loss(head.soft_cap, weight64, x64, targets, weights, candidates)
     expected.backward()
-    whole = head(x.detach(), targets, weights)  # the whole vocabulary's
+    whole = head_loss(head, x.detach(), targets, weights)  # the whole vocabulary's
     assert whole.item() - expected.item() > 10  # the restriction matters here
     assert torch.isclose(got.double(), expected, rtol=1e-6), (got, expected)
     torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-5, atol=1e-6)

@@ -16,9 +16,13 @@ def test_two_tensor_parallel_ranks_hold_half_of_the_one_process_model(layout_run
         assert rank["accounted"]["parameters"] < 0.51 * single["parameters"]
 
 
-def test_vocab_parallel_cross_entropy_equals_the_dense_one_on_one_rank_pair():
-    # forward value and gradient of the split loss, against F.cross_entropy over the whole vocabulary; and with
-    # weighted columns of targets (multi-token prediction, a prefix token; -1 for none), against the weighted sum of
+def statistics_loss(stats, weights):
+    return train_gpt.summed_loss(stats.log_probs(), stats.found, weights)
+
+
+def test_the_loss_of_vocab_parallel_statistics_equals_the_dense_one_on_one_rank_pair():
+    # forward value and gradient of the loss built from the split's statistics, against F.cross_entropy over the whole
+    # vocabulary; and with weighted columns of targets (multi-token prediction, a prefix token; -1 for none), against the weighted sum of
     # each column's cross-entropy written out in float64
     torch.manual_seed(0)
     logits = torch.randn(50, 12, dtype=torch.float64, requires_grad=True)
@@ -30,10 +34,11 @@ def test_vocab_parallel_cross_entropy_equals_the_dense_one_on_one_rank_pair():
     weighted = sum(-weights[j] * log_p[t, columns[t, j]] for t in range(50) for j in range(3) if columns[t, j] >= 0)
     assert (columns == -1).any() and abs(weighted - expected.item()) > 1  # (the weighted loss is another)
     expected.backward()
-    for cols, w, value, grad in ((targets, None, expected.item(), logits.grad), (columns, weights, weighted, None)):
-        results = run_on_ranks(split_cross_entropy, 2, logits.detach(), cols, w)
+    for cols, w, value, grad in ((targets[:, None], None, expected.item(), logits.grad),
+                                 (columns, weights, weighted, None)):
+        results = run_on_ranks(split_statistics_loss, 2, logits.detach(), cols, w)
         assert results[0][0] == pytest.approx(float(value), rel=1e-12) and results[1][0] == results[0][0]
-        dense = train_gpt.CrossEntropy()(logits, cols, w)  # the one-device module, the same function
+        dense = statistics_loss(train_gpt.VocabularyStatistics()(logits, cols), w)  # the one-device module's
         assert dense.item() == pytest.approx(float(value), rel=1e-12)
         if grad is None:
             grad = torch.autograd.grad(dense, logits)[0]
@@ -41,8 +46,9 @@ def test_vocab_parallel_cross_entropy_equals_the_dense_one_on_one_rank_pair():
                                    atol=1e-12)
 
 
-def split_cross_entropy(rank, world_size, logits, targets, weights, candidates=None):
-    """The loss of this rank's part of the logits (of its candidates among its rows, where given) and its gradient."""
+def split_statistics_loss(rank, world_size, logits, targets, weights, candidates=None):
+    """The loss of the statistics of this rank's part of the logits (of its candidates among its rows, where given)
+    and its gradient."""
     tp = train_gpt.world_axis(rank, world_size)
     local = train_gpt.TensorParallelSlice(1, logits.size(1), tp).cut(logits)
     rows, columns = local.size(1), None
@@ -50,12 +56,12 @@ def split_cross_entropy(rank, world_size, logits, targets, weights, candidates=N
         columns = train_gpt.own_candidates(candidates, tp, rows)
         local = local[:, columns]
     local.requires_grad_()
-    loss = train_gpt.vocab_parallel_cross_entropy(local, targets, weights, columns, tp, rows)
+    loss = statistics_loss(train_gpt.vocab_parallel_statistics(local, targets, columns, tp, rows), weights)
     loss.backward()
     return loss.item(), local.grad
 
 
-def test_vocab_parallel_cross_entropy_over_candidates_spanning_the_ranks_equals_float64_restricted_to_them():
+def test_vocab_parallel_statistics_over_candidates_spanning_the_ranks_equals_float64_restricted_to_them():
     # #92's sampled softmax under tensor parallelism: each rank scores the candidates among its half of the 12
     # entries; against each target column's log-softmax over the candidates written out in float64, a target outside
     # them (the prefix column's, as #92's) or -1 counting nothing; and the gradient, rank by rank
@@ -74,7 +80,7 @@ def test_vocab_parallel_cross_entropy_over_candidates_spanning_the_ranks_equals_
     assert abs(expected.item() + (weights * logits.detach().log_softmax(-1).gather(1, columns.clamp_min(0))
                                   * (columns >= 0)).sum().item()) > 1  # (the whole vocabulary's loss is another)
     grad = torch.autograd.grad(expected, logits)[0]
-    results = run_on_ranks(split_cross_entropy, 2, logits.detach(), columns, weights, candidates)
+    results = run_on_ranks(split_statistics_loss, 2, logits.detach(), columns, weights, candidates)
     assert results[0][0] == pytest.approx(expected.item(), rel=1e-12) and results[1][0] == results[0][0]
     torch.testing.assert_close(torch.cat([torch.as_tensor(r[1]) for r in results], 1), grad[:, candidates],
                                rtol=1e-12, atol=1e-12)

@@ -320,8 +320,8 @@ def test_evaluation_runs_the_head_in_slices_and_averages_over_every_token():
     tokens = torch.randint(0, 50257, (257,))
     tokens[[0, 90, 200]] = train_gpt.EOT_TOKEN
     inputs, targets, window = tokens[:-1], tokens[1:], train_gpt.window_tensor((2, 2), torch.device("cpu"))
-    head_inputs, summed_loss = [], model.lm_head.summed_loss
-    model.lm_head.summed_loss = lambda x, *rest: head_inputs.append(x) or summed_loss(x, *rest)
+    head_inputs, statistics_of = [], model.lm_head.statistics_of
+    model.lm_head.statistics_of = lambda x, *rest: head_inputs.append(x) or statistics_of(x, *rest)
     with torch.no_grad():
         whole = model(inputs, targets, window)  # 256 tokens: one slice
         model.lm_head.EVAL_ROWS = 100  # slices of 100, 100 and 56 tokens
