@@ -857,7 +857,7 @@ def ngram_sign_rows(tokens: Tensor, multipliers: tuple[int, ...], rows: int) -> 
                                                   for i, m in enumerate(multipliers)))
     return torch.cat([tokens.new_zeros(min(n - 1, len(tokens))), hashed & (rows - 1)])
 
-class BigramHashEmbedding(nn.Module):
+class NgramHashEmbedding(nn.Module):
     """A zero-initialised table of embeddings for each token's pair with the one before, hashed into its rows, each
     lookup times a fixed random sign vector of the pair's (from a table of 8192), so that pairs sharing a row
     cancel more than they add (#62, #83; the signs by @trianxy). With trigrams (#92's n-gram table), the table's
@@ -972,7 +972,7 @@ class LayerConfig:
     gate_network: bool = False  # a gate network reads the stream entering it, for it and the layers up to the next
     gated: bool = False  # its coefficients (x0's share, the skip's gate, XSA, the output gates) a gate network's
     x0: bool = True  # x0 re-enters after its attention, or where it has none, after its scale of the residual
-    bigram: str | None = None  # where the bigram embedding joins: its "input" (the first layer), its attention's
+    ngram: str | None = None  # where the n-gram embedding joins: its "input" (the first layer), its attention's
                                # "output" (where it has none, after its scale of the residual), or not at all
 
 @dataclass(frozen=True)
@@ -988,7 +988,7 @@ class ModelConfig:
     attend_over: int | None = None  # the layers after it attend over its output, and the head takes it back out
     mudd: bool = False  # MUDD's dense last layer and head (#40, #81, #85, as #89 trims it)
     mudd_head: str = "89"  # the states the head takes in: #89's five, per token, or #92's ten, per channel group
-    bigram_rows: int = 0  # rows of the bigram hash embedding (0: none)
+    ngram_rows: int = 0  # rows of the n-gram hash embedding (0: none)
     trigrams: bool = False  # its second half holds triples (#92's n-gram table)
     smear: bool = False  # each token's embedding takes in a gated share of the previous token's (#89)
     mtp: bool = False  # training also predicts the MTP_TOKENS - 1 tokens after the next (#53)
@@ -1026,13 +1026,13 @@ class ModelConfig:
     def table(self) -> str:
         """The layer stack, a row a layer, and what joins the layers."""
         columns = ("attention", "window", "heads qk/v", "value embed", "XSA", "output gate", "DC-MHA", "MLPs",
-                   "gate network", "x0", "bigram")
+                   "gate network", "x0", "n-gram")
         def mark(on: bool, text: str = "yes") -> str:
             return text if on else "-"
         rows = [(str(i), mark(l.attention), mark(l.attention, l.window + " offset" * l.key_offset),
                  mark(l.attention, ("paired " if l.paired else "single ") + "%d/%d" % self.head_dims(i)),
                  mark(l.value_embed), mark(l.xsa), mark(l.output_gate), mark(l.composed), str(l.mlps),
-                 "reads" if l.gate_network else mark(l.gated, "served"), mark(l.x0), l.bigram or "-")
+                 "reads" if l.gate_network else mark(l.gated, "served"), mark(l.x0), l.ngram or "-")
                 for i, l in enumerate(self.layers)]
         widths = [max(map(len, column)) for column in zip(("layer", *columns), *rows)]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
@@ -1068,8 +1068,8 @@ pytree.register_pytree_node(  # (a stream crosses pipeline stages as its tensors
 class Block(nn.Module):
     """Attention (none in an attention-free layer), then the MLP. Each sublayer scales the residual and its own output
     by learned scalars, the residual's starting at sqrt(1.1), so 1.1 a layer with attention (#45); the embedding x0
-    re-enters after attention at a learned share starting at 0, and the bigram embedding with it at one starting at
-    0.05 (where the layer's `bigram` is "output"). Attention may read another layer's output than the block's input,
+    re-enters after attention at a learned share starting at 0, and the n-gram embedding with it at one starting at
+    0.05 (where the layer's `ngram` is "output"). Attention may read another layer's output than the block's input,
     and its values take a value embedding gated per head. In a layer a gate network serves (`gated`), those shares
     and the skip's gate are its per-token coefficients, and attention may take two more: XSA's strength and per-head
     output gates. MUDD's dense layer takes its own network's coefficients instead of its scalars, shares and value
@@ -1094,8 +1094,8 @@ class Block(nn.Module):
         self.second_mlp = MLP(dim, hidden) if layer.mlps == 2 else None  # (#92's layer 8)
         # each sublayer's scales of the residual and of its output, as #89 starts them: learned, or a dense layer's
         # per token
-        # (a layer without attention that takes x0 or the bigram embedding in keeps its scale of the residual: #92's)
-        self.attention_slot = layer.attention or layer.x0 or layer.bigram == "output"
+        # (a layer without attention that takes x0 or the n-gram embedding in keeps its scale of the residual: #92's)
+        self.attention_slot = layer.attention or layer.x0 or layer.ngram == "output"
         self.takes_x0 = layer.x0
         scales = dict(attn_scales=(1.1 ** 0.5, 1.0 if layer.attention else None) if self.attention_slot else None,
                       mlp_scales=(1.1 ** 0.5, 1.0 if layer.mlps else None))
@@ -1103,8 +1103,8 @@ class Block(nn.Module):
             setattr(self, name, SublayerScales(*start) if start and not dense_sources else None)
         self.skip_gate = nn.Parameter(torch.tensor(SKIP_SCALE_START if layer.gated else SKIP_GATE_START)) \
             if takes_skip else None
-        # the shares of x0 and the bigram embedding, as #89 starts them: a network's (per token), or learned
-        shares = dict(x0=0.0 if layer.x0 else None, bigram=0.05 if layer.bigram else None)
+        # the shares of x0 and the n-gram embedding, as #89 starts them: a network's (per token), or learned
+        shares = dict(x0=0.0 if layer.x0 else None, ngram=0.05 if layer.ngram else None)
         shares = {name: start for name, start in shares.items() if start is not None}
         self.shares = nn.ParameterDict({} if layer.gated or dense_sources else {name: torch.tensor(start)
                                                                                 for name, start in shares.items()})
@@ -1126,10 +1126,10 @@ class Block(nn.Module):
             if dense_sources else {}
 
     def forward(self, x: Tensor, x0: Tensor, ve: Tensor | None, mask: BlockMask | Tensor, gates: dict[str, Tensor],
-                bigram: Tensor | None = None, attend_over: Tensor | None = None, dense: list[Tensor] | None = None,
+                ngram: Tensor | None = None, attend_over: Tensor | None = None, dense: list[Tensor] | None = None,
                 banded: Tensor | None = None, mlp_input: bool = False,
                 **for_attention) -> Tensor | tuple[Tensor, Tensor]:
-        """gates: this layer's per-token coefficients; bigram: the embedding joining after attention; attend_over:
+        """gates: this layer's per-token coefficients; ngram: the embedding joining after attention; attend_over:
         the output attention reads instead of x; dense: a dense layer's earlier states; banded: a composed layer's
         mask; mlp_input: hand back the MLP's (normed) input too (#92's head takes it in); for_attention: keywords
         handed on to attention."""
@@ -1149,8 +1149,8 @@ class Block(nn.Module):
                 x = residual * x + output * out
             if self.takes_x0:
                 x = x + self.share("x0", gates) * x0
-            if bigram is not None:
-                x = x + self.share("bigram", gates) * bigram
+            if ngram is not None:
+                x = x + self.share("ngram", gates) * ngram
         residual, output = self.scales("mlp_scales", gates)
         if self.mlp is None:  # (#92's layer 7: its residual scaled, nothing added)
             return residual * x
@@ -1169,7 +1169,7 @@ class Block(nn.Module):
                          gates.get("dc_weight"), banded, **for_attention)
 
     def share(self, name: str, gates: dict[str, Tensor]) -> Tensor:
-        """x0's or the bigram embedding's share: a network's coefficient, or this block's learned scalar."""
+        """x0's or the n-gram embedding's share: a network's coefficient, or this block's learned scalar."""
         return gates[name] if name in gates else self.shares[name]
 
     def scales(self, name: str, gates: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
@@ -1405,7 +1405,7 @@ def intervals_by_piece(histories: list[list[tuple[int, int]]]) -> dict[int, tupl
     cuts = np.flatnonzero(np.diff(table[:, 0])) + 1
     return {int(part[0, 0]): (part[:, 1], part[:, 2], part[:, 3]) for part in np.split(table, cuts)}
 
-def canonical_mask(ranks: dict[bytes, int], vocab_rows: int) -> np.ndarray:
+def canonical_mask_bits(ranks: dict[bytes, int], vocab_rows: int) -> np.ndarray:
     """(vocab_rows, vocab_rows / 8) uint8, bit p & 7 of byte p >> 3 in row x set where GPT-2's tokenizer never
     writes token x right after token p (#91): some merge m = (a, b) would join p's last piece a, at merge time m,
     to x's first piece b at that time, and GPT-2's pre-tokenizer would not cut between them. (#91 keeps the
@@ -1442,7 +1442,7 @@ class GPT(nn.Module):
     ("backout", starting at -0.5). Gate networks, each reading the stream where it enters a layer, give per-token
     coefficients to that layer and those up to the next network's (#85): x0's share, the skip's gate, XSA's strength
     (#82), per-head output gates (#28, #85) and DC-MHA's mix of heads and its weights (#85) where those are on. Some
-    layers' heads attend in pairs (#58). A bigram hash embedding (#62, #83) joins the first layer's input and each
+    layers' heads attend in pairs (#58). An n-gram hash embedding (#62, #83; #89's of pairs) joins the first layer's input and each
     later attention layer's output. With MUDD (#40, #81, #85), networks of the same kind make the last layer's
     scalars per token and mix earlier states into its input and values, and into the head's input (the backout
     among them). forward is the whole model, a layer at a time, its state in a Stream."""
@@ -1461,8 +1461,8 @@ class GPT(nn.Module):
                                            for i, layer in enumerate(c.layers) if layer.value_embed})
         for value_embed in self.value_embeds.values():  # small: #89's 0.01 randn (@photomz)
             value_embed.weight.detach().mul_(0.01)
-        self.bigram = BigramHashEmbedding(c.bigram_rows, c.model_dim, c.trigrams, c.table_device) \
-            if c.bigram_rows else None
+        self.ngram = NgramHashEmbedding(c.ngram_rows, c.model_dim, c.trigrams, c.table_device) \
+            if c.ngram_rows else None
         self.blocks = nn.ModuleList([Block(c, i) for i in range(c.num_layers)])
         # a gate network serves its layer and those up to the next one's
         starts = [i for i, layer in enumerate(c.layers) if layer.gate_network] + [c.num_layers]
@@ -1520,8 +1520,8 @@ class GPT(nn.Module):
             x = self.embed(input_seq)
             x = norm((x if self.smear is None else self.smear(x))[None])  # (1, T, D)
             s = Stream(x=x, x0=x, ve={int(i): table(input_seq) for i, table in self.value_embeds.items()}, gates={})
-            if self.bigram is not None:
-                s.bigram = self.bigram(input_seq)
+            if self.ngram is not None:
+                s.ngram = self.ngram(input_seq)
             s = self.stream_enters(s)
         else:  # a later part: a copy, as the caller may keep the stream it handed in (a pipeline, for backward)
             s = stream.copy()
@@ -1533,17 +1533,17 @@ class GPT(nn.Module):
                     for j, coefficients in networks[str(i)](s.x, shared_scale).items():
                         s.gates[j] = {**s.gates.get(j, {}), **coefficients}
             gates = s.gates.pop(i, {})
-            if layer.bigram == "input":  # the bigram embedding joins the first layer's input
-                s.x = s.x + block.share("bigram", gates) * s.bigram
+            if layer.ngram == "input":  # the n-gram embedding joins the first layer's input
+                s.x = s.x + block.share("ngram", gates) * s.ngram
             if c.mudd and i == 0:  # (MUDD's dense layer and head take it in)
                 s.first_input = s.x
             if c.skip is not None and i == c.skip[1]:  # the gated skip joins
                 s.x = s.x + torch.sigmoid(block.skip_gate) * gates.get("skip", 1.0) * s.skip
-            dense = i == c.dense_layer  # (#89's re-adds the first layer's input, the bigram embedding in it, for x0)
+            dense = i == c.dense_layer  # (#89's re-adds the first layer's input, the n-gram embedding in it, for x0)
             keep_mlp_input = dense and c.mudd_head == "92"  # (#92's head takes it in)
             out = block(s.x, x0=s.first_input if dense else s.x0, ve=s.ve.get(i),
                         mask=masks[layer.window, 2 if layer.paired else 1], gates=gates,
-                        bigram=s.bigram if layer.bigram == "output" else None,
+                        ngram=s.ngram if layer.ngram == "output" else None,
                         attend_over=s.attended if c.attend_over is not None and i > c.attend_over else None,
                         dense=[s.first_input, s.attended] if dense else None,
                         banded=masks["banded"] if layer.composed else None,
@@ -1880,7 +1880,7 @@ class Hyperparameters:
     x0_layers: str = flag("attention", "layers x0 (the normed embedding) re-enters at a learned share, after "
                                        "attention or, in a layer without, after its scale of the residual "
                                        "('attention': every layer with attention, #89's; #92's 0,1,2,4,5,7,10)")
-    bigram_layers: str = flag("attention", "layers the bigram embedding joins at a learned share: the first layer's "
+    ngram_layers: str = flag("attention", "layers the n-gram embedding joins at a learned share: the first layer's "
                                            "input, a later one's after attention or its scale of the residual "
                                            "('attention': the first and every later layer with attention, #89's; "
                                            "#92's 0,1,4,5,9,10)")
@@ -1907,9 +1907,9 @@ class Hyperparameters:
                                     "negatives from a fixed sweep of the vocabulary to COUNT entries from step STEP on, "
                                     "as STEP:COUNT,... (COUNT 0: the whole vocabulary; empty: always the whole); "
                                     "validation is over the whole; #92's: 0:10240,681:14336,965:24576,1107:0")
-    bigram_rows: int = flag(50304 * 15 // 2, "rows of the bigram hash embedding (#62, #83), into which each token's "
+    ngram_rows: int = flag(50304 * 15 // 2, "rows of the n-gram hash embedding (#62, #83), into which each token's "
                                              "pair with the one before is hashed (0: none)")
-    trigrams: bool = flag(False, "the bigram table's second half holds each token's triple with the two before, "
+    trigrams: bool = flag(False, "the n-gram table's second half holds each token's triple with the two before, "
                                  "hashed and signed by #92's hashes, the two signed rows summed (#92's n-gram table: "
                                  "84,602,880 rows)")
     smear: bool = flag(True, "each token's embedding takes in a gated share of the previous token's (#89)")
@@ -1967,7 +1967,7 @@ class Hyperparameters:
                                      "MLP matrices and value embeddings EMAs of every 4th of the last 250, then every "
                                      "hidden matrix blended with an EMA of every 4th of the last 298), each kind's "
                                      "norm kept (not with --zero 3)")
-    bigram_optimizer: str = flag("adam", "the bigram (n-gram) table's update: Adam's, or #92's rows: no momentum and "
+    ngram_optimizer: str = flag("adam", "the n-gram table's update: Adam's, or #92's rows: no momentum and "
                                          "one second moment a row, the mean square of the row's gradient",
                                  choices=("adam", "rows"))
     lr_muon: float = flag(0.023, "Muon lr of the hidden matrices")
@@ -2032,7 +2032,7 @@ class Hyperparameters:
                                        "sends their gradients back by row (how #92's 65B-parameter n-gram table fits "
                                        "4 GPUs)")
     table_host_fraction: float = flag(0.0, "with --tables_by_rows, the share of each rank's rows of a table stepped "
-                                           "by row (--bigram_optimizer rows: #92's n-gram table) kept in host memory, "
+                                           "by row (--ngram_optimizer rows: #92's n-gram table) kept in host memory, "
                                            "pinned, read and written by row each step (#92's table on 1 or 2 GPUs)")
     check_layout: str = flag("", "train the tiny model (with the other flags given) for 3 steps under one process "
                                  "and under each layout (a comma-separated list, or all) and compare; no training")
@@ -2055,9 +2055,9 @@ PRESETS = {
         # x0 and n-gram layers, a head over ten states by channel group, and the 84.6M-row table of bigrams and trigrams
         attention_free_layers="4,6,7,9", narrow_qk_layers="0,1,2,5,8", narrow_v_layers="1,8", attention_scale=0.085,
         narrow_attention_scale=0.13, rotary_follows="own", xsa_layers="1,3", paired_head_layers="0,2,5",
-        value_embed_layers="1,2,8,10", dc_layers="", x0_layers="0,1,2,4,5,7,10", bigram_layers="0,1,4,5,9,10",
+        value_embed_layers="1,2,8,10", dc_layers="", x0_layers="0,1,2,4,5,7,10", ngram_layers="0,1,4,5,9,10",
         mlp_hidden=2816, mlp_free_layers="7", double_mlp_layers="8", mudd_head="92", trigrams=True,
-        bigram_rows=84602880,
+        ngram_rows=84602880,
         # 1,122 steps in three stages, 52 more in the third, its last 67 a taper to 20/24 of the batch at lr x the
         # root of that, then 20 at 8 sequences; documents cut at 3072 tokens, attention at 2560; the sampled
         # softmax's candidates by step; the prefix loss by quarters; one table for head and embedding until step 1175
@@ -2069,7 +2069,7 @@ PRESETS = {
         # ANVIL for the hidden matrices; the n-gram table stepped by rows and, with the value embeddings, on odd
         # steps, then every fourth from step 336, at 70 x #92's base Adam lr 0.008; the weights' tail averages
         matrix_optimizer="anvil", muon_weight_decay=2.25, muon_momentum_peak=0.93, muon_momentum_warmup_steps=240,
-        table_cadence="0:2,336:4", bigram_optimizer="rows", lr_embed=0.56, tail_average=True,
+        table_cadence="0:2,336:4", ngram_optimizer="rows", lr_embed=0.56, tail_average=True,
         # the table's 130 GB held by rows over the data-parallel ranks (the plan: 38.2 GB a GPU on 8, 54.9 on 4)
         zero=1, tables_by_rows=True),
     # record #89 (1.23 minutes on 8 GPUs): this file's defaults, proven step by step against #89's own trainer
@@ -2083,7 +2083,7 @@ PRESETS = {
                 val_tokens=128 * 1024, train_seq_len="256", val_seq_len=256, seqs_per_step=8, num_layers=6,
                 num_heads=2, head_dim=64, model_dim=128, window_pattern="LSSSSL", attention_free_layers="",
                 value_embed_layers="0,1,2,3,4,5", gate_network_layers="", xsa_layers="", output_gate_layers="",
-                bigram_rows=16384, mtp=False, prefix_loss=False, canonical_mask=False, smear=False, key_offset=False,
+                ngram_rows=16384, mtp=False, prefix_loss=False, canonical_mask=False, smear=False, key_offset=False,
                 zero_attn_out=True,
                 paired_head_layers="", dc_layers="",
                 window_blocks="0.5:1,1:2,2:2,2:2", final_window_blocks=2, extension_steps=0,
@@ -2093,7 +2093,7 @@ PRESETS = {
                 lr_final=0.1, val_loss_every=46, target_val_loss=5.15, fp64_grad_sum=True, tied_stages=0,
                 doc_max_tokens="0", stage_lr="1", optimizer_recipe="23", adam_every=1,  # a stream: 38 whole plays
                 sampled_softmax="0:10240,125:14336,178:24576,204:0",  # #92's counts at its steps' shares of the run
-                bigram_optimizer="rows",  # #92's update of its n-gram table
+                ngram_optimizer="rows",  # #92's update of its n-gram table
                 save_every=220),  # (to sample from)
     # seconds, for tests and smoke runs: 4 heads, so that paired heads' two pairs split over two tensor-parallel ranks;
     # record #23's soft cap, head lr and zero attention output, which learn visibly in 20 steps and keep the layout
@@ -2103,7 +2103,7 @@ PRESETS = {
                  val_tokens=4 * 256, train_seq_len="256", val_seq_len=256, num_layers=6, num_heads=4, head_dim=8,
                  model_dim=32, window_pattern="LSSSSL", attention_free_layers="4", value_embed_layers="1,2,5",
                  paired_head_layers="2,5", dc_layers="3",
-                 gate_network_layers="0,2", xsa_layers="1,3", output_gate_layers="3,5", bigram_rows=4096,
+                 gate_network_layers="0,2", xsa_layers="1,3", output_gate_layers="3,5", ngram_rows=4096,
                  prefix_loss=False, canonical_mask=False,  # (GPT-2's ranks: the tests fetch them where they use them)
                  skip_layers="1,4", attend_over_layer="3", window_blocks="1:1,1:2,2:2,2:2",
                  final_window_blocks=2, extension_steps=0, lr_head=0.22,
@@ -2116,6 +2116,9 @@ def _parse_bool(text: str) -> bool:
     if text.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
         return text.lower() in ("1", "true", "yes", "on")
     raise argparse.ArgumentTypeError(f"expected true/false or 1/0, got {text!r}")
+
+RENAMED_FLAGS = {"--bigram_rows": "--ngram_rows", "--bigram_layers": "--ngram_layers",  # (the table: #92's n-grams)
+                 "--bigram_optimizer": "--ngram_optimizer"}
 
 def parse_args(argv=None, cuda: bool | None = None) -> Hyperparameters:
     """Flags named after the fields (a bare boolean flag means true) over the --preset's values (unset: record with
@@ -2139,6 +2142,10 @@ def parse_args(argv=None, cuda: bool | None = None) -> Hyperparameters:
             kwargs.update(type=field.type, metavar="|".join(map(str, choices)) or
                           {int: "N", float: "X", str: "TEXT"}[field.type])
         group.add_argument(f"--{field.name}", **kwargs)
+    argv = sys.argv[1:] if argv is None else argv
+    for given in argv:
+        renamed = RENAMED_FLAGS.get(given.partition("=")[0])
+        need(renamed is None, f"{given.partition('=')[0]} is now {renamed}: give that instead")
     flags = parser.parse_args(argv)
     need(flags.check_layout is None or flags.check_layout.strip(), "--check_layout '' names no layout: give "
          "--check_layout alone for all its layouts, or a comma-separated list of them")
@@ -2164,8 +2171,8 @@ ACTS_ONLY_WITH = {
     "prefix_quarters": ("--prefix_loss true", lambda args: args.prefix_loss),
     "mudd_head": ("--mudd true", lambda args: args.mudd),
     "narrow_attention_scale": ("--narrow_qk_layers", lambda args: args.narrow_qk_layers.strip()),
-    **dict.fromkeys(("trigrams", "bigram_optimizer", "bigram_layers"),
-                    ("an n-gram table (--bigram_rows)", lambda args: args.bigram_rows)),
+    **dict.fromkeys(("trigrams", "ngram_optimizer", "ngram_layers"),
+                    ("an n-gram table (--ngram_rows)", lambda args: args.ngram_rows)),
 }
 
 # what each flag of layer indices takes
@@ -2183,17 +2190,17 @@ LAYER_FLAGS = {"attention_free_layers": (None, "comma-separated layer indices su
                "mlp_free_layers": (None, "comma-separated layer indices such as '7', or '' for none"),
                "x0_layers": (None, "comma-separated layer indices such as '0,1,2,4,5,7,10', 'attention' for every "
                                    "layer with attention, or '' for none"),
-               "bigram_layers": (None, "comma-separated layer indices such as '0,1,4,5,9,10', 'attention' for the "
+               "ngram_layers": (None, "comma-separated layer indices such as '0,1,4,5,9,10', 'attention' for the "
                                        "first and every layer with attention, or '' for none"),
                "double_mlp_layers": (None, "comma-separated layer indices such as '8', or '' for none")}
 
 def layer_indices(args: Hyperparameters, name: str) -> tuple[int, ...]:
     """The layers flag `name` lists, refused unless each is a layer and there are as many as the flag takes; an
-    injection's 'attention': the layers with attention (the bigram's: and the first)."""
+    injection's 'attention': the layers with attention (the n-gram's: and the first)."""
     text, (count, expected) = getattr(args, name), LAYER_FLAGS[name]
-    if name in ("x0_layers", "bigram_layers") and text == "attention":
+    if name in ("x0_layers", "ngram_layers") and text == "attention":
         attention_free = layer_indices(args, "attention_free_layers")
-        return tuple(i for i in range(args.num_layers) if i not in attention_free or i == 0 and name == "bigram_layers")
+        return tuple(i for i in range(args.num_layers) if i not in attention_free or i == 0 and name == "ngram_layers")
     try:
         layers = tuple(int(i) for i in text.split(",") if i.strip())
     except ValueError:
@@ -2256,9 +2263,9 @@ def check_hyperparameters(args: Hyperparameters) -> None:
          "tensor-parallel ranks and held by rows over the data-parallel ones is not built; drop one")
     need(args.table_host_fraction < 1, f"{flag_value(args, 'table_host_fraction')} must be below 1: a share of the "
          "table's rows, those past it stay on the device")
-    need(not args.table_host_fraction or args.tables_by_rows and args.bigram_optimizer == "rows" and args.bigram_rows,
+    need(not args.table_host_fraction or args.tables_by_rows and args.ngram_optimizer == "rows" and args.ngram_rows,
          f"{flag_value(args, 'table_host_fraction')} keeps rows of a table stepped by row in host memory: it needs "
-         "--tables_by_rows true, --bigram_optimizer rows and an n-gram table (--bigram_rows)")
+         "--tables_by_rows true, --ngram_optimizer rows and an n-gram table (--ngram_rows)")
     need(args.sp or not args.async_tp, "--async_tp overlaps the all-gather of sequence-parallel shards with the "
          "matmul: it needs --sp true")
     need(args.model_dim == args.num_heads * args.head_dim, f"--model_dim {args.model_dim} must equal --num_heads x "
@@ -2269,7 +2276,7 @@ def check_hyperparameters(args: Hyperparameters) -> None:
          f"got {args.top_k}")
     need(args.cooldown_frac <= 1, f"--cooldown_frac must be in [0, 1], got {args.cooldown_frac}")
     candidate_counts(args)
-    cadence = table_cadence(args)
+    cadence = table_cycles(args)
     ends = [start for start, _ in cadence[1:]] + [args.num_iterations]
     for start, _ in cadence:
         need(start < args.num_iterations, f"{flag_value(args, 'table_cadence')}: its step {start} is past the run's "
@@ -2362,10 +2369,10 @@ def check_hyperparameters(args: Hyperparameters) -> None:
     for name in ("prefix_loss", "canonical_mask"):
         need(not getattr(args, name) or args.vocab_size >= 50257, f"--{name} reads GPT-2's tokens' bytes, but "
              f"--vocab_size {args.vocab_size} is smaller than GPT-2's 50257: use --{name} false")
-    need(args.bigram_rows != 1, "--bigram_rows 1: the hash takes every row but the last, which the first position "
+    need(args.ngram_rows != 1, "--ngram_rows 1: the hash takes every row but the last, which the first position "
          "takes: use 2 or more, or 0 for none")
-    need(not args.trigrams or args.bigram_rows >= 4 and args.bigram_rows % 2 == 0, f"--trigrams true splits "
-         f"{flag_value(args, 'bigram_rows')} into halves of 2 rows or more: give an even number of 4 or more")
+    need(not args.trigrams or args.ngram_rows >= 4 and args.ngram_rows % 2 == 0, f"--trigrams true splits "
+         f"{flag_value(args, 'ngram_rows')} into halves of 2 rows or more: give an even number of 4 or more")
     need(args.model_dim >= 12 or not args.smear and not layer_indices(args, "value_embed_layers"),
          f"--model_dim {args.model_dim}: the smear's gate reads 12 channels and a value embedding's gate 6 of it: "
          "use a width of 12 or more, or --smear false and --value_embed_layers ''")
@@ -2590,7 +2597,7 @@ def last_tied_step(args: Hyperparameters) -> int:
     start = stage_starts(args)[args.tied_stages]
     return min(next_adam_step(start, args), args.num_iterations)
 
-def table_cadence(args: Hyperparameters) -> list[tuple[int, int]]:
+def table_cycles(args: Hyperparameters) -> list[tuple[int, int]]:
     """--table_cadence: (first step, steps a cycle) pairs, the steps rising from 0."""
     try:
         pairs = [tuple(int(n) for n in pair.split(":")) for pair in args.table_cadence.split(",")] \
@@ -2609,12 +2616,12 @@ def table_cadence_at(step: int, args: Hyperparameters) -> tuple[bool, float]:
     """With --table_cadence: whether the tables step after step `step` (on the last step of each cycle of EVERY), and
     the cycle's length over the first's, which their betas are raised to and their decay multiplied by, so that both
     act per step as in the first cycles (#92's: its betas squared and its decay doubled from step 336)."""
-    every = next(every for start, every in reversed(table_cadence(args)) if step >= start)
-    return (step + 1) % every == 0, every / table_cadence(args)[0][1]
+    every = next(every for start, every in reversed(table_cycles(args)) if step >= start)
+    return (step + 1) % every == 0, every / table_cycles(args)[0][1]
 
 def tables_step(step: int, args: Hyperparameters) -> bool:
     """Whether the embeddings step after step `step`: on Adam's steps, and with --table_cadence on its."""
-    return adam_steps(step, args) and (not table_cadence(args) or table_cadence_at(step, args)[0])
+    return adam_steps(step, args) and (not table_cycles(args) or table_cadence_at(step, args)[0])
 
 # #92's end game (--tail_average): the final validation's weights are averages of the last steps', each kind of weight
 # its own. An average's first fold copies; each later one moves it `rate` of the way to the weights
@@ -2655,7 +2662,7 @@ def set_schedules(optimizers: list[torch.optim.Optimizer], step: int, args: Hype
     for opt in optimizers:
         for group in opt.param_groups:
             group["lr"] = group["initial_lr"] * multiplier
-    due, cycle = table_cadence_at(step, args) if table_cadence(args) else (True, 1.0)  # (parsed once a step)
+    due, cycle = table_cadence_at(step, args) if table_cycles(args) else (True, 1.0)  # (parsed once a step)
     for group in (g for g in optimizers[0].param_groups if g["own_cadence"]):
         group.update(due=due, betas=tuple(beta ** cycle for beta in group["initial_betas"]),
                      cautious_weight_decay=group["initial_decay"] * cycle)
@@ -2682,13 +2689,13 @@ def model_config(args: Hyperparameters) -> ModelConfig:
         value_embed=i in listed("value_embed_layers"), xsa=i in listed("xsa_layers"),
         output_gate=i in listed("output_gate_layers"), composed=i in listed("dc_layers"),
         gate_network=i in gate_networks, gated=i >= min(gate_networks, default=args.num_layers),
-        bigram=None if not args.bigram_rows or i not in listed("bigram_layers") else "input" if i == 0 else "output")
+        ngram=None if not args.ngram_rows or i not in listed("ngram_layers") else "input" if i == 0 else "output")
         for i in range(args.num_layers))
     return ModelConfig(vocab_size=args.vocab_size, model_dim=args.model_dim, num_heads=args.num_heads,
                        head_dim=args.head_dim, mlp_hidden=args.mlp_hidden, layers=layers,
                        skip=layer_indices(args, "skip_layers") or None,
                        attend_over=next(iter(layer_indices(args, "attend_over_layer")), None), mudd=args.mudd,
-                       mudd_head=args.mudd_head, bigram_rows=args.bigram_rows, trigrams=args.trigrams,
+                       mudd_head=args.mudd_head, ngram_rows=args.ngram_rows, trigrams=args.trigrams,
                        smear=args.smear, mtp=args.mtp, copy_window=args.copy_window,
                        prefix_loss=args.prefix_loss, canonical_mask=args.canonical_mask, fp8_head=args.fp8_head,
                        tied_embed=args.tied_stages > 0,
@@ -2753,7 +2760,7 @@ def optimizer_param_groups(model: nn.Module, vocab_size: int, model_dim: int,
     any other is refused. Its `optimizer` attribute ("adam" or "muon") chooses instead; placed_by_shape gets a line
     for each placed so."""
     kinds, lr_scales = collections.defaultdict(set), collections.defaultdict(set)
-    hashed = {m.table.weight for m in model.modules() if isinstance(m, BigramHashEmbedding)}
+    hashed = {m.table.weight for m in model.modules() if isinstance(m, NgramHashEmbedding)}
     for module in model.modules():
         linear = isinstance(module, (CastedLinear, nn.Linear))
         for part, p in module.named_parameters(recurse=False):
@@ -2800,7 +2807,7 @@ def build_optimizers(model: nn.Module, groups: dict[str, list[str]], args: Hyper
                      cuda_dtypes: bool) -> list[torch.optim.Optimizer]:
     """Adam for the heads, embeddings, scalars and gates, Muon for the hidden matrices: of each group, the parameters
     this rank's part of the model holds. A module's `lr_scale` (a Gate's) scales its parameters' Adam lr, as a
-    recipe's does its kind's. With --table_cadence the embeddings step on their own cadence; with --bigram_optimizer
+    recipe's does its kind's. With --table_cadence the embeddings step on their own cadence; with --ngram_optimizer
     rows the n-gram table steps as #92's does."""
     params = dict(model.named_parameters())
     held = {kind: [params[name] for name in names if name in params] for kind, names in groups.items()}
@@ -2810,7 +2817,7 @@ def build_optimizers(model: nn.Module, groups: dict[str, list[str]], args: Hyper
     recipes = {kind: dict(ADAM_RECIPES[args.optimizer_recipe][kind]) for kind in lrs}
     for kind in ("ngram", "embed") if args.table_cadence.strip() else ():
         recipes[kind]["own_cadence"] = True
-    recipes["ngram"]["rows"] = args.bigram_optimizer == "rows"
+    recipes["ngram"]["rows"] = args.ngram_optimizer == "rows"
     lrs = {kind: lr * recipes[kind].pop("lr_scale", 1.0) for kind, lr in lrs.items()}
     adam = Adam([dict(params=[p for p in held[kind] if (lr_scale[p], decays[p]) == split], lr=lrs[kind] * split[0],
                       **{**recipes[kind], **({} if split[1] else dict(cautious_weight_decay=0.0))})
@@ -3016,7 +3023,7 @@ class CanonicalMaskBuild:
             try:
                 os.closerange(3, 2**16)  # (not the run's lock or sockets: a restart must not wait for this child)
                 ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # (PR_SET_PDEATHSIG: ends with its parent)
-                self.mask()[:] = canonical_mask(self.ranks, self.rows)
+                self.mask()[:] = canonical_mask_bits(self.ranks, self.rows)
                 built = True
             finally:
                 os._exit(0 if built else 1)
@@ -3046,7 +3053,7 @@ class CanonicalMaskBuild:
                 self.note(f"its child had not ended {waited:.0f} s after it began, and was ended")
             else:
                 time.sleep(0.05)
-        self.whole = torch.from_numpy(self.mask().copy() if built else canonical_mask(self.ranks, self.rows))
+        self.whole = torch.from_numpy(self.mask().copy() if built else canonical_mask_bits(self.ranks, self.rows))
         return self.whole
 
 def set_canonical_mask(trainer: Trainer, build: CanonicalMaskBuild | None = None) -> None:
@@ -4063,7 +4070,7 @@ def check_schedule_kept(args: Hyperparameters, saved: Hyperparameters, checkpoin
          "one of Adam's steps")
     cycle_sums = any((t._values() if t.is_sparse else t).any() for state in checkpoint["adam"].values()
                      for key, t in state.items() if key == "held")
-    need(not cycle_sums or table_cadence(args) == table_cadence(saved), f"--table_cadence {args.table_cadence!r}: "
+    need(not cycle_sums or table_cycles(args) == table_cycles(saved), f"--table_cadence {args.table_cadence!r}: "
          f"checkpoint {path} holds the tables' gradients summed over part of a cycle of --table_cadence "
          f"{saved.table_cadence!r}, whose betas and decay its next step applies; resume with --table_cadence "
          f"{saved.table_cadence!r}, or change it from a checkpoint saved at the end of a cycle")
@@ -4166,7 +4173,7 @@ def parameter_count(args: Hyperparameters) -> int:
     return sum(p.numel() for p in build_model(args, torch.device("meta")).parameters())
 
 # the flags that size the model's tensors, by the start of their names: what a message about the model's size names
-SIZE_FLAGS = {"bigram.": "--bigram_rows", "value_embeds.": "--value_embed_layers and --vocab_size",
+SIZE_FLAGS = {"ngram.": "--ngram_rows", "value_embeds.": "--value_embed_layers and --vocab_size",
               "embed.": "--vocab_size and --model_dim", "lm_head.": "--vocab_size and --model_dim",
               "blocks.": "--num_layers and --model_dim"}
 
@@ -4192,8 +4199,8 @@ def check_host_memory(args: Hyperparameters, ctx: "ParallelContext") -> None:
     params = sum(p.numel() for p in model.parameters())
     # a table built by rows: a rank's rows are made on its device (a CPU's are the host's)
     pinned = 0
-    if Layout.tables_built_by_rows(args, ctx) and model.bigram is not None:
-        rows, width = model.bigram.table.weight.shape
+    if Layout.tables_built_by_rows(args, ctx) and model.ngram is not None:
+        rows, width = model.ngram.table.weight.shape
         most = -(-rows // ctx.dp.size)
         params -= rows * width - (most * width if ctx.device.type == "cpu" else 0)
         pinned = int(args.table_host_fraction * most) * width * 2 if ctx.device.type == "cuda" else 0
@@ -6826,9 +6833,9 @@ def host_tier(args: Hyperparameters, world_size: int, needed: int, room: float) 
     """The least --table_host_fraction (in hundredths, with the flags it needs) with which a CUDA run whose plan needs
     `needed` bytes a rank fits `room`, and the pinned host bytes a rank then holds; None where none does. Linear: a
     row moved to the host frees its bf16 values on the device; checked by the plan with it."""
-    if not (args.bigram_optimizer == "rows" and args.bigram_rows and args.tp == args.pp == 1 and args.zero <= 2):
+    if not (args.ngram_optimizer == "rows" and args.ngram_rows and args.tp == args.pp == 1 and args.zero <= 2):
         return None
-    movable = -(-args.bigram_rows // world_size) * args.model_dim * 2
+    movable = -(-args.ngram_rows // world_size) * args.model_dim * 2
     fraction = math.ceil(100 * (needed - room + args.table_host_fraction * movable) / movable) / 100
     change = dict(tables_by_rows=True, table_host_fraction=fraction)
     if fraction >= 1 or not accepted(lambda: checked(args, **change)):
@@ -6865,27 +6872,27 @@ def plan_gpu_counts(args: Hyperparameters) -> list[str]:
         lines.append(f"{gpus} GPU(s): {needed / 1e9:.1f} GB a rank by its plan; " + "; ".join(fits))
     return lines
 
-def largest_bigram_table(args: Hyperparameters, world_size: int, room: float, needed: int) -> int:
-    """The most --bigram_rows whose plan fits `room` bytes (0: none), the rest of the model as it is: the plan is
+def largest_ngram_table(args: Hyperparameters, world_size: int, room: float, needed: int) -> int:
+    """The most --ngram_rows whose plan fits `room` bytes (0: none), the rest of the model as it is: the plan is
     linear in the rows (the table, its gradient and its optimizer states), so one more plan of a small table
     prices a row; then checked, and lowered by 1% until it fits."""
     even = 2 if args.trigrams else 1  # (the two halves of an n-gram table)
     small = 1024 * even
-    if args.bigram_rows <= small:
+    if args.ngram_rows <= small:
         return 0
-    base = planned_peak(dataclasses.replace(args, bigram_rows=small), world_size)
-    per_row = (needed - base) / (args.bigram_rows - small)
+    base = planned_peak(dataclasses.replace(args, ngram_rows=small), world_size)
+    per_row = (needed - base) / (args.ngram_rows - small)
     rows = small + int((room - base) / per_row) if base <= room and per_row > 0 else 0
     while rows > small:
         rows -= rows % even
-        if planned_peak(dataclasses.replace(args, bigram_rows=rows), world_size) <= room:
-            return rows if accepted(lambda: checked(args, bigram_rows=rows)) else 0
+        if planned_peak(dataclasses.replace(args, ngram_rows=rows), world_size) <= room:
+            return rows if accepted(lambda: checked(args, ngram_rows=rows)) else 0
         rows = int(rows * 0.99)
     return 0
 
 def fitting_changes(args: Hyperparameters, world_size: int, needed: int, room: float) -> list[str]:
     """The flags with which a run whose plan needs `needed` bytes a rank would fit `room`: shorter sequences (the
-    longest that fits), ZeRO 3, twice the processes with it, tables held by rows, a host tier, the largest bigram
+    longest that fits), ZeRO 3, twice the processes with it, tables held by rows, a host tier, the largest n-gram
     table."""
     unit, dp = math.lcm(ATTENTION_BLOCK_SIZE, args.tp if args.sp else 1), world_size // (args.tp * args.pp)
     shorter = [",".join(str(n // divisor) for n in stage_seq_lens(args)) for divisor in (2, 4, 8)
@@ -6905,10 +6912,10 @@ def fitting_changes(args: Hyperparameters, world_size: int, needed: int, room: f
                 planned_peak(dataclasses.replace(args, **change), n) <= room:
             fits.append(flags)
     fits += [advice for advice in [host_tier_advice(args, world_size, needed, room)] if advice]
-    # (a smaller table: where the bigram table is at least half the model, as #92's is)
-    rows = largest_bigram_table(args, world_size, room, needed) \
-        if 2 * args.bigram_rows * args.model_dim >= parameter_count(args) else 0
-    return fits + ([f"--bigram_rows {rows} (the largest bigram table that fits)"] if rows else [])
+    # (a smaller table: where the n-gram table is at least half the model, as #92's is)
+    rows = largest_ngram_table(args, world_size, room, needed) \
+        if 2 * args.ngram_rows * args.model_dim >= parameter_count(args) else 0
+    return fits + ([f"--ngram_rows {rows} (the largest n-gram table that fits)"] if rows else [])
 
 def check_memory(args: Hyperparameters, world_size: int, free_bytes: int) -> None:
     """Refuse a run whose plan exceeds the GPU's free memory, naming what would fit."""
@@ -6920,7 +6927,7 @@ def check_memory(args: Hyperparameters, world_size: int, free_bytes: int) -> Non
                     f"{free_bytes / 2**30:.1f} GiB free: "
                     + (f"it would fit with {' or '.join(fits)}" if fits
                        else "no shorter sequence, --zero 3, twice the processes, tables held by rows or a smaller "
-                       "bigram table makes it fit")
+                       "n-gram table makes it fit")
                     + "; --memory_check false runs it anyway")
 
 def format_plan(plan: dict) -> str:

@@ -33,7 +33,7 @@ def record_tables(args) -> dict[str, int]:
 
 def lookups(name: str, rows: int, tokens: torch.Tensor) -> torch.Tensor:
     """The rows of table `name` that these tokens look up."""
-    return train_gpt.bigram_rows(tokens, rows).long() if "bigram" in name else tokens.long()
+    return train_gpt.bigram_rows(tokens, rows).long() if "ngram" in name else tokens.long()
 
 
 def measure(rank: int, world_size: int, shard: str, tokens_per_rank: int, width: int, zero: bool) -> dict:

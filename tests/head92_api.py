@@ -1,9 +1,11 @@
 """The API of train_gpt that ../shared/head92_cpu's checks were written against, where this file has moved on since,
 expressed in today's: imported before the checks run (tests/test_record92.py), it changes nothing they compare.
 
-The loss seam: the head hands statistics (VocabularyStatistics) and GPT.forward builds the loss from them. The
-checks call CrossEntropy(logits, targets, weights, columns) for training's loss and a head called with each token's
-next target for validation's, each here the loss GPT.forward builds from the statistics."""
+- The loss seam: the head hands statistics (VocabularyStatistics) and GPT.forward builds the loss from them. The
+  checks call CrossEntropy(logits, targets, weights, columns) for training's loss and a head called with each
+  token's next target for validation's: each here the loss GPT.forward builds from the statistics.
+- The n-gram table's names: the checks call it the bigram table (--bigram_rows, BigramHashEmbedding, a layer's
+  `bigram`, its share "bigram"), today's --ngram_rows, NgramHashEmbedding, `ngram` and "ngram"."""
 import train_gpt
 
 
@@ -19,4 +21,20 @@ class LMHead(train_gpt.LMHead):
         return train_gpt.summed_loss(stats.log_probs(), stats.found)
 
 
-train_gpt.CrossEntropy, train_gpt.LMHead = CrossEntropy, LMHead
+parse_args, gate_network = train_gpt.parse_args, train_gpt.GateNetwork.forward
+
+
+def parse_args_by_old_names(argv=None, cuda=None):
+    return parse_args([train_gpt.RENAMED_FLAGS.get(flag, flag) for flag in argv], cuda)
+
+
+def coefficients_by_old_names(self, *args, **kwargs):
+    served = gate_network(self, *args, **kwargs)
+    return {layer: {**coefficients, **({"bigram": coefficients["ngram"]} if "ngram" in coefficients else {})}
+            for layer, coefficients in served.items()}
+
+
+train_gpt.CrossEntropy, train_gpt.LMHead, train_gpt.BigramHashEmbedding = CrossEntropy, LMHead, \
+    train_gpt.NgramHashEmbedding
+train_gpt.parse_args, train_gpt.GateNetwork.forward = parse_args_by_old_names, coefficients_by_old_names
+train_gpt.LayerConfig.bigram = property(lambda layer: layer.ngram)

@@ -26,7 +26,7 @@ index among those with attention, i - (i > 6)). Heads keep #89's order: in a pai
 - embed.weight (V', W) -> embed.weight: as is (V' = the vocabulary padded to 128; while tied, #89 keeps it = lm_head.T)
 - lm_head.weight (W, V'; CastedLinearT holds in x out) -> lm_head.weight (V', W): transposed
 - value_embeds (5 V', W) -> value_embeds.{1,2,8,9,10}.weight (V, W): the k-th table's first V rows
-- bigram_embed.weight, buffer bigram_sign_table -> bigram.table.weight, buffer bigram.signs: as is (the signs are
+- bigram_embed.weight, buffer bigram_sign_table -> ngram.table.weight, buffer ngram.signs: as is (the signs are
   non-persistent here: load_head_weights copies them)
 - smear_gate.weight; scalars[2L]; scalars[2L + 1] -> smear.gate.weight; smear.scale; blocks.6.skip_gate: as is
 - qk_bank[6a:6a+6] (rows: q heads, then k heads) -> blocks.i.attn.qk.weight (2, W, W): as is (#89's sa_lambda0 on q
@@ -86,10 +86,10 @@ VALUE_EMBED_LAYERS = (1, 2, 8, 9, 10)  # the layer each of #89's five value tabl
 GATE_LAYOUT = {
     "0": {(1, "xsa"): (0, 6), (3, "xsa"): (6, 6), (3, "output_gate"): (12, 6),
           **{(l, name): (18 + 2 * j + k, 1) for j, l in enumerate((0, 1, 2, 3))
-             for k, name in enumerate(("x0", "bigram"))}},
+             for k, name in enumerate(("x0", "ngram"))}},
     "4": {(4, "xsa"): (0, 6), (7, "xsa"): (6, 6), (10, "output_gate"): (12, 6),
           **{(l, name): (18 + 2 * j + k, 1) for j, l in enumerate((4, 5, 7, 8, 9))
-             for k, name in enumerate(("x0", "bigram"))},
+             for k, name in enumerate(("x0", "ngram"))},
           (6, "skip"): (28, 1), (10, "dc_mix"): (29, 6), (10, "dc_weight"): (35, 6)},
 }
 # #89's MUDD coefficients (init_mudd's docstring): mudd block 0 -> the last layer, 1 -> the post-loop (head), whose
@@ -97,7 +97,7 @@ GATE_LAYOUT = {
 # last layer), the first value embedding and cache[3] (the skip's source)
 DENSE_LAYOUT = {
     "10": {(10, "dense_value"): (0, 3), (10, "dense"): (3, 3), (10, "value_gate"): (6, 2),
-           (10, "attn_scales"): (8, 2), (10, "x0"): (10, 1), (10, "bigram"): (11, 1), (10, "mlp_scales"): (12, 2)},
+           (10, "attn_scales"): (8, 2), (10, "x0"): (10, 1), (10, "ngram"): (11, 1), (10, "mlp_scales"): (12, 2)},
     "head": {("head", name): (j, 1) for j, name in enumerate(("first_input", "attended", "penultimate",
                                                                "value_embed", "skip"))},
 }
@@ -140,7 +140,7 @@ def port_hyperparameters(head_config: dict) -> train_gpt.Hyperparameters:
     scale = steps / HEAD_STEPS
     windows = ",".join(f"{_window_blocks(s, block)}:{_window_blocks(l, block)}" for s, l in HEAD_WINDOW_BLOCKS)
     flags = dict(
-        preset="record89", head_dim=head_dim, model_dim=6 * head_dim, bigram_rows=int(c.get("bigram_vocab", 16384)),
+        preset="record89", head_dim=head_dim, model_dim=6 * head_dim, ngram_rows=int(c.get("bigram_vocab", 16384)),
         window_blocks=windows, final_window_blocks=_window_blocks(HEAD_FINAL_WINDOW_BLOCKS, block),
         train_seq_len=",".join(str(seq_len * g) for g in growth + growth[-1:]), doc_max_tokens="0",
         seqs_per_step=8, num_iterations=steps, extension_steps=steps - scheduled,
@@ -180,7 +180,7 @@ def _network_rows(widths: dict, layout: dict) -> list[int]:
 
 def port_state_from_head(head_weights: dict[str, Tensor], model: train_gpt.GPT) -> dict[str, Tensor]:
     """#89's tensors (a head_cpu state's "model": its bf16 weights, or fp32 masters) by this file's names: every
-    entry of model.state_dict(), plus the non-persistent bigram.signs (load_head_weights copies it). fp32."""
+    entry of model.state_dict(), plus the non-persistent ngram.signs (load_head_weights copies it). fp32."""
     h = {name: t.float() for name, t in head_weights.items()}
     blocks = model.blocks
     num_layers, width = len(blocks), model.embed.weight.shape[1]
@@ -193,8 +193,8 @@ def port_state_from_head(head_weights: dict[str, Tensor], model: train_gpt.GPT) 
         "lm_head.weight": h["lm_head.weight"].T,
         "smear.scale": scalars[2 * num_layers],
         "smear.gate.weight": h["smear_gate.weight"],
-        "bigram.table.weight": h["bigram_embed.weight"],
-        "bigram.signs": h["bigram_sign_table"],
+        "ngram.table.weight": h["bigram_embed.weight"],
+        "ngram.signs": h["bigram_sign_table"],
         f"blocks.{PAD_LAYER}.skip_gate": scalars[2 * num_layers + 1],
     }
     tables = h["value_embeds"].view(len(VALUE_EMBED_LAYERS), padded, width)
@@ -242,7 +242,7 @@ def port_state_from_head(head_weights: dict[str, Tensor], model: train_gpt.GPT) 
     return {name: t.contiguous().clone() for name, t in out.items()}
 
 
-NON_PERSISTENT = ("bigram.signs",)  # buffers a state_dict leaves out, which #89's forward has its own of
+NON_PERSISTENT = ("ngram.signs",)  # buffers a state_dict leaves out, which #89's forward has its own of
 
 
 def load_head_weights(model: train_gpt.GPT, head_weights: dict[str, Tensor]) -> None:

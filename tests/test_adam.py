@@ -117,14 +117,14 @@ def test_92s_tables_on_their_own_cadence_equal_the_formula_by_hand():
     embeddings (Adam), on the cadence 0:2,8:4 with Adam on odd steps: they step after steps 1, 3, 5, 7, then 11 and
     15 on the sums of their gradients of Adam's steps in the cycle (9 + 11, 13 + 15), with betas squared and decay
     doubled in the 4-step cycles. By hand in float64 from #92's formula; the optimizers as the trainer builds them."""
-    args = train_gpt.parse_args(["--preset", "tiny", "--table_cadence", "0:2,8:4", "--bigram_optimizer", "rows",
+    args = train_gpt.parse_args(["--preset", "tiny", "--table_cadence", "0:2,8:4", "--ngram_optimizer", "rows",
                                  "--num_iterations", "16", "--lr_embed", "3"], cuda=False)  # (a lr at which the
     # decay, x lr^2, shows)
     torch.manual_seed(0)
     model = train_gpt.build_model(args, torch.device("cpu"))
     groups = train_gpt.optimizer_param_groups(model, args.vocab_size, args.model_dim)
     optimizers = train_gpt.build_optimizers(model, groups, args, torch.device("cpu"), cuda_dtypes=False)
-    table, embed = model.bigram.table.weight, model.value_embeds["1"].weight
+    table, embed = model.ngram.table.weight, model.value_embeds["1"].weight
     with torch.no_grad():
         table.normal_()  # (zero at the start, it would never decay)
     g = torch.Generator().manual_seed(4)

@@ -33,7 +33,7 @@ def encoding(gpt2_ranks):
 
 @pytest.fixture(scope="module")
 def packed(encoding):
-    return train_gpt.canonical_mask(encoding._mergeable_ranks, VOCAB_ROWS)
+    return train_gpt.canonical_mask_bits(encoding._mergeable_ranks, VOCAB_ROWS)
 
 
 @pytest.fixture(scope="module")

@@ -106,7 +106,7 @@ def assert_holds_adam_gradients(state: dict, held: bool):
 @pytest.mark.parametrize("world_size, saved_at, staged", [
     (1, 4, dict(tail_average=True)), (2, 3, dict(train_seq_len="128,256,128,256", doc_max_tokens="64,256,256,256", tied_stages=1,
                             matrix_optimizer="anvil", anvil_blend_step=2, sampled_softmax="0:512,2:2048",
-                            table_cadence="0:4", bigram_optimizer="rows", zero=1, tables_by_rows=True))])
+                            table_cadence="0:4", ngram_optimizer="rows", zero=1, tables_by_rows=True))])
 def test_resumed_run_ends_bit_identical_to_the_uninterrupted_one(tmp_path, files, world_size, saved_at, staged):
     full_log = run(tmp_path, files, world_size, "full", save_every=saved_at, **staged)
     path = tmp_path / "logs" / "full" / f"step{saved_at:06d}.pt"
@@ -132,7 +132,7 @@ def test_resumed_run_ends_bit_identical_to_the_uninterrupted_one(tmp_path, files
 
 
 @pytest.mark.parametrize("world_size, flags", [(1, dict(table_cadence="0:4")), (2, dict(
-    table_cadence="0:4", bigram_optimizer="rows", zero=1, tables_by_rows=True, tail_average=True))])
+    table_cadence="0:4", ngram_optimizer="rows", zero=1, tables_by_rows=True, tail_average=True))])
 def test_the_room_checks_bound_holds_for_the_checkpoint_of_every_step(tmp_path, files, world_size, flags):
     # odd and even steps hold different things: gradients held for Adam's next step (float64, the tiny preset's
     # sums), a cadence's sums, the tables' by row, the tail averages; the bound (with the source it keeps) holds them
@@ -580,7 +580,7 @@ def test_a_table_cadence_that_cannot_act_is_refused_and_so_is_a_changed_one_mid_
     # the betas of a cycle of 4; a cycle of 2 from there would step them after step 5's sum alone
     run(tmp_path, files, 1, "saved", save_every=6, table_cadence="0:4", val_loss_every=0)
     saved = tmp_path / "logs" / "saved" / "step000006.pt"
-    assert checkpoint(tmp_path, "saved", 6)["adam"]["bigram.table.weight"]["held"].any()
+    assert checkpoint(tmp_path, "saved", 6)["adam"]["ngram.table.weight"]["held"].any()
     with pytest.raises(train_gpt.UserError, match=r"--table_cadence '0:2': checkpoint .* holds the tables' gradients "
                                                   r"summed over part of a cycle of --table_cadence '0:4'"):
         run(tmp_path, files, 1, "saved", save_every=6, table_cadence="0:2", val_loss_every=0, resume=saved)

@@ -55,24 +55,24 @@ def test_the_memory_check_names_zero_3_and_more_processes_where_the_model_states
                                 cuda=True)
     free = train_gpt.planned_peak(args, 2) - 2**28
     with pytest.raises(train_gpt.UserError, match=r"it would fit with --zero 3 or 4 processes with --zero 3 or "
-                                                  r"--zero 1 --tables_by_rows true or --bigram_rows \d+ \(the "
-                                                  r"largest bigram table that fits\);"):
+                                                  r"--zero 1 --tables_by_rows true or --ngram_rows \d+ \(the "
+                                                  r"largest n-gram table that fits\);"):
         train_gpt.check_memory(args, 2, int(free / train_gpt.MEMORY_HEADROOM))
 
 
-def test_the_memory_check_names_the_largest_bigram_table_that_fits():
+def test_the_memory_check_names_the_largest_ngram_table_that_fits():
     # #92's n-gram table is most of its model; a GPU too small for this one (2M rows) is told the most rows that
     # fit: the free memory is a 1M-row table's plan, so about 1M (the plan prices a row from two plans, and checks)
     flags = ["--preset", "record89", "--train_seq_len", "256", "--val_seq_len", "256", "--val_tokens", "2048",
              "--compile", "false", "--seqs_per_step", "1", "--trigrams", "true", *TWO_LAYERS]
-    args = train_gpt.parse_args([*flags, "--bigram_rows", "2000000"], cuda=True)
-    free = train_gpt.planned_peak(dataclasses.replace(args, bigram_rows=1_000_000), 1) / train_gpt.MEMORY_HEADROOM
-    with pytest.raises(train_gpt.UserError, match=r"it would fit with --bigram_rows (\d+) \(the largest bigram table "
+    args = train_gpt.parse_args([*flags, "--ngram_rows", "2000000"], cuda=True)
+    free = train_gpt.planned_peak(dataclasses.replace(args, ngram_rows=1_000_000), 1) / train_gpt.MEMORY_HEADROOM
+    with pytest.raises(train_gpt.UserError, match=r"it would fit with --ngram_rows (\d+) \(the largest n-gram table "
                                                   r"that fits\); --memory_check false") as refused:
         train_gpt.check_memory(args, 1, int(free))
-    rows = int(re.search(r"--bigram_rows (\d+)", str(refused.value)).group(1))
+    rows = int(re.search(r"--ngram_rows (\d+)", str(refused.value)).group(1))
     assert 990_000 <= rows <= 1_000_000 and rows % 2 == 0
-    assert train_gpt.planned_peak(dataclasses.replace(args, bigram_rows=rows), 1) <= free * train_gpt.MEMORY_HEADROOM
+    assert train_gpt.planned_peak(dataclasses.replace(args, ngram_rows=rows), 1) <= free * train_gpt.MEMORY_HEADROOM
 
 
 def test_every_change_the_memory_check_advises_is_one_a_run_accepts_and_it_fits():
@@ -80,7 +80,7 @@ def test_every_change_the_memory_check_advises_is_one_a_run_accepts_and_it_fits(
     # --zero 3 nor more processes with it is advised; a host tier for a table stepped by row is, with its host memory;
     # each advised change, taken, is accepted and fits
     base = ["--preset", "record89", "--train_seq_len", "256", "--val_seq_len", "256", "--val_tokens", "2048",
-            "--compile", "false", "--seqs_per_step", "4", "--tail_average", "true", "--bigram_optimizer", "rows",
+            "--compile", "false", "--seqs_per_step", "4", "--tail_average", "true", "--ngram_optimizer", "rows",
             *TWO_LAYERS]
     args = train_gpt.parse_args(base, cuda=True)
     room = train_gpt.planned_peak(dataclasses.replace(args, zero=3, compile=False), 4) + 2**24  # (ZeRO 3 would fit)

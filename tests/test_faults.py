@@ -328,8 +328,8 @@ def test_checkpoints_are_counted_not_listed_for_the_room_check(tmp_path, monkeyp
     (["--model_dim", "1048576", "--num_heads", "8192", "--head_dim", "128"],
      "need at least"),
     # the flag that made the model too big is named, not the small ones beside it
-    (["--bigram_rows", "2147483646"], "parameters (100% of them in bigram.table.weight (2147483646, 32), sized by "
-                                      "--bigram_rows) need at least"),
+    (["--ngram_rows", "2147483646"], "parameters (100% of them in ngram.table.weight (2147483646, 32), sized by "
+                                      "--ngram_rows) need at least"),
 ])
 def test_sizes_that_would_overflow_or_exhaust_memory_are_refused_at_start(tmp_path, files, extra, words):
     refused([*flags(files, tmp_path), *extra], words)

@@ -170,7 +170,7 @@ def test_narrow_heads_and_two_mlps_train_under_tensor_and_sequence_parallelism()
     flags = ["--preset=tiny", "--num_iterations=3", "--train_seq_len=128", "--seqs_per_step=2", "--val_seq_len=128",
              "--val_tokens=256", "--narrow_qk_layers=1,2,3", "--narrow_v_layers=1,2",
              "--double_mlp_layers=0", "--mlp_free_layers=4", "--mlp_hidden=96", "--rotary_follows=own",
-             "--x0_layers=0,2,4,5", "--bigram_layers=0,3,4", "--mudd_head=92", "--model_dim=64", "--head_dim=16",
+             "--x0_layers=0,2,4,5", "--ngram_layers=0,3,4", "--mudd_head=92", "--model_dim=64", "--head_dim=16",
              f"--train_files={SHAKESPEARE}/shakespeare_train_*.bin", f"--val_files={SHAKESPEARE}/shakespeare_val_*.bin"]
     one = train_gpt.train_steps(0, 1, flags, 3)
     split = train_gpt.run_on_ranks(train_gpt.train_steps, 2, flags + ["--tp=2", "--sp=true"], 3)
@@ -197,17 +197,17 @@ def test_92s_injection_sites_give_its_gate_networks_92s_lanes():
 def test_a_layer_without_attention_takes_x0_and_the_bigram_embedding_after_its_scale_of_the_residual():
     # by hand: r x + a x0 + b bigram, then the MLP's r' x + o MLP(norm x); its learned shares start at #89's 0, 0.05
     config = train_gpt.ModelConfig(vocab_size=512, model_dim=16, num_heads=2, head_dim=8, layers=(
-        train_gpt.LayerConfig(attention=False, x0=True, bigram="output"),))
+        train_gpt.LayerConfig(attention=False, x0=True, ngram="output"),))
     block = train_gpt.Block(config, 0)
-    assert {k: v.item() for k, v in block.shares.items()} == pytest.approx({"x0": 0.0, "bigram": 0.05})
+    assert {k: v.item() for k, v in block.shares.items()} == pytest.approx({"x0": 0.0, "ngram": 0.05})
     assert block.attn_scales.output is None
     torch.manual_seed(1)
     for p in block.parameters():
         torch.nn.init.normal_(p, std=0.3)
     x, x0, bigram = torch.randn(3, 1, 5, 16).unbind(0)
     with torch.no_grad():
-        y = block(x, x0, None, None, {}, bigram=bigram)
-    mid = block.attn_scales.residual * x + block.shares["x0"] * x0 + block.shares["bigram"] * bigram
+        y = block(x, x0, None, None, {}, ngram=bigram)
+    mid = block.attn_scales.residual * x + block.shares["x0"] * x0 + block.shares["ngram"] * bigram
     n = mid / (mid.square().mean(-1, keepdim=True) + torch.finfo(torch.float32).eps).sqrt()
     mlp = torch.relu(n @ block.mlp.c_fc.weight.T).square() @ block.mlp.c_proj.weight.T
     torch.testing.assert_close(y, block.mlp_scales.residual * mid + block.mlp_scales.output * mlp, rtol=1e-5, atol=1e-6)

@@ -212,14 +212,18 @@ def test_a_vocabulary_without_the_end_of_text_token_is_refused_at_parse_time():
     # issue 67: flags that do what they say or are refused
     (["--check_layout", ""], "--check_layout '' names no layout"),
     (["--table_host_fraction", "0.5"], "--table_host_fraction 0.5 keeps rows of a table stepped by row in host "
-                                       "memory: it needs --tables_by_rows true, --bigram_optimizer rows"),
-    (["--table_host_fraction", "1", "--tables_by_rows", "--bigram_optimizer", "rows"], "must be below 1"),
+                                       "memory: it needs --tables_by_rows true, --ngram_optimizer rows"),
+    (["--table_host_fraction", "1", "--tables_by_rows", "--ngram_optimizer", "rows"], "must be below 1"),
     (["--top_k", "5"], "--top_k 5 acts only with --sample (a checkpoint to sample from) or --sample_every"),
     (["--nproc", "4"], "--nproc 4 acts only with --plan"),
     (["--anvil_blend_step", "3"], "--anvil_blend_step 3 acts only with --matrix_optimizer anvil"),
     (["--pp_schedule", "afab"], "--pp_schedule 'afab' acts only with --pp 2 or more"),
-    (["--bigram_optimizer", "rows", "--bigram_rows", "0"], "--bigram_optimizer 'rows' acts only with an n-gram "
-                                                           "table (--bigram_rows)"),
+    (["--ngram_optimizer", "rows", "--ngram_rows", "0"], "--ngram_optimizer 'rows' acts only with an n-gram "
+                                                         "table (--ngram_rows)"),
+    # issue 65: the n-gram table's flags by their old names
+    (["--bigram_rows", "4096"], "--bigram_rows is now --ngram_rows: give that instead"),
+    (["--bigram_layers=0,1"], "--bigram_layers is now --ngram_layers: give that instead"),
+    (["--bigram_optimizer", "rows"], "--bigram_optimizer is now --ngram_optimizer: give that instead"),
 ])
 def test_values_that_cannot_train_are_refused_at_parse_time(argv, words):
     with pytest.raises(train_gpt.UserError) as error:

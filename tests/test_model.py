@@ -70,7 +70,7 @@ def bigram_rows_by_hand(tokens, rows):
 
 def bigram_by_the_formula(model, tokens):
     """Each position's row of the hash table times the sign vector of (previous xor own) mod 8192 (the first: row 0)."""
-    bigram, tokens = model.bigram, [int(t) for t in tokens]
+    bigram, tokens = model.ngram, [int(t) for t in tokens]
     rows = bigram_rows_by_hand(tokens, bigram.table.num_embeddings)
     signs = [0] + [(p ^ t) % 8192 for p, t in zip(tokens[:-1], tokens[1:])]
     return torch.stack([bigram.table.weight[r] * bigram.signs[s] for r, s in zip(rows, signs)])[None]
@@ -104,7 +104,7 @@ def logits_by_the_formulas(model, tokens, window, backout=True, attend_over=True
         if i == skip_to:
             x = x + torch.sigmoid(block.skip_gate) * gates["skip"] * outputs[skip_from]
         if i == 0:  # the bigram embedding: into the first layer's input, after each later layer's attention
-            x = x + gates["bigram"] * pairs
+            x = x + gates["ngram"] * pairs
             outputs[-1] = x
         dense_value = None
         if i == c.dense_layer:
@@ -127,7 +127,7 @@ def logits_by_the_formulas(model, tokens, window, backout=True, attend_over=True
                 (block.attn_scales.residual, block.attn_scales.output)
             x = residual * x + output * out + gates["x0"] * (outputs[-1] if i == c.dense_layer else x0)
             if i > 0:
-                x = x + gates["bigram"] * pairs
+                x = x + gates["ngram"] * pairs
         residual, output = gates["mlp_scales"].split(1, -1) if "mlp_scales" in gates else \
             (block.mlp_scales.residual, block.mlp_scales.output)
         x = residual * x + output * block.mlp(norm(x))
@@ -180,11 +180,11 @@ def test_each_learned_scale_starts_where_record_89_starts_it():
                            generator=torch.Generator().manual_seed(4))
     x = model(tokens, None, train_gpt.window_tensor((128, 128), torch.device("cpu")), layers=range(0)).x  # embedded
     first = model.gate_networks["0"](x)
-    assert first.keys() == {0, 1} and first[0].keys() == {"x0", "bigram"}
-    assert first[1].keys() == {"x0", "bigram", "xsa"}
+    assert first.keys() == {0, 1} and first[0].keys() == {"x0", "ngram"}
+    assert first[1].keys() == {"x0", "ngram", "xsa"}
     later = model.gate_networks["2"](torch.randn_like(x))
     assert later.keys() == {2, 3, 4, 5} and later[4].keys() == {"skip"}
-    starts = dict(x0=0.0, bigram=0.05, skip=0.5, xsa=0.0, output_gate=0.25, dc_mix=1.0, dc_weight=0.0)
+    starts = dict(x0=0.0, ngram=0.05, skip=0.5, xsa=0.0, output_gate=0.25, dc_mix=1.0, dc_weight=0.0)
     for coefficients in (*first.values(), *later.values()):
         for name, value in coefficients.items():
             assert torch.allclose(value, torch.full_like(value, starts[name]), rtol=1e-6, atol=0), name
@@ -206,9 +206,9 @@ def test_each_learned_scale_starts_where_record_89_starts_it():
                                    torch.device("cpu"))
     assert static.backout.item() == -0.5 and not static.dense_networks  # (without MUDD: a learned scalar)
     assert not static.gate_networks and static.blocks[0].shares["x0"].item() == 0.0
-    assert static.blocks[0].shares["bigram"].item() == pytest.approx(0.05) and "bigram" not in static.blocks[4].shares
+    assert static.blocks[0].shares["ngram"].item() == pytest.approx(0.05) and "ngram" not in static.blocks[4].shares
     # the bigram table starts at zero; its signs are +-1
-    assert not model.bigram.table.weight.any() and set(model.bigram.signs.unique().tolist()) == {-1.0, 1.0}
+    assert not model.ngram.table.weight.any() and set(model.ngram.signs.unique().tolist()) == {-1.0, 1.0}
     assert math.isclose(torch.sigmoid(static.blocks[4].skip_gate).item(), 0.0912128, rel_tol=1e-6)
     # MUDD's networks (#89's): the last layer's 14 coefficients, whatever the token, start at its mixes 0, its value
     # gate 2 per half of the heads, its scales sqrt(1.1) and 1, x0's share 0 and the bigram's 0.05; the head's at 0
@@ -217,7 +217,7 @@ def test_each_learned_scale_starts_where_record_89_starts_it():
     x = torch.randn_like(x)
     dense = model.dense_networks["5"](x)[5]
     starts = dict(dense_value=[0.0] * 3, dense=[0.0] * 3, value_gate=[2.0, 2.0], attn_scales=[1.1 ** 0.5, 1.0],
-                  x0=[0.0], bigram=[0.05], mlp_scales=[1.1 ** 0.5, 1.0])
+                  x0=[0.0], ngram=[0.05], mlp_scales=[1.1 ** 0.5, 1.0])
     assert list(dense) == list(starts)  # (#89's order)
     for name, values in starts.items():
         assert torch.allclose(dense[name], torch.tensor(values).expand_as(dense[name]), rtol=1e-6, atol=0), name
@@ -289,27 +289,27 @@ def test_what_a_later_part_reads_of_the_stream_is_found_on_the_traced_forward(mu
     args = train_gpt.parse_args(["--preset", "tiny", "--mudd", str(mudd)], cuda=False)
     trace = train_gpt.ModelTrace(train_gpt.build_model(args, torch.device("cpu")), 256).run()
     live = [sorted(train_gpt.pytree.keystr(path) for path in trace.live_after(b)) for b in range(1, 6)]
-    gates = {1: [".gates[1]['bigram']", ".gates[1]['x0']", ".gates[1]['xsa']"],
-             3: [f".gates[3]['{name}']" for name in ("bigram", "dc_mix", "dc_weight", "output_gate", "x0", "xsa")]}
+    gates = {1: [".gates[1]['ngram']", ".gates[1]['x0']", ".gates[1]['xsa']"],
+             3: [f".gates[3]['{name}']" for name in ("ngram", "dc_mix", "dc_weight", "output_gate", "x0", "xsa")]}
     if not mudd:
-        expected = [[".bigram", *gates[1], ".ve[1]", ".ve[2]", ".ve[5]", ".x", ".x0"],
-                    [".bigram", ".skip", ".ve[2]", ".ve[5]", ".x", ".x0"],
-                    [".bigram", *gates[3], ".gates[4]['skip']", ".gates[5]['bigram']", ".gates[5]['output_gate']",
+        expected = [[".ngram", *gates[1], ".ve[1]", ".ve[2]", ".ve[5]", ".x", ".x0"],
+                    [".ngram", ".skip", ".ve[2]", ".ve[5]", ".x", ".x0"],
+                    [".ngram", *gates[3], ".gates[4]['skip']", ".gates[5]['ngram']", ".gates[5]['output_gate']",
                      ".gates[5]['x0']", ".skip", ".ve[5]", ".x", ".x0"],
-                    [".attended", ".bigram", ".gates[4]['skip']", ".gates[5]['bigram']", ".gates[5]['output_gate']",
+                    [".attended", ".ngram", ".gates[4]['skip']", ".gates[5]['ngram']", ".gates[5]['output_gate']",
                      ".gates[5]['x0']", ".skip", ".ve[5]", ".x", ".x0"],
-                    [".attended", ".bigram", ".gates[5]['bigram']", ".gates[5]['output_gate']", ".gates[5]['x0']",
+                    [".attended", ".ngram", ".gates[5]['ngram']", ".gates[5]['output_gate']", ".gates[5]['x0']",
                      ".ve[5]", ".x", ".x0"]]
     else:  # and to the end, for MUDD's dense layer 5 or its head: the first layer's input, layer 1's output (the
         # skip's source), layer 4's and layer 1's value embedding; x0 no longer after layer 3 (layer 4 has no
         # attention, and the dense layer re-adds the first layer's input instead), and layer 5's shares its own
-        expected = [[".bigram", ".first_input", *gates[1], ".ve[1]", ".ve[2]", ".ve[5]", ".x", ".x0"],
-                    [".bigram", ".first_input", ".skip", ".ve[1]", ".ve[2]", ".ve[5]", ".x", ".x0"],
-                    [".bigram", ".first_input", *gates[3], ".gates[4]['skip']", ".gates[5]['output_gate']", ".skip",
+        expected = [[".ngram", ".first_input", *gates[1], ".ve[1]", ".ve[2]", ".ve[5]", ".x", ".x0"],
+                    [".ngram", ".first_input", ".skip", ".ve[1]", ".ve[2]", ".ve[5]", ".x", ".x0"],
+                    [".ngram", ".first_input", *gates[3], ".gates[4]['skip']", ".gates[5]['output_gate']", ".skip",
                      ".ve[1]", ".ve[5]", ".x", ".x0"],
-                    [".attended", ".bigram", ".first_input", ".gates[4]['skip']", ".gates[5]['output_gate']", ".skip",
+                    [".attended", ".ngram", ".first_input", ".gates[4]['skip']", ".gates[5]['output_gate']", ".skip",
                      ".ve[1]", ".ve[5]", ".x"],
-                    [".attended", ".bigram", ".first_input", ".gates[5]['output_gate']", ".penultimate", ".skip",
+                    [".attended", ".ngram", ".first_input", ".gates[5]['output_gate']", ".penultimate", ".skip",
                      ".ve[1]", ".ve[5]", ".x"]]
     assert live == [sorted(paths) for paths in expected]
 
@@ -324,7 +324,7 @@ def test_without_the_skip_and_the_attended_layer_the_model_has_neither_and_its_b
     window = train_gpt.window_tensor((128, 128), torch.device("cpu"))
     for i in range(len(model.blocks)):
         assert set(vars(model(tokens[:-1], tokens[1:], window, layers=range(i)))) == {"x", "x0", "ve", "gates",
-                                                                                       "bigram"}
+                                                                                       "ngram"}
     model(tokens[:-1], tokens[1:], window).backward()
     assert model.lm_head.weight.grad.abs().sum() > 0  # (the head starts at zero: only its gradient is non-zero)
 
@@ -468,7 +468,7 @@ def test_the_record_gate_networks_serve_record_89s_layers():
     model = train_gpt.build_model(args, torch.device("meta"))
     widths = {start: {int(layer): coefficients for layer, coefficients in network.widths.items()}
               for start, network in model.gate_networks.items()}
-    shares = dict(x0=1, bigram=1)
+    shares = dict(x0=1, ngram=1)
     assert widths == {"0": {0: shares, 1: dict(**shares, xsa=6), 2: shares, 3: dict(**shares, xsa=6, output_gate=6)},
                       "4": {4: dict(**shares, xsa=6), 5: shares, 6: dict(skip=1), 7: dict(**shares, xsa=6),
                             8: shares, 9: shares, 10: dict(output_gate=6, dc_mix=6, dc_weight=6)}}
@@ -479,7 +479,7 @@ def test_the_record_gate_networks_serve_record_89s_layers():
                                                                  "value_embed", "skip"]
     networks = [*model.gate_networks.values(), *model.dense_networks.values()]
     assert all(network.hidden.weight.shape == (64, 768) for network in networks)
-    assert model.bigram.table.weight.shape == (377280, 768)  # #89's 50304 x 15 / 2 rows
+    assert model.ngram.table.weight.shape == (377280, 768)  # #89's 50304 x 15 / 2 rows
 
 
 def test_the_bigram_hash_is_record_89s_in_wrapping_int32():
@@ -507,7 +507,7 @@ def test_the_trigram_hash_is_record_92s_in_wrapping_int32():
 
 def test_92s_ngram_table_sums_each_positions_signed_pair_and_triple_rows():
     half = 4096
-    table = train_gpt.BigramHashEmbedding(2 * half, 16, trigrams=True)
+    table = train_gpt.NgramHashEmbedding(2 * half, 16, trigrams=True)
     torch.nn.init.normal_(table.table.weight.detach(), generator=torch.Generator().manual_seed(0))
     tokens = [50256, 7, 50303, 0, 1, 50256, 31000, 31000, 12]
     pair_rows = bigram_rows_by_hand(tokens, half)

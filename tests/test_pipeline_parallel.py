@@ -50,8 +50,8 @@ def stream_structures(rank, world_size, files, layout):
 # After stage 1: x0 no longer (layer 4 has no attention, the dense layer 5 re-adds the first layer's input), layer
 # 3's output (attended over by layer 5, read by MUDD's), layer 2's value embedding no longer, and the coefficients
 # network 2 gave layers 4 and 5
-SENT = {2: {".x", ".x0", ".bigram", ".first_input", ".skip", ".ve[1]", ".ve[2]", ".ve[5]"},
-        4: {".x", ".bigram", ".first_input", ".skip", ".attended", ".ve[1]", ".ve[5]", ".gates[4]['skip']",
+SENT = {2: {".x", ".x0", ".ngram", ".first_input", ".skip", ".ve[1]", ".ve[2]", ".ve[5]"},
+        4: {".x", ".ngram", ".first_input", ".skip", ".attended", ".ve[1]", ".ve[5]", ".gates[4]['skip']",
             ".gates[5]['output_gate']"}}
 
 

@@ -12,7 +12,7 @@ from test_checkpoints import assert_states_equal, checkpoint, run
 STEPS = 12
 # #92's table and its update: bigrams and trigrams, stepped by row on Adam's (odd) steps, then on every fourth from
 # step 6; the tiny preset's float64 sums of gradients (as one process sums them on any number of ranks)
-TABLE = dict(trigrams=True, bigram_optimizer="rows", table_cadence="0:2,6:4", lr_embed=1.0, num_iterations=STEPS,
+TABLE = dict(trigrams=True, ngram_optimizer="rows", table_cadence="0:2,6:4", lr_embed=1.0, num_iterations=STEPS,
              val_loss_every=0)
 
 
@@ -50,7 +50,7 @@ def test_one_process_with_half_the_table_in_a_host_tier_trains_the_whole_table_b
     (losses, state, _), (tier_losses, tier_state, host_rows) = table_runs["whole"], table_runs["host"]
     assert losses == tier_losses
     assert state.keys() == tier_state.keys() and all((state[k] == tier_state[k]).all() for k in state)
-    table = torch.as_tensor(state["model/bigram.table.weight"])
+    table = torch.as_tensor(state["model/ngram.table.weight"])
     assert table.shape == (4096, 32) and (table.norm(dim=1) > 0).sum() > 200  # (its rows read have trained)
     assert host_rows > 100  # (and half of those live in the host tier)
 
@@ -72,7 +72,7 @@ def test_a_checkpoint_by_rows_mid_cycle_resumes_on_one_process_with_a_host_tier(
     cadence = dict(TABLE, table_cadence="0:4", val_loss_every=2)
     run(tmp_path, files, 2, "saved", save_every=7, zero=1, tables_by_rows=True, **cadence)
     saved = checkpoint(tmp_path, "saved", 7)
-    assert saved["adam"]["bigram.table.weight"]["held"].any() and saved["held_gradients"]["bigram.table.weight"].any()
+    assert saved["adam"]["ngram.table.weight"]["held"].any() and saved["held_gradients"]["ngram.table.weight"].any()
     tier = dict(tables_by_rows=True, table_host_fraction=0.5, **cadence)
     run(tmp_path, files, 1, "reference", True, save_every=STEPS, **tier)
     log = run(tmp_path, files, 1, "resumed", True, save_every=STEPS, resume=tmp_path / "logs" / "saved" /

@@ -21,7 +21,7 @@ def test_flags_override_preset_values():
     assert args.model_dim == train_gpt.PRESETS["tiny"]["model_dim"]
     assert train_gpt.parse_args([], cuda=False).preset == "cpu"
     record = train_gpt.parse_args([], cuda=True)  # the record preset: #92's
-    assert (record.preset, record.num_iterations, record.bigram_rows, record.matrix_optimizer) == \
+    assert (record.preset, record.num_iterations, record.ngram_rows, record.matrix_optimizer) == \
         ("record", 1194, 84602880, "anvil")
     record89 = train_gpt.parse_args(["--preset", "record89"], cuda=True)
     assert record89 == dataclasses.replace(train_gpt.Hyperparameters(), preset="record89")  # #89's: the defaults

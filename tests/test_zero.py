@@ -168,7 +168,7 @@ def steps_of_a_table_built(rank, world_size, flags, by_rows):
     train_gpt.Layout.tables_built_by_rows = lambda args, ctx: by_rows  # (this rank's process alone)
     args = train_gpt.parse_args(flags, cuda=False)
     trainer = train_gpt.build_trainer(args, train_gpt.build_parallel_context(rank, world_size, torch.device("cpu")))
-    table_is_meta = trainer.model.bigram.table.weight.is_meta
+    table_is_meta = trainer.model.ngram.table.weight.is_meta
     batches, losses = train_gpt.train_batches(trainer), []
     for step in range(3):
         losses.append(train_gpt.forward_backward(trainer, batches, step).item())
@@ -186,7 +186,7 @@ def test_a_zero_started_table_held_by_rows_is_never_built_whole_and_trains_as_on
     (whole, reference_losses, reference), _ = run_on_ranks(steps_of_a_table_built, 2, flags, False)
     assert meta and not whole
     assert losses == reference_losses
-    table = torch.as_tensor(state["model/bigram.table.weight"])  # (run_on_ranks hands arrays back)
+    table = torch.as_tensor(state["model/ngram.table.weight"])  # (run_on_ranks hands arrays back)
     assert table.shape == (4096, 32) and (table.norm(dim=1) > 0).sum() > 100  # (its looked-up rows trained)
     assert state.keys() == reference.keys() and all((state[k] == reference[k]).all() for k in state)
 
@@ -195,10 +195,10 @@ def test_the_host_memory_check_counts_a_table_built_by_rows_as_its_ranks_rows(mo
     # a tiny model of a 64e9-parameter table: whole on each of 8 processes it needs 2 TB of the host, by rows none
     # (its rows are made on the GPUs), or on CPUs an eighth of it each
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    args = train_gpt.parse_args(["--preset", "tiny", "--bigram_rows", "2000000000", "--zero", "1"], cuda=False)
+    args = train_gpt.parse_args(["--preset", "tiny", "--ngram_rows", "2000000000", "--zero", "1"], cuda=False)
     ranks = lambda device: types.SimpleNamespace(dp=types.SimpleNamespace(size=8), tp=types.SimpleNamespace(size=1),
                                                  pp=types.SimpleNamespace(size=1), device=torch.device(device))
-    with pytest.raises(train_gpt.UserError, match=r"parameters \(\d+% of them in bigram.table.weight"):
+    with pytest.raises(train_gpt.UserError, match=r"parameters \(\d+% of them in ngram.table.weight"):
         train_gpt.check_host_memory(args, ranks("cuda"))
     by_rows = dataclasses.replace(args, tables_by_rows=True)
     train_gpt.check_host_memory(by_rows, ranks("cuda"))
