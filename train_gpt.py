@@ -1317,14 +1317,14 @@ class CopyPointer(nn.Module):
     def forward(self, x: Tensor, input_seq: Tensor, target_seq: Tensor, head_log_probs: Tensor) -> Tensor:
         """(T,) the mixture's log-probability of each next token, from the head's (head_log_probs)."""
         T, q, k = len(x), self.query(x), self.key(x)
-        offsets = torch.arange(1, self.window + 1, device=x.device)
-        earlier = torch.arange(T, device=x.device)[:, None] - offsets  # (T, window): the positions pointed at
+        # (T, window): the positions each points at, and whether each is in its document
+        earlier = torch.arange(T, device=x.device)[:, None] - torch.arange(1, self.window + 1, device=x.device)
         documents = torch.cumsum(input_seq == EOT_TOKEN, 0)
         pointed = earlier.clamp_min(0)
         valid = (earlier >= 0) & (documents[pointed] == documents[:, None])
         # each query against the key w positions before it (none before the sequence's start): (T, window)
-        scores = torch.stack([F.pad((q[w:] * k[:max(T - w, 0)]).sum(-1), (min(w, T), 0)) for w in offsets.tolist()],
-                             dim=1)
+        scores = torch.stack([F.pad((q[w:] * k[:max(T - w, 0)]).sum(-1), (min(w, T), 0))
+                              for w in range(1, self.window + 1)], dim=1)
         dtype = head_log_probs.dtype  # (the mixture in the head's precision: fp32)
         scores = scores.to(dtype).mul(q.size(-1) ** -0.5).masked_fill(~valid, -math.inf)
         sentinel = self.sentinel(x).to(dtype) + self.SENTINEL_START
