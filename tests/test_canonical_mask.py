@@ -114,7 +114,7 @@ def test_the_head_sets_the_masked_logits_after_the_soft_cap_in_every_row_chunk_a
 
 def train_steps_with_the_mask(rank, world_size, mask_file, flags, steps):
     """train_gpt.train_steps, the first rank reading the canonical mask from mask_file rather than building it (7 s)."""
-    train_gpt.canonical_mask = lambda ranks, rows: np.load(mask_file)
+    train_gpt.canonical_mask_bits = lambda ranks, rows: np.load(mask_file)
     return train_gpt.train_steps(rank, world_size, flags, steps)
 
 
@@ -124,7 +124,7 @@ def test_the_final_validation_is_masked_and_two_tensor_parallel_ranks_each_maski
     unmasked one (every masked column lowers the softmax's sum, and no target there is masked), and the same under
     --tp 2, where each rank holds the mask's rows of its half of the vocabulary (the mask the first rank sends is the
     fixture's, not built again)."""
-    monkeypatch.setattr(train_gpt, "canonical_mask", lambda ranks, rows: packed)
+    monkeypatch.setattr(train_gpt, "canonical_mask_bits", lambda ranks, rows: packed)
     shards = REPO_ROOT / "data" / "shakespeare"
     flags = ["--preset=tiny", "--num_iterations=1", "--adam_every=1", f"--train_files={shards}/shakespeare_train_*.bin",
              f"--val_files={shards}/shakespeare_val_*.bin"]
@@ -155,12 +155,12 @@ def test_the_first_rank_builds_the_mask_in_a_child_while_training_runs_and_build
         if os.getpid() != parent:
             raise MemoryError("the child's build failed")
         return signed(rows)
-    monkeypatch.setattr(train_gpt, "canonical_mask", lambda ranks, rows: signed(rows))
+    monkeypatch.setattr(train_gpt, "canonical_mask_bits", lambda ranks, rows: signed(rows))
     build = train_gpt.CanonicalMaskBuild(vocab_size=300)
     child = build.child
     assert child != parent and build.result().shape == (384, 48)
     assert maker(build) == child and maker(build) == child  # (asked twice: the same)
-    monkeypatch.setattr(train_gpt, "canonical_mask", fails_in_a_child)
+    monkeypatch.setattr(train_gpt, "canonical_mask_bits", fails_in_a_child)
     assert maker(train_gpt.CanonicalMaskBuild(vocab_size=300)) == parent
 
 
@@ -175,7 +175,7 @@ def test_a_stopped_child_is_ended_at_its_deadline_and_no_memory_to_share_builds_
         if os.getpid() != parent:
             time.sleep(30)
         return np.full((rows, rows // 8), 7, dtype=np.uint8)
-    monkeypatch.setattr(train_gpt, "canonical_mask", slow_in_a_child)
+    monkeypatch.setattr(train_gpt, "canonical_mask_bits", slow_in_a_child)
     monkeypatch.setattr(train_gpt.CanonicalMaskBuild, "DEADLINE_S", 1.0)
     build = train_gpt.CanonicalMaskBuild(vocab_size=300)
     os.kill(build.child, signal.SIGSTOP)
@@ -196,7 +196,7 @@ def test_a_stopped_child_is_ended_at_its_deadline_and_no_memory_to_share_builds_
 def test_a_run_masks_only_its_final_validation_with_the_mask_its_child_built(packed, monkeypatch, tmp_path):
     """train_gpt.main with --canonical_mask on the Shakespeare: the validation at step 0 is the unmasked run's, the
     final one below it (the child's build, here the fixture's mask handed to it, arrives through shared memory)."""
-    monkeypatch.setattr(train_gpt, "canonical_mask", lambda ranks, rows: packed)
+    monkeypatch.setattr(train_gpt, "canonical_mask_bits", lambda ranks, rows: packed)
     shards = REPO_ROOT / "data" / "shakespeare"
     flags = ["--preset=tiny", "--num_iterations=2", "--adam_every=1", "--val_loss_every=1",
              f"--train_files={shards}/shakespeare_train_*.bin", f"--val_files={shards}/shakespeare_val_*.bin",
