@@ -1241,7 +1241,11 @@ class VocabularyStatistics(nn.Module):
             return over_split(logits, targets, columns)
         if columns is not None:  # a sampled softmax's logits: those of these entries of the vocabulary
             targets = positions_among(columns, targets)
-        return LogitStatistics(logits.logsumexp(-1), logits.gather(1, targets.clamp_min(0)), targets >= 0)
+        picked, found = targets.clamp_min(0), targets >= 0
+        if targets.size(1) == 1:  # one target a token: its log-softmax (shifted by the log-sum-exp), as
+            # F.cross_entropy rounds it
+            return LogitStatistics(logits.new_zeros(len(logits)), logits.log_softmax(-1).gather(1, picked), found)
+        return LogitStatistics(logits.logsumexp(-1), logits.gather(1, picked), found)
 
 def summed_loss(log_probs: Tensor, found: Tensor, weights: Tensor | None = None) -> Tensor:
     """The negative log-likelihood of the chosen entries found, summed over tokens; with weights (J,), each column's
@@ -1442,10 +1446,11 @@ class GPT(nn.Module):
     ("backout", starting at -0.5). Gate networks, each reading the stream where it enters a layer, give per-token
     coefficients to that layer and those up to the next network's (#85): x0's share, the skip's gate, XSA's strength
     (#82), per-head output gates (#28, #85) and DC-MHA's mix of heads and its weights (#85) where those are on. Some
-    layers' heads attend in pairs (#58). An n-gram hash embedding (#62, #83; #89's of pairs) joins the first layer's input and each
-    later attention layer's output. With MUDD (#40, #81, #85), networks of the same kind make the last layer's
-    scalars per token and mix earlier states into its input and values, and into the head's input (the backout
-    among them). forward is the whole model, a layer at a time, its state in a Stream."""
+    layers' heads attend in pairs (#58). An n-gram hash embedding (#62, #83; #89's of pairs) joins the first layer's
+    input and each later attention layer's output. With MUDD (#40, #81, #85), networks of the same kind make the last
+    layer's scalars per token and mix earlier states into its input and values, and into the head's input (the
+    backout among them). The loss is built from the head's statistics. forward is the whole model, a layer at a time,
+    its state in a Stream."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
