@@ -1208,7 +1208,7 @@ class SoftCap(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: Tensor, cap: float, shift: float, divisor: float) -> Tensor:
-        capped = ((logits + shift) / divisor).sigmoid_()
+        capped = (logits + shift).div_(divisor).sigmoid_()  # (one tokens x vocabulary tensor, not two)
         ctx.save_for_backward(capped)
         ctx.cap, ctx.divisor = cap, divisor
         return capped * cap
