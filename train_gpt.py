@@ -3518,7 +3518,8 @@ def restore_checkpoint(state: dict, path: Path, trainer: "Trainer") -> None:
         here, there = current.get(name), state["model"].get(name)
         need(here is not None and there is not None and here == there.shape, f"checkpoint {path} does not fit this "
              f"model: tensor {name} is {shape(there)} there and {shape(here)} here; resume with the model flags it was "
-             "saved with (its 'hyperparameters' entry lists them)")
+             "saved with (its 'hyperparameters' entry lists them), or, where the file that wrote it names its tensors "
+             "otherwise, with that train_gpt.py (its 'code' entry holds the source)")
     for name, grad in state["held_gradients"].items():  # (only Adam's gradients wait for a later step)
         wrong = f"is {shape(current.get(name))} here" if current.get(name) != grad.shape else \
             "is not one of Adam's parameters" if name not in state["adam"] else None
