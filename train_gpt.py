@@ -243,6 +243,16 @@ def normalize_per_neuron(update: Tensor, second_moment: Tensor, beta2: float) ->
     norm = functools.partial(torch.linalg.matrix_norm, keepdim=True)
     return (normalized * (norm(v) / norm(normalized).clamp_min(1e-10))).to(update.dtype)
 
+# Muon's step size over its lr for a matrix (out, in) of a model of this width, as a record sets it: #23 scales a tall
+# matrix up by the root of its rows over its columns; #89 by the root of its longer side over the width (in #89's
+# layout, where the MLP's matrices are hidden-major: 2 for both), and doubles it for one that reads more than the
+# width (the MLP's output projection); a q or k block of a pair of heads (256 x 768) takes 1, as there
+def record23_muon_scale(rows: int, cols: int, width: int) -> float:
+    return max(1, rows / cols) ** 0.5
+
+def record89_muon_scale(rows: int, cols: int, width: int) -> float:
+    return (max(rows, cols, width) / width) ** 0.5 * (2 if cols > width else 1)
+
 class Muon(torch.optim.Optimizer):
     """The Muon family (MomentUm Orthogonalized by Newton-Schulz) for hidden matrices: SGD's Nesterov momentum,
     orthogonalised by quintics and normalised per neuron, with cautious weight decay. NorMuon (#89): one momentum,
@@ -254,10 +264,10 @@ class Muon(torch.optim.Optimizer):
     attention's q and k per pair of heads). `width`: the stream's, for #89's step sizes (None: each matrix's shorter
     side)."""
 
-    def __init__(self, params, lr=0.023, momentum=0.95, beta2=0.9, weight_decay=1.2, shape_rule="89",
+    def __init__(self, params, lr=0.023, momentum=0.95, beta2=0.9, weight_decay=1.2, step_scale=record89_muon_scale,
                  orthogonalize=polar_express, dtype=torch.bfloat16, width=None, slow_momentum=0.0):
         super().__init__(params, dict(lr=lr, momentum=momentum, fast_momentum=None, blend=1.0, beta2=beta2,
-                                      weight_decay=weight_decay, shape_rule=shape_rule, width=width, block_rows=None))
+                                      weight_decay=weight_decay, step_scale=step_scale, width=width, block_rows=None))
         self.orthogonalize, self.dtype, self.slow_momentum = orthogonalize, dtype, slow_momentum
 
     @torch.no_grad()
@@ -317,18 +327,10 @@ class Muon(torch.optim.Optimizer):
 
     @staticmethod
     def step_size(group: dict, shape: tuple) -> float:
-        """The learning rate, scaled by the group's shape rule for a matrix of this shape (out, in), or for its
+        """The learning rate, scaled by the group's step_scale for a matrix of this shape (out, in), or for its
         blocks."""
         rows, cols = (shape[-2] if group["block_rows"] is None else group["block_rows"]), shape[-1]
-        return group["lr"] * MUON_SHAPE_RULES[group["shape_rule"]](rows, cols, group["width"] or min(rows, cols))
-
-# Muon's step size over its lr for a matrix (out, in) of a model of this width, as a record sets it: #23 scales a tall
-# matrix up by the root of its rows over its columns; #89 by the root of its longer side over the width (in #89's
-# layout, where the MLP's matrices are hidden-major: 2 for both), and doubles it for one that reads more than the
-# width (the MLP's output projection); a q or k block of a pair of heads (256 x 768) takes 1, as there
-MUON_SHAPE_RULES = {"23": lambda rows, cols, width: max(1, rows / cols) ** 0.5,
-                    "89": lambda rows, cols, width:
-                        (max(rows, cols, width) / width) ** 0.5 * (2 if cols > width else 1)}
+        return group["lr"] * group["step_scale"](rows, cols, group["width"] or min(rows, cols))
 
 # A table's gradient held by row (#92's n-gram table: 85M rows, of which a step reads under a million): a sparse
 # tensor of the table's shape holding the rows read. A table's rows may be held in two tiers, on the device and in
@@ -513,6 +515,23 @@ class Adam(torch.optim.Adam):
         torch._foreach_mul_(decays, params)
         torch._foreach_add_(updates, decays, alpha=group["cautious_weight_decay"] * lr * lr)
         torch._foreach_sub_(params, updates)
+
+# Adam's momenta, cautious weight decay (x lr^2) and lr_scale (of its kind's lr flag) by kind, as a record sets them
+# (--optimizer_recipe): #23's (its scalars' betas for every kind of scalar and for gates, which it had none of), and
+# #89's where its lrs are this file's: the token and value embeddings share the lr of its value embeddings (0.6), the
+# scalars that of its scalars (0.04), as its residual scales do, and its output scales a fifth of it (its base 0.008);
+# the head #89's (its decay 150 x its base 0.005), at its lr 0.008, which the token embedding tied to it takes too
+# (#89's, apart or not); the gates its base lr 0.008 and decay 0.005 (a module's `decays` False exempts its own
+# parameters: the smear's gate, a gate network's bias and scale, as #89 and #92 exempt them). The hashed n-gram
+# table (ngram) is an embedding to both
+RECORD23_ADAM = dict(head=dict(betas=(0.8, 0.95)), embed=dict(betas=(0.8, 0.95)), ngram=dict(betas=(0.8, 0.95)),
+                     scalar=dict(betas=(0.8, 0.95)), residual_scale=dict(betas=(0.8, 0.95)),
+                     output_scale=dict(betas=(0.8, 0.95)), gate=dict(betas=(0.8, 0.95)))
+RECORD89_ADAM = dict(head=dict(betas=(0.5, 0.95), cautious_weight_decay=0.75),
+                     embed=dict(betas=(0.75, 0.95), cautious_weight_decay=0.025),
+                     ngram=dict(betas=(0.75, 0.95), cautious_weight_decay=0.025), scalar=dict(betas=(0.9, 0.99)),
+                     residual_scale=dict(betas=(0.9, 0.95)), output_scale=dict(betas=(0.9, 0.95), lr_scale=0.2),
+                     gate=dict(betas=(0.9, 0.99), cautious_weight_decay=0.005))
 
 # ----------------------------------------------------------------------------------------------------
 # Model: a GPT with record #89's layer stack, value embeddings and document-causal sliding-window attention
@@ -955,25 +974,102 @@ SKIP_GATE_START = -math.log((1 + math.exp(-SKIP_SCALE_START)) / SKIP_COEFFICIENT
 
 RECORD_SOFT_CAP = (23.0, 5.0, 7.5)  # #89's (#54): 23 * sigmoid((logits + 5) / 7.5)
 
+def text_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    """Rows under a header, each column as wide as its widest cell."""
+    widths = [max(map(len, cells)) for cells in zip(header, *rows)]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows])
+
+def column(default, help: str, flag: str | None = None):
+    """A column of a table of rows (LayerConfig's, Stage's): its default, and the help of the flag that overrides it
+    for an ablation (`flag`: its name, where not the rule's)."""
+    return dataclasses.field(default=default, metadata=dict(help=help, flag=flag))
+
 @dataclass(frozen=True)
 class LayerConfig:
-    """One row of the layer stack (ModelConfig.table prints them)."""
-    attention: bool = True  # false: the MLP alone (#89's layer 6)
-    window: str = "S"  # the sliding window its attention sees: short (S) or long (L), each stage's (window_blocks)
-    paired: bool = False  # heads attend in pairs, h with h + H/2, over two places a token (#58)
-    key_offset: bool = False  # each key's unrotated dims are the previous token's (#49)
-    value_embed: bool = False  # its values take a gated value embedding of its own (#89: five layers')
-    xsa: bool = False  # each head's output loses a learned share along its own value (#82)
-    output_gate: bool = False  # per-token gates on each head's output (#28, #85)
-    composed: bool = False  # DC-MHA's composition of heads after the softmax (#85)
-    narrow_qk: bool = False  # queries and keys half a head wide, rotating in every dim (#92)
-    narrow_v: bool = False  # values, and each head's output, half a head wide (#92)
-    mlps: int = 1  # MLPs side by side, each reading the same input (#92: none in its layer 7, two in its layer 8)
-    gate_network: bool = False  # a gate network reads the stream entering it, for it and the layers up to the next
-    gated: bool = False  # its coefficients (x0's share, the skip's gate, XSA, the output gates) a gate network's
-    x0: bool = True  # x0 re-enters after its attention, or where it has none, after its scale of the residual
-    ngram: str | None = None  # where the n-gram embedding joins: its "input" (the first layer), its attention's
-                               # "output" (where it has none, after its scale of the residual), or not at all
+    """One row of a layer stack (ModelConfig.table prints them). Each field is a column, which the flag
+    --<field>_layers sets for an ablation: the layers where it is true."""
+    attention_free: bool = column(False, "the MLP alone, no attention (#89's layer 6)")
+    long_window: bool = column(False, "attention sees the long sliding window, else the short (each stage's: "
+                                      "--window_blocks)")
+    paired_head: bool = column(False, "heads attend in pairs, h with h + num_heads/2, each seeing both's keys over "
+                                      "one sequence with each token's two places in a row, the window counted in "
+                                      "places (#58)")
+    key_offset: bool = column(False, "each key's unrotated dims are the previous token's (#49)")
+    value_embed: bool = column(False, "its values take a gated value embedding of its own (#89: five layers')")
+    xsa: bool = column(False, "each head's output loses a learned share along its own value (exclusive self "
+                              "attention, #82)")
+    output_gate: bool = column(False, "per-token gates on each head's output (#28, #85)")
+    dc: bool = column(False, "each head also reads the values by a per-token mix of every head's attention over the "
+                             "last 112 tokens, with per-token weights (DC-MHA's composition after the softmax, #85)")
+    narrow_qk: bool = column(False, "queries and keys half --head_dim wide, rotating in every dim (#92)")
+    narrow_v: bool = column(False, "values, and each head's output, half --head_dim wide, taking the first half of "
+                                   "each head's part of a value embedding (#92)")
+    mlp_free: bool = column(False, "no MLP: its scale of the residual alone (#92's layer 7)")
+    double_mlp: bool = column(False, "a second MLP beside the first, reading the same input, their outputs summed "
+                                     "(#92's layer 8)")
+    gate_network: bool = column(False, "a gate network (#85) reads the stream entering it and gives per-token "
+                                       "coefficients to it and the layers up to the next one's: x0's share, the "
+                                       "skip's gate, XSA's, the output gates' and DC-MHA's")
+    x0: bool = column(True, "x0 (the normed embedding) re-enters at a learned share after its attention, or where it "
+                            "has none, after its scale of the residual")
+    ngram: bool = column(True, "the n-gram embedding joins at a learned share: the first layer's input, a later "
+                               "one's output of attention (where it has none, after its scale of the residual)")
+
+    @property
+    def attention(self) -> bool:
+        return not self.attention_free
+
+    @property
+    def mlps(self) -> int:
+        """MLPs side by side: none, one or two."""
+        return 0 if self.mlp_free else 1 + self.double_mlp
+
+    @property
+    def window(self) -> str:
+        """Its window's letter: long (L) or short (S)."""
+        return "L" if self.long_window else "S"
+
+# Record #89's layer stack (the defaults): a row a layer, each naming what is not LayerConfig's default
+RECORD89_LAYERS = (
+    LayerConfig(paired_head=True, gate_network=True),
+    LayerConfig(value_embed=True, xsa=True),
+    LayerConfig(paired_head=True, value_embed=True),
+    LayerConfig(long_window=True, key_offset=True, xsa=True, output_gate=True),
+    LayerConfig(xsa=True, gate_network=True),
+    LayerConfig(paired_head=True),
+    LayerConfig(attention_free=True, x0=False, ngram=False),
+    LayerConfig(xsa=True),
+    LayerConfig(value_embed=True),
+    LayerConfig(paired_head=True, value_embed=True),
+    LayerConfig(long_window=True, key_offset=True, value_embed=True, output_gate=True, dc=True),
+)
+
+# Record #92's: attention in 7 layers, narrow queries and keys in 5 (and values in 2), no DC-MHA, fewer joins of x0
+# and the n-gram embedding, no MLP in layer 7 and two in layer 8
+RECORD92_LAYERS = (
+    LayerConfig(paired_head=True, narrow_qk=True, gate_network=True),
+    LayerConfig(value_embed=True, xsa=True, narrow_qk=True, narrow_v=True),
+    LayerConfig(paired_head=True, value_embed=True, narrow_qk=True, ngram=False),
+    LayerConfig(long_window=True, key_offset=True, xsa=True, output_gate=True, x0=False, ngram=False),
+    LayerConfig(attention_free=True, gate_network=True),
+    LayerConfig(paired_head=True, narrow_qk=True),
+    LayerConfig(attention_free=True, x0=False, ngram=False),
+    LayerConfig(attention_free=True, mlp_free=True, ngram=False),
+    LayerConfig(value_embed=True, narrow_qk=True, narrow_v=True, double_mlp=True, x0=False, ngram=False),
+    LayerConfig(attention_free=True, x0=False),
+    LayerConfig(long_window=True, key_offset=True, value_embed=True, output_gate=True),
+)
+
+@dataclass(frozen=True)
+class MuddHead:
+    """What MUDD's head takes into its input: earlier states by name (GPT.head_sources; "value_embeds": each value
+    embedding), each at a share per token, or per token and group of MUDD_GROUP_CHANNELS channels."""
+    states: tuple[str, ...]
+    per_channel_group: bool = False
+
+RECORD89_MUDD_HEAD = MuddHead(("first_input", "attended", "penultimate", "value_embed", "skip"))
+RECORD92_MUDD_HEAD = MuddHead(("first_input", "attended", "penultimate", "value_embeds", "skip", "last_mlp_input",
+                               "attended_normed"), per_channel_group=True)
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -987,7 +1083,7 @@ class ModelConfig:
     skip: tuple[int, int] | None = None  # a gated skip: the first layer's output joins the second's input
     attend_over: int | None = None  # the layers after it attend over its output, and the head takes it back out
     mudd: bool = False  # MUDD's dense last layer and head (#40, #81, #85, as #89 trims it)
-    mudd_head: str = "89"  # the states the head takes in: #89's five, per token, or #92's ten, per channel group
+    mudd_head: MuddHead = RECORD89_MUDD_HEAD  # the earlier states the head takes in
     ngram_rows: int = 0  # rows of the n-gram hash embedding (0: none)
     trigrams: bool = False  # its second half holds triples (#92's n-gram table)
     smear: bool = False  # each token's embedding takes in a gated share of the previous token's (#89)
@@ -1023,26 +1119,33 @@ class ModelConfig:
         """MUDD's dense layer: the last."""
         return self.num_layers - 1 if self.mudd else None
 
+    def gated(self, i: int) -> bool:
+        """Whether a gate network serves layer i: the first one's and every later layer."""
+        return any(layer.gate_network for layer in self.layers[:i + 1])
+
+    def ngram_join(self, i: int) -> str | None:
+        """Where the n-gram embedding joins layer i: the first layer's "input", a later one's "output", or None (no
+        table, or not this layer)."""
+        return None if not (self.ngram_rows and self.layers[i].ngram) else "input" if i == 0 else "output"
+
     def table(self) -> str:
         """The layer stack, a row a layer, and what joins the layers."""
-        columns = ("attention", "window", "heads qk/v", "value embed", "XSA", "output gate", "DC-MHA", "MLPs",
-                   "gate network", "x0", "n-gram")
         def mark(on: bool, text: str = "yes") -> str:
             return text if on else "-"
         rows = [(str(i), mark(l.attention), mark(l.attention, l.window + " offset" * l.key_offset),
-                 mark(l.attention, ("paired " if l.paired else "single ") + "%d/%d" % self.head_dims(i)),
-                 mark(l.value_embed), mark(l.xsa), mark(l.output_gate), mark(l.composed), str(l.mlps),
-                 "reads" if l.gate_network else mark(l.gated, "served"), mark(l.x0), l.ngram or "-")
+                 mark(l.attention, ("paired " if l.paired_head else "single ") + "%d/%d" % self.head_dims(i)),
+                 mark(l.value_embed), mark(l.xsa), mark(l.output_gate), mark(l.dc), str(l.mlps),
+                 "reads" if l.gate_network else mark(self.gated(i), "served"), mark(l.x0), self.ngram_join(i) or "-")
                 for i, l in enumerate(self.layers)]
-        widths = [max(map(len, column)) for column in zip(("layer", *columns), *rows)]
-        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
-                 for row in [("layer", *columns), *rows]]
+        head = f"{', '.join(self.mudd_head.states)}, each per token" + " and group of channels" * \
+            self.mudd_head.per_channel_group
         joins = [f"skip: layer {self.skip[0]}'s output joins layer {self.skip[1]}'s input" if self.skip else "",
                  f"attend over: layers after {self.attend_over} attend over its output" if self.attend_over is not None
-                 else "", ("MUDD: the last layer and the head take in earlier states" + (
-                     " (the head: #92's ten, per group of channels)" if self.mudd_head == "92" else "")) if self.mudd
+                 else "", f"MUDD: the last layer and the head take in earlier states (the head: {head})" if self.mudd
                  else ""]
-        return "\n".join(lines + [join for join in joins if join])
+        return "\n".join([text_table(("layer", "attention", "window", "heads qk/v", "value embed", "XSA", "output gate",
+                                       "DC-MHA", "MLPs", "gate network", "x0", "n-gram"), rows)]
+                         + [join for join in joins if join])
 
 class Stream:
     """What one layer hands the next: plain attributes (s.x, the residual; s.skip, a skip's source), each a tensor,
@@ -1087,7 +1190,7 @@ class Block(nn.Module):
         rotary = Rotary(qk_dim, config.head_dim // 4, config.attention_scales[layer.narrow_qk],
                         layer.window if config.rotary_follows_own_window else "L")
         self.attn = CausalSelfAttention(dim, num_heads, qk_dim, v_dim, layer.key_offset, config.zero_attention_out,
-                                        layer.paired, layer.composed, rotary) if layer.attention else None
+                                        layer.paired_head, layer.dc, rotary) if layer.attention else None
         self.value_gate = Gate(2 * VALUE_GATE_CHANNELS, num_heads) if layer.value_embed and not dense_sources else None
         hidden = config.mlp_hidden or 4 * dim
         self.mlp = MLP(dim, hidden) if layer.mlps else None
@@ -1095,28 +1198,29 @@ class Block(nn.Module):
         # each sublayer's scales of the residual and of its output, as #89 starts them: learned, or a dense layer's
         # per token
         # (a layer without attention that takes x0 or the n-gram embedding in keeps its scale of the residual: #92's)
-        self.attention_slot = layer.attention or layer.x0 or layer.ngram == "output"
+        self.attention_slot = layer.attention or layer.x0 or config.ngram_join(i) == "output"
         self.takes_x0 = layer.x0
         scales = dict(attn_scales=(1.1 ** 0.5, 1.0 if layer.attention else None) if self.attention_slot else None,
                       mlp_scales=(1.1 ** 0.5, 1.0 if layer.mlps else None))
         for name, start in scales.items():
             setattr(self, name, SublayerScales(*start) if start and not dense_sources else None)
-        self.skip_gate = nn.Parameter(torch.tensor(SKIP_SCALE_START if layer.gated else SKIP_GATE_START)) \
+        gated = config.gated(i)
+        self.skip_gate = nn.Parameter(torch.tensor(SKIP_SCALE_START if gated else SKIP_GATE_START)) \
             if takes_skip else None
         # the shares of x0 and the n-gram embedding, as #89 starts them: a network's (per token), or learned
-        shares = dict(x0=0.0 if layer.x0 else None, ngram=0.05 if layer.ngram else None)
+        shares = dict(x0=0.0 if layer.x0 else None, ngram=0.05 if config.ngram_join(i) else None)
         shares = {name: start for name, start in shares.items() if start is not None}
-        self.shares = nn.ParameterDict({} if layer.gated or dense_sources else {name: torch.tensor(start)
+        self.shares = nn.ParameterDict({} if gated or dense_sources else {name: torch.tensor(start)
                                                                                 for name, start in shares.items()})
         # what a gate network gives this layer, and a dense layer's own network: name -> (width, starting value)
         wanted = dict(**({} if dense_sources else {name: (1, start) for name, start in shares.items()}),
                       skip=(1, SKIP_COEFFICIENT_START) if takes_skip else None,
                       xsa=(num_heads, 0.0) if layer.xsa else None,
                       output_gate=(num_heads, 0.25) if layer.output_gate else None,
-                      dc_mix=(num_heads, 1.0) if layer.composed else None,
-                      dc_weight=(num_heads, 0.0) if layer.composed else None)
+                      dc_mix=(num_heads, 1.0) if layer.dc else None,
+                      dc_weight=(num_heads, 0.0) if layer.dc else None)
         self.gate_coefficients = {name: want for name, want in wanted.items() if want is not None} \
-            if layer.gated else {}
+            if gated else {}
         values = layer.attention and dense_sources  # (#89's order of its 14)
         dense = dict(dense_value=(dense_sources + 1, 0.0) if values else None, dense=(dense_sources + 1, 0.0),
                      value_gate=(VALUE_GATE_LANES, 2.0) if values and layer.value_embed else None,
@@ -1481,13 +1585,10 @@ class GPT(nn.Module):
                                             for start in serving})
         # MUDD's networks: the dense layer's coefficients, and the head's: one for each earlier state its input takes
         # in (the backout folded in, starting at -0.5), per token, or with #92's head per group of channels
-        head_sources = ("first_input", "attended", "penultimate", "value_embed", "skip") if c.mudd_head == "89" else (
-            "first_input", "attended", "penultimate", *(f"value_embed_{i}" for i in c.value_embed_layers), "skip",
-            "last_mlp_input", "attended_normed")
         dense = {str(c.dense_layer): {c.dense_layer: self.blocks[c.dense_layer].dense_coefficients},
-                 "head": {"head": {name: (1, -0.5 if name == "attended" else 0.0) for name in head_sources}}} \
+                 "head": {"head": {name: (1, -0.5 if name == "attended" else 0.0) for name in self.head_states()}}} \
             if c.mudd else {}
-        groups = dict(head=c.model_dim // MUDD_GROUP_CHANNELS if c.mudd_head == "92" else 0)
+        groups = dict(head=c.model_dim // MUDD_GROUP_CHANNELS if c.mudd_head.per_channel_group else 0)
         self.dense_networks = nn.ModuleDict({name: GateNetwork(c.model_dim, wanted, lr_scale=0.25, learned_scale=False,
                                                                channel_groups=groups.get(name, 0))
                                              for name, wanted in dense.items()})
@@ -1538,20 +1639,20 @@ class GPT(nn.Module):
                     for j, coefficients in networks[str(i)](s.x, shared_scale).items():
                         s.gates[j] = {**s.gates.get(j, {}), **coefficients}
             gates = s.gates.pop(i, {})
-            if layer.ngram == "input":  # the n-gram embedding joins the first layer's input
+            if c.ngram_join(i) == "input":  # the n-gram embedding joins the first layer's input
                 s.x = s.x + block.share("ngram", gates) * s.ngram
             if c.mudd and i == 0:  # (MUDD's dense layer and head take it in)
                 s.first_input = s.x
             if c.skip is not None and i == c.skip[1]:  # the gated skip joins
                 s.x = s.x + torch.sigmoid(block.skip_gate) * gates.get("skip", 1.0) * s.skip
             dense = i == c.dense_layer  # (#89's re-adds the first layer's input, the n-gram embedding in it, for x0)
-            keep_mlp_input = dense and c.mudd_head == "92"  # (#92's head takes it in)
+            keep_mlp_input = dense and "last_mlp_input" in c.mudd_head.states  # (#92's head takes it in)
             out = block(s.x, x0=s.first_input if dense else s.x0, ve=s.ve.get(i),
-                        mask=masks[layer.window, 2 if layer.paired else 1], gates=gates,
-                        ngram=s.ngram if layer.ngram == "output" else None,
+                        mask=masks[layer.window, 2 if layer.paired_head else 1], gates=gates,
+                        ngram=s.ngram if c.ngram_join(i) == "output" else None,
                         attend_over=s.attended if c.attend_over is not None and i > c.attend_over else None,
                         dense=[s.first_input, s.attended] if dense else None,
-                        banded=masks["banded"] if layer.composed else None,
+                        banded=masks["banded"] if layer.dc else None,
                         **(dict(mlp_input=True) if keep_mlp_input else {}))
             if keep_mlp_input:
                 s.x, s.last_mlp_input = out
@@ -1589,15 +1690,19 @@ class GPT(nn.Module):
         """The gate networks' one learned scale: the first network's."""
         return next(iter(self.gate_networks.values())).scale
 
+    def head_states(self) -> list[str]:
+        """The names of the earlier states MUDD's head takes in: its config's, "value_embeds" one a value embedding."""
+        return [name for state in self.config.mudd_head.states for name in (
+            [f"value_embed_{i}" for i in self.config.value_embed_layers] if state == "value_embeds" else [state])]
+
     def head_sources(self, s: Stream) -> dict[str, Tensor]:
         """The earlier states MUDD's head takes in, by name (GPT.__init__ starts their shares)."""
-        c = self.config
-        if c.mudd_head == "89":
-            return dict(first_input=s.first_input, attended=s.attended, penultimate=s.penultimate,
-                        value_embed=s.ve[c.value_embed_layers[0]][None], skip=s.skip)
-        return dict(first_input=s.first_input, attended=s.attended, penultimate=s.penultimate,
-                    **{f"value_embed_{i}": s.ve[i][None] for i in c.value_embed_layers}, skip=s.skip,
-                    last_mlp_input=s.last_mlp_input, attended_normed=norm(s.attended))
+        ve = self.config.value_embed_layers
+        states = dict(first_input=lambda: s.first_input, attended=lambda: s.attended,
+                      penultimate=lambda: s.penultimate, value_embed=lambda: s.ve[ve[0]][None], skip=lambda: s.skip,
+                      last_mlp_input=lambda: s.last_mlp_input, attended_normed=lambda: norm(s.attended),
+                      **{f"value_embed_{i}": lambda i=i: s.ve[i][None] for i in ve})
+        return {name: states[name]() for name in self.head_states()}
 
     def attention_masks(self, input_seq: Tensor, windows: Tensor) -> dict[tuple[str, int] | str, BlockMask | Tensor]:
         """The short and the long window's masks (windows: their tokens), by window and places a token (paired
@@ -1606,10 +1711,10 @@ class GPT(nn.Module):
         documents for attention (config.attention_max_tokens); evaluation sees them whole, as #92's does."""
         cut = self.config.attention_max_tokens if self.training else 0
         masks = {}
-        for places in sorted({2 if layer.paired else 1 for layer in self.config.layers}):
+        for places in sorted({2 if layer.paired_head else 1 for layer in self.config.layers}):
             masks.update({(letter, places): mask.flex() if input_seq.is_cuda else mask.dense() for letter, mask
                           in zip("SL", document_causal_masks(input_seq, windows, places, cut))})
-        if any(layer.composed for layer in self.config.layers):
+        if any(layer.dc for layer in self.config.layers):
             masks["banded"] = banded_mask(input_seq, DC_WINDOW, cut)
         return masks
 
@@ -1841,6 +1946,51 @@ def cut_batch(offset: int, size: int, doc_starts: np.ndarray | None, seq_len: in
 # ----------------------------------------------------------------------------------------------------
 # Hyperparameters: record #89's values are the defaults; presets (the record preset: #92's) and flags override them
 
+@dataclass(frozen=True)
+class Stage:
+    """One row of the training schedule (stage_table prints them): a stage's batch, documents, lr multiplier, windows
+    and sampled softmax. A schedule's last row is the extension's: --extension_steps steps after the others, at
+    lr_final. Each field is a column, which its flag sets for an ablation: a value a stage, or one for all."""
+    share: float = column(0.0, "each stage's share of the scheduled steps (all but the extension's), relative to the "
+                               "others' (#89's: 1 each, thirds; #92's: its steps, 320,361,426,67 of 1,174), so that "
+                               "another --num_iterations scales them alike", "stage_shares")
+    train_seq_len: int = column(49152, "tokens per micro-batch (one sequence, a multiple of 128) (#46's staged batch: "
+                                       "16K, 32K, then 48K tokens a rank)", "train_seq_len")
+    doc_max_tokens: int = column(2048, "training sequences start at a document and hold whole documents cut after "
+                                       "this many tokens (0: the shards read as one stream) (#72)", "doc_max_tokens")
+    lr: float = column(1.0, "the lr multiplier as the batch grows (#46: 2**0.6 and 3**0.5 for twice and three times "
+                            "the tokens); the extension's is lr_final", "stage_lr")
+    windows: tuple[float, float] = column((6, 13), "the short and long sliding windows in 128-token blocks (a "
+                                                   "fraction: that share of a block's tokens), SHORT:LONG; YaRN "
+                                                   "stretches the rotary at each change of the window it follows "
+                                                   "(#31)", "window_blocks")
+    candidates: tuple[int, ...] = column((0,), "training's loss is a softmax over this many entries of the "
+                                               "vocabulary shared by a micro-batch's tokens (#92's sampled softmax: "
+                                               "every distinct target, topped up with negatives from a fixed sweep "
+                                               "of the vocabulary; 0: the whole vocabulary); A:B:C, counts through "
+                                               "equal parts of the stage (#92's ramp); validation is over the whole",
+                                         "candidates")
+
+# record #89's schedule (the defaults): thirds of the scheduled steps as the batch grows, then 15 steps at lr_final
+RECORD89_STAGES = (
+    Stage(share=1, train_seq_len=16384, doc_max_tokens=896, lr=1.0, windows=(1, 3)),
+    Stage(share=1, train_seq_len=32768, doc_max_tokens=2048, lr=1.52, windows=(3, 7)),
+    Stage(share=1, train_seq_len=49152, doc_max_tokens=2048, lr=1.73, windows=(5, 11)),
+    Stage(train_seq_len=49152, doc_max_tokens=2048, windows=(6, 13)),
+)
+
+# record #92's: 1,122 steps in three stages, 52 more in the third, its last 67 a taper to 20/24 of the batch at lr x
+# the root of that, then 20 at 8 sequences; documents cut at 3072 tokens; the sampled softmax's candidates rising to
+# the whole vocabulary before the taper
+RECORD92_STAGES = (
+    Stage(share=320, train_seq_len=16384, doc_max_tokens=896, lr=1.0, windows=(1, 3), candidates=(10240,)),
+    Stage(share=361, train_seq_len=32768, doc_max_tokens=2048, lr=1.52, windows=(3, 7), candidates=(10240,)),
+    Stage(share=426, train_seq_len=49152, doc_max_tokens=3072, lr=1.73, windows=(5, 11),
+          candidates=(14336, 14336, 24576)),
+    Stage(share=67, train_seq_len=40960, doc_max_tokens=3072, lr=1.73 * (20 / 24) ** 0.5, windows=(5, 11)),
+    Stage(train_seq_len=16384, doc_max_tokens=3072, windows=(6, 13)),
+)
+
 def flag(default, help: str, group: str = "", choices: tuple = ()):
     """A hyperparameter: its default (#89's), its --help line, its allowed values; `group` titles it and those
     after."""
@@ -1848,51 +1998,22 @@ def flag(default, help: str, group: str = "", choices: tuple = ()):
 
 @dataclass
 class Hyperparameters:
-    num_layers: int = flag(11, "transformer blocks", "model")
+    num_layers: int | None = flag(None, "transformer blocks (unset: the preset's stack's rows; fewer: its first, "
+                                        "more: plain rows after them)", "model")
     num_heads: int = flag(6, "attention heads per layer")
     head_dim: int = flag(128, "dimensions per head (a multiple of 4)")
     model_dim: int = flag(768, "residual stream width (= num_heads x head_dim)")
     vocab_size: int = flag(50257, "tokens in the vocabulary (the head is padded to a multiple of 128)")
-    window_pattern: str = flag("SSSLSSSSSSL", "per layer, a long (L) or short (S) sliding window")
-    attention_free_layers: str = flag("6", "comma-separated layer indices without attention")
-    value_embed_layers: str = flag("1,2,8,9,10", "comma-separated layer indices whose values take a gated value "
-                                                 "embedding of their own")
     skip_layers: str = flag("3,6", "a gated skip: the first layer's output joins the second's input (empty: none)")
     attend_over_layer: str = flag("7", "the later layers attend over this layer's output, and the head's input takes "
                                        "a learned share of it back out (empty: none)")
-    gate_network_layers: str = flag("0,4", "gate networks (#85) read the stream entering these layers and give per-"
-                                           "token coefficients to it and the layers up to the next one's: x0's share, "
-                                           "the skip's gate, and XSA's and the output gates' (empty: learned scalars)")
-    xsa_layers: str = flag("1,3,4,7", "layers whose heads' outputs lose a learned share along their own values "
-                                      "(exclusive self attention, #82)")
-    output_gate_layers: str = flag("3,10", "layers whose heads' outputs are gated per token (#28, #85)")
-    dc_layers: str = flag("10", "layers whose heads each also read the values by a per-token mix of every "
-                                "head's attention over the last 112 tokens, with per-token weights (DC-MHA's "
-                                "composition after the softmax, #85), from a gate network")
-    paired_head_layers: str = flag("0,2,5,9", "layers whose heads attend in pairs, h with h + num_heads/2, each "
-                                              "seeing both's keys over one sequence with each token's two places "
-                                              "in a row, the window counted in places (#58)")
-    narrow_qk_layers: str = flag("", "layers whose heads' queries and keys are half --head_dim wide, rotating in every "
-                                     "dim (#92's 0,1,2,5,8)")
-    narrow_v_layers: str = flag("", "layers whose heads' values, and outputs, are half --head_dim wide, taking the "
-                                    "first half of each head's part of a value embedding (#92's 1,8)")
     attention_scale: float = flag(0.1, "attention's scale of full-width queries, before YaRN (#89's 0.1; #92's 0.085)")
     narrow_attention_scale: float = flag(0.1, "attention's scale of narrow queries (--narrow_qk_layers), before YaRN "
                                               "(#92's 0.13)")
     rotary_follows: str = flag("long", "YaRN stretches each layer's rotary, and scales its attention, at changes of "
                                        "the long window (#89's) or of the layer's own window (#92's)",
                                choices=("long", "own"))
-    x0_layers: str = flag("attention", "layers x0 (the normed embedding) re-enters at a learned share, after "
-                                       "attention or, in a layer without, after its scale of the residual "
-                                       "('attention': every layer with attention, #89's; #92's 0,1,2,4,5,7,10)")
-    ngram_layers: str = flag("attention", "layers the n-gram embedding joins at a learned share: the first layer's "
-                                           "input, a later one's after attention or its scale of the residual "
-                                           "('attention': the first and every later layer with attention, #89's; "
-                                           "#92's 0,1,4,5,9,10)")
     mlp_hidden: int = flag(0, "the MLP's hidden width (0: 4 x --model_dim, #89's 3072; #92's 2816)")
-    mlp_free_layers: str = flag("", "layers without an MLP, keeping its scale of the residual (#92's 7)")
-    double_mlp_layers: str = flag("", "layers with a second MLP beside the first, reading the same input, their "
-                                      "outputs summed (#92's 8)")
     mtp: bool = flag(True, f"training also predicts from each position the {MTP_TOKENS - 1} tokens after the next, "
                            "on the same logits, at weights that #89's schedule takes to 0 by two thirds of the run "
                            "(#53)")
@@ -1907,11 +2028,6 @@ class Hyperparameters:
                                "records/ABLATIONS.md has its figures)")
     canonical_mask: bool = flag(True, "the final validation sets to -60, after the soft cap, the logit of each next "
                                       "token GPT-2's tokenizer never writes after the token before it (#91)")
-    sampled_softmax: str = flag("", "training's loss is a softmax over a set of candidate entries of the vocabulary "
-                                    "shared by a micro-batch's tokens (#92): every distinct target, topped up with "
-                                    "negatives from a fixed sweep of the vocabulary to COUNT entries from step STEP on, "
-                                    "as STEP:COUNT,... (COUNT 0: the whole vocabulary; empty: always the whole); "
-                                    "validation is over the whole; #92's: 0:10240,681:14336,965:24576,1107:0")
     ngram_rows: int = flag(50304 * 15 // 2, "rows of the n-gram hash embedding (#62, #83), into which each token's "
                                              "pair with the one before is hashed (0: none)")
     trigrams: bool = flag(False, "the n-gram table's second half holds each token's triple with the two before, "
@@ -1924,29 +2040,18 @@ class Hyperparameters:
                             "layer's input, the first value embedding and the skip's source (the backout folded in)")
     mudd_head: str = flag("89", "with --mudd, what the head's input takes in: #89's five states at per-token shares, "
                                 "or #92's ten (those, every value embedding, the last layer's MLP input and the "
-                                "attended layer's output normed), each share per token and group of 64 channels",
-                          choices=("89", "92"))
+                                "attended layer's output normed), each share per token and group of 64 channels "
+                                "(MUDD_HEADS)", choices=("89", "92"))
     zero_attn_out: bool = flag(False, "attention's output projection starts at zero, so each block starts as the "
                                       "identity (#23's); false: uniform as the other matrices (#89's, #64)")
-    key_offset: bool = flag(True, "in the long-window layers whose heads are not paired, each key's unrotated dims "
-                                  "are the previous token's (#49, as #89 keeps them apart)")
     soft_cap: str = flag(",".join(f"{term:g}" for term in RECORD_SOFT_CAP), "the logits' soft cap C,S,D: C x "
                          "sigmoid((logits + S) / D) (#89's, #54; record #23's was 30,0,7.5 x the root of the width)")
-    window_blocks: str = flag("1:3,3:7,5:11,6:13", "the short and long sliding windows in 128-token blocks in each "
-                              "stage, then in the extension (#89's); YaRN stretches the rotary at each change of the "
-                              "window it follows (#31)")
     final_window_blocks: float = flag(20.0, "blocks: the long window of the final validation (a fraction: that share "
                                             "of a block's tokens), the rotary as the last stage left it (#89's)")
     fp8_head: bool = flag(True, "FP8 matmul for the head in training")
     num_iterations: int = flag(1285, "optimizer steps", "optimizer and schedule")
     extension_steps: int = flag(15, "the last of the steps, after the schedule's stages and cooldown: at lr_final "
                                     "and the extension's windows (#89's 15)")
-    stage_steps: str = flag("", "the first step of each stage after the first, before the extension's: when the "
-                                "batch, the documents' cut, the lr multiplier and the windows change (unset: thirds "
-                                "of the steps before the extension, #89's; #92's: 320,681,1107 of 1,194, the last a "
-                                "taper of the batch)")
-    stage_lr: str = flag("1,1.52,1.73", "lr multipliers of the stages before the extension, as the batch grows (#46: "
-                                        "2**0.6 and 3**0.5 for twice and three times the tokens)")
     tied_stages: int = flag(2, "the head and the token embedding start as one table and stay one through this many "
                                "stages (and the Adam step ending them), then train apart from the same Adam state "
                                "(#89's 2 of 3, #51, #53; #92's 4 of 4; 0: apart from the start)")
@@ -1989,13 +2094,7 @@ class Hyperparameters:
                                       "its Nesterov step takes a blend of the two momenta (#92's 514)")
     seed: int = flag(0, "seed of the model's initialisation")
     train_files: str = flag("data/fineweb10B/fineweb_train_*.bin", "glob pattern of the training shards", "data")
-    train_seq_len: str = flag("16384,32768,49152,49152", "tokens per micro-batch (one sequence, a multiple of 128) in "
-                              "each stage, then in the extension, or one number for all (#46's staged batch: 16K, "
-                              "32K, then 48K tokens a rank)")
     seqs_per_step: int = flag(8, "sequences per step; ranks short of it accumulate gradients")
-    doc_max_tokens: str = flag("896,2048,2048,2048", "training sequences start at a document and hold whole "
-                               "documents cut after this many tokens (0: the shards read as one stream), in each "
-                               "stage, then in the extension, or one number for all (#72)")
     attention_max_tokens: int = flag(0, "in training, attention sees a document in pieces of this many tokens from its "
                                         "start (#92's 2560, its documents cut at 3072; 0: whole); evaluation sees "
                                         "documents whole")
@@ -2006,7 +2105,7 @@ class Hyperparameters:
     val_loss_every: int = flag(125, "steps between evaluations (0: at the end only)")
     target_val_loss: float = flag(3.28, "the track's target loss, read by records/logs.py")
     sample_every: int = flag(0, "steps: print a short sample at the validations on multiples of this (0: never)")
-    preset: str = flag("record", "base values that the other flags override (unset: record with CUDA or --plan, else "
+    preset: str = flag("record89", "base values that the other flags override (unset: record with CUDA or --plan, else "
                                  "cpu)", "run and checkpoints", choices=("cpu", "record", "record89", "tiny"))
     log_dir: str = flag("logs", "folder of the logs and checkpoints")
     run_id: str = flag("", "names the log and the checkpoint folder (unset: torchrun's rendezvous id, or a uuid)")
@@ -2053,69 +2152,99 @@ class Hyperparameters:
     plan_device: str = flag("cuda", "with --plan: the dtypes of a run on cuda (bf16 embeddings) or cpu",
                             choices=("cuda", "cpu"))
 
+# The columns of the layer stack's and the stages' tables, each a flag declared once by its field (unset: the
+# preset's table): a layer column's flag lists the layers where it is true, a stage column's gives a value a stage
+LAYER_COLUMNS = {f"{column.name}_layers": column for column in dataclasses.fields(LayerConfig)}
+STAGE_COLUMNS = {column.metadata["flag"]: column for column in dataclasses.fields(Stage)}
+Hyperparameters = dataclasses.make_dataclass("Hyperparameters", [
+    (name, str | None, flag(None, column.metadata["help"], group if k == 0 else ""))
+    for columns, group in ((LAYER_COLUMNS, "the layer stack's columns (unset: the preset's)"),
+                           (STAGE_COLUMNS, "the stages' columns (unset: the preset's)"))
+    for k, (name, column) in enumerate(columns.items())], bases=(Hyperparameters,), namespace=dict(__module__=__name__))
+
+class Preset(NamedTuple):
+    """A base for the flags: a layer stack, a schedule of stages, and flag values over #89's defaults."""
+    layers: tuple[LayerConfig, ...]
+    stages: tuple[Stage, ...]
+    flags: dict
+
+# the CPU track's stack: six layers of two 64-wide heads, each with a value embedding of its own
+CPU_LAYERS = (LayerConfig(long_window=True, value_embed=True), *[LayerConfig(value_embed=True)] * 4,
+              LayerConfig(long_window=True, value_embed=True))
+
+# its schedule: one batch of 8 x 256 tokens throughout (a stream: 38 whole plays) and the windows growing by thirds of
+# its 220 steps; #92's candidate counts from its steps' shares of its run (681, 965 and 1,107 of 1,194)
+CPU_STAGES = (
+    Stage(share=73, train_seq_len=256, doc_max_tokens=0, windows=(0.5, 1), candidates=(10240,)),
+    Stage(share=52, train_seq_len=256, doc_max_tokens=0, windows=(1, 2), candidates=(10240,)),
+    Stage(share=22, train_seq_len=256, doc_max_tokens=0, windows=(1, 2), candidates=(14336,)),
+    Stage(share=31, train_seq_len=256, doc_max_tokens=0, windows=(2, 2), candidates=(14336,)),
+    Stage(share=26, train_seq_len=256, doc_max_tokens=0, windows=(2, 2), candidates=(24576,)),
+    Stage(share=16, train_seq_len=256, doc_max_tokens=0, windows=(2, 2)),
+    Stage(train_seq_len=256, doc_max_tokens=0, windows=(2, 2)),
+)
+
+# the tiny stack: each kind of layer once in six, four 8-wide heads (so that paired heads' two pairs split over two
+# tensor-parallel ranks)
+TINY_LAYERS = (
+    LayerConfig(long_window=True, key_offset=True, gate_network=True),
+    LayerConfig(value_embed=True, xsa=True),
+    LayerConfig(paired_head=True, value_embed=True, gate_network=True),
+    LayerConfig(xsa=True, output_gate=True, dc=True),
+    LayerConfig(attention_free=True, x0=False, ngram=False),
+    LayerConfig(long_window=True, paired_head=True, value_embed=True, output_gate=True),
+)
+
+TINY_STAGES = (*(Stage(share=1, train_seq_len=256, doc_max_tokens=0, windows=windows)
+                 for windows in ((1, 1), (1, 2), (2, 2))), Stage(train_seq_len=256, doc_max_tokens=0, windows=(2, 2)))
+
 PRESETS = {
     # record #92 (0.665 minutes on 8 GPUs; its package's config.py, schedule.py and optimizers), on #89's defaults:
-    "record": dict(
-        # attention in 7 layers, narrow queries and keys in 5 (and values in 2), #92's scales and MLP widths, its
-        # x0 and n-gram layers, a head over ten states by channel group, and the 84.6M-row table of bigrams and trigrams
-        attention_free_layers="4,6,7,9", narrow_qk_layers="0,1,2,5,8", narrow_v_layers="1,8", attention_scale=0.085,
-        narrow_attention_scale=0.13, rotary_follows="own", xsa_layers="1,3", paired_head_layers="0,2,5",
-        value_embed_layers="1,2,8,10", dc_layers="", x0_layers="0,1,2,4,5,7,10", ngram_layers="0,1,4,5,9,10",
-        mlp_hidden=2816, mlp_free_layers="7", double_mlp_layers="8", mudd_head="92", trigrams=True,
-        ngram_rows=84602880,
-        # 1,122 steps in three stages, 52 more in the third, its last 67 a taper to 20/24 of the batch at lr x the
-        # root of that, then 20 at 8 sequences; documents cut at 3072 tokens, attention at 2560; the sampled
-        # softmax's candidates by step; the prefix loss by quarters; one table for head and embedding until step 1175
-        num_iterations=1194, extension_steps=20, stage_steps="320,681,1107",
-        train_seq_len="16384,32768,49152,40960,16384", doc_max_tokens="896,2048,3072,3072,3072",
-        attention_max_tokens=2560, stage_lr=f"1,1.52,1.73,{1.73 * (20 / 24) ** 0.5!r}",
-        window_blocks="1:3,3:7,5:11,5:11,6:13", cooldown_frac=0.8, lr_final=0.3, tied_stages=4, prefix_quarters=True,
-        sampled_softmax="0:10240,681:14336,965:24576,1107:0",
+    "record": Preset(RECORD92_LAYERS, RECORD92_STAGES, dict(
+        # #92's scales and MLP widths, a head over ten states by channel group, and the 84.6M-row table of bigrams
+        # and trigrams; attention over documents cut at 2560 tokens; the prefix loss by quarters; one table for head
+        # and embedding until step 1175
+        attention_scale=0.085, narrow_attention_scale=0.13, rotary_follows="own", mlp_hidden=2816, mudd_head="92",
+        trigrams=True, ngram_rows=84602880, num_iterations=1194, extension_steps=20, attention_max_tokens=2560,
+        cooldown_frac=0.8, lr_final=0.3, tied_stages=4, prefix_quarters=True,
         # ANVIL for the hidden matrices; the n-gram table stepped by rows and, with the value embeddings, on odd
         # steps, then every fourth from step 336, at 70 x #92's base Adam lr 0.008; the weights' tail averages
         matrix_optimizer="anvil", muon_weight_decay=2.25, muon_momentum_peak=0.93, muon_momentum_warmup_steps=240,
         table_cadence="0:2,336:4", ngram_optimizer="rows", lr_embed=0.56, tail_average=True,
         # the table's 130 GB held by rows over the data-parallel ranks (the plan: 38.2 GB a GPU on 8, 54.9 on 4)
-        zero=1, tables_by_rows=True),
+        zero=1, tables_by_rows=True)),
     # record #89 (1.23 minutes on 8 GPUs): this file's defaults, proven step by step against #89's own trainer
-    "record89": {},
+    "record89": Preset(RECORD89_LAYERS, RECORD89_STAGES, {}),
     # the CPU track: ~3.5 minutes of training on 2 cores (~5 with evaluation) on the embedded Shakespeare shards, 220
     # steps (record #2's training time, CPU record #3). Most of a step is the 50304-wide head, so width and depth cost
     # little next to it; each departure from the record's recipe below won an ablation on two seeds
     # (records/ABLATIONS.md has the figures)
-    "cpu": dict(train_files="data/shakespeare/shakespeare_train_*.bin",
-                val_files="data/shakespeare/shakespeare_val_*.bin",
-                val_tokens=128 * 1024, train_seq_len="256", val_seq_len=256, seqs_per_step=8, num_layers=6,
-                num_heads=2, head_dim=64, model_dim=128, window_pattern="LSSSSL", attention_free_layers="",
-                value_embed_layers="0,1,2,3,4,5", gate_network_layers="", xsa_layers="", output_gate_layers="",
-                ngram_rows=16384, mtp=False, prefix_loss=False, canonical_mask=False, smear=False, key_offset=False,
-                zero_attn_out=True,
-                paired_head_layers="", dc_layers="",
-                window_blocks="0.5:1,1:2,2:2,2:2", final_window_blocks=2, extension_steps=0,
-                fp8_head=False, num_iterations=220, muon_momentum_warmup_steps=50, skip_layers="1,3",
-                attend_over_layer="3", muon_momentum_cooldown_steps=9, lr_head=0.077, lr_embed=0.21, lr_scalar=0.014,
-                lr_gate=0.0028, lr_muon=0.0175, soft_cap=f"30,0,{7.5 * 128 ** 0.5}", cooldown_frac=0.4,
-                lr_final=0.1, val_loss_every=46, target_val_loss=5.15, fp64_grad_sum=True, tied_stages=0,
-                doc_max_tokens="0", stage_lr="1", optimizer_recipe="23", adam_every=1,  # a stream: 38 whole plays
-                sampled_softmax="0:10240,125:14336,178:24576,204:0",  # #92's counts at its steps' shares of the run
-                ngram_optimizer="rows",  # #92's update of its n-gram table
-                save_every=220),  # (to sample from)
-    # seconds, for tests and smoke runs: 4 heads, so that paired heads' two pairs split over two tensor-parallel ranks;
-    # record #23's soft cap, head lr and zero attention output, which learn visibly in 20 steps and keep the layout
-    # tests' noise floor above what tensor parallelism's order of sums moves
-    "tiny": dict(train_files="data/shakespeare/shakespeare_train_*.bin",
-                 val_files="data/shakespeare/shakespeare_val_*.bin",
-                 val_tokens=4 * 256, train_seq_len="256", val_seq_len=256, num_layers=6, num_heads=4, head_dim=8,
-                 model_dim=32, window_pattern="LSSSSL", attention_free_layers="4", value_embed_layers="1,2,5",
-                 paired_head_layers="2,5", dc_layers="3",
-                 gate_network_layers="0,2", xsa_layers="1,3", output_gate_layers="3,5", ngram_rows=4096,
-                 prefix_loss=False, canonical_mask=False,  # (GPT-2's ranks: the tests fetch them where they use them)
-                 skip_layers="1,4", attend_over_layer="3", window_blocks="1:1,1:2,2:2,2:2",
-                 final_window_blocks=2, extension_steps=0, lr_head=0.22,
-                 soft_cap=f"30,0,{7.5 * 32 ** 0.5}", fp8_head=False, num_iterations=20, muon_momentum_warmup_steps=5,
-                 muon_momentum_cooldown_steps=1, val_loss_every=10, target_val_loss=8.0, fp64_grad_sum=True,
-                 doc_max_tokens="0", stage_lr="1", tied_stages=0, zero_attn_out=True),
+    "cpu": Preset(CPU_LAYERS, CPU_STAGES, dict(
+        train_files="data/shakespeare/shakespeare_train_*.bin", val_files="data/shakespeare/shakespeare_val_*.bin",
+        val_tokens=128 * 1024, val_seq_len=256, seqs_per_step=8, num_heads=2, head_dim=64, model_dim=128,
+        ngram_rows=16384, mtp=False, prefix_loss=False, canonical_mask=False, smear=False, zero_attn_out=True,
+        final_window_blocks=2, extension_steps=0, fp8_head=False, num_iterations=220, muon_momentum_warmup_steps=50,
+        skip_layers="1,3", attend_over_layer="3", muon_momentum_cooldown_steps=9, lr_head=0.077, lr_embed=0.21,
+        lr_scalar=0.014, lr_gate=0.0028, lr_muon=0.0175, soft_cap=f"30,0,{7.5 * 128 ** 0.5}", cooldown_frac=0.4,
+        lr_final=0.1, val_loss_every=46, target_val_loss=5.15, fp64_grad_sum=True, tied_stages=0,
+        optimizer_recipe="23", adam_every=1,
+        ngram_optimizer="rows",  # #92's update of its n-gram table
+        save_every=220)),  # (to sample from)
+    # seconds, for tests and smoke runs: record #23's soft cap, head lr and zero attention output, which learn visibly
+    # in 20 steps and keep the layout tests' noise floor above what tensor parallelism's order of sums moves
+    "tiny": Preset(TINY_LAYERS, TINY_STAGES, dict(
+        train_files="data/shakespeare/shakespeare_train_*.bin", val_files="data/shakespeare/shakespeare_val_*.bin",
+        val_tokens=4 * 256, val_seq_len=256, num_heads=4, head_dim=8, model_dim=32, ngram_rows=4096,
+        prefix_loss=False, canonical_mask=False,  # (GPT-2's ranks: the tests fetch them where they use them)
+        skip_layers="1,4", attend_over_layer="3", final_window_blocks=2, extension_steps=0, lr_head=0.22,
+        soft_cap=f"30,0,{7.5 * 32 ** 0.5}", fp8_head=False, num_iterations=20, muon_momentum_warmup_steps=5,
+        muon_momentum_cooldown_steps=1, val_loss_every=10, target_val_loss=8.0, fp64_grad_sum=True, tied_stages=0,
+        zero_attn_out=True)),
 }
+
+# what MUDD's head takes in, by --mudd_head; Adam's settings by kind and Muon's step size, by --optimizer_recipe
+MUDD_HEADS = {"89": RECORD89_MUDD_HEAD, "92": RECORD92_MUDD_HEAD}
+OPTIMIZER_RECIPES = {"23": (RECORD23_ADAM, record23_muon_scale), "89": (RECORD89_ADAM, record89_muon_scale)}
 
 def _parse_bool(text: str) -> bool:
     if text.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
@@ -2124,6 +2253,15 @@ def _parse_bool(text: str) -> bool:
 
 RENAMED_FLAGS = {"--bigram_rows": "--ngram_rows", "--bigram_layers": "--ngram_layers",  # (the table: #92's n-grams)
                  "--bigram_optimizer": "--ngram_optimizer"}
+# flags whose values a column of the tables now holds, in a form of its own
+REPLACED_FLAGS = {
+    "--window_pattern": "--long_window_layers, the layers of the long window (#89's SSSLSSSSSSL: '3,10')",
+    "--key_offset": "--key_offset_layers, the layers whose keys take the previous token's unrotated dims (#89's "
+                    "'3,10'; '' for none)",
+    "--stage_steps": "--stage_shares, each stage's share of the scheduled steps (#92's first steps 320,681,1107 of "
+                     "1,174: '320,361,426,67')",
+    "--sampled_softmax": "--candidates, a count a stage (#92's '10240,10240,14336:14336:24576,0,0'; A:B:C: counts "
+                         "through equal parts of a stage)"}
 
 def parse_args(argv=None, cuda: bool | None = None) -> Hyperparameters:
     """Flags named after the fields (a bare boolean flag means true) over the --preset's values (unset: record with
@@ -2135,29 +2273,34 @@ def parse_args(argv=None, cuda: bool | None = None) -> Hyperparameters:
     for field in dataclasses.fields(Hyperparameters):
         help, choices = field.metadata["help"], field.metadata["choices"]
         group = parser.add_argument_group(field.metadata["group"]) if field.metadata["group"] else group
-        presets = "".join(f", {name} {base[field.name]!r}" for name, base in PRESETS.items() if field.name in base)
+        presets = "".join(f", {name} {base.flags[field.name]!r}" for name, base in PRESETS.items()
+                          if field.name in base.flags)
         kwargs = dict(default=None, help=f"{help} [default {field.default!r}{presets}]")
-        if field.name == "preset":
+        if field.name in LAYER_COLUMNS or field.name in STAGE_COLUMNS:
+            kwargs.update(type=str, metavar="LAYERS" if field.name in LAYER_COLUMNS else "VALUES", help=help)
+        elif field.name == "preset":
             kwargs.update(choices=choices, help=help)
         elif field.type in (bool, bool | None):
             kwargs.update(type=_parse_bool, nargs="?", const=True, metavar="BOOL")
         elif field.name == "check_layout":
             kwargs.update(nargs="?", const="all", metavar="LAYOUTS", help=help)
         else:
-            kwargs.update(type=field.type, metavar="|".join(map(str, choices)) or
-                          {int: "N", float: "X", str: "TEXT"}[field.type])
+            kind = int if field.type == int | None else field.type
+            kwargs.update(type=kind, metavar="|".join(map(str, choices)) or {int: "N", float: "X", str: "TEXT"}[kind])
         group.add_argument(f"--{field.name}", **kwargs)
     argv = sys.argv[1:] if argv is None else argv
     for given in argv:
-        renamed = RENAMED_FLAGS.get(given.partition("=")[0])
+        renamed = RENAMED_FLAGS.get(given.partition("=")[0]) or REPLACED_FLAGS.get(given.partition("=")[0])
         need(renamed is None, f"{given.partition('=')[0]} is now {renamed}: give that instead")
     flags = parser.parse_args(argv)
     need(flags.check_layout is None or flags.check_layout.strip(), "--check_layout '' names no layout: give "
          "--check_layout alone for all its layouts, or a comma-separated list of them")
     preset = flags.preset or ("record" if cuda or flags.plan else "cpu")
-    args = Hyperparameters(**dict(PRESETS[preset], preset=preset,
+    args = Hyperparameters(**dict(PRESETS[preset].flags, preset=preset,
                                   **{k: v for k, v in vars(flags).items() if v is not None and k != "preset"}))
     args.given = {k for k, v in vars(flags).items() if v is not None}  # (not a field: the log lists the values)
+    if args.num_layers is None:
+        args.num_layers = len(PRESETS[preset].layers)
     check_hyperparameters(args)
     for name in sorted(args.given & ACTS_ONLY_WITH.keys()):  # (a checkpoint's flags are held to the rest alone)
         needed, acts = ACTS_ONLY_WITH[name]
@@ -2175,37 +2318,21 @@ ACTS_ONLY_WITH = {
     "anvil_blend_step": ("--matrix_optimizer anvil", lambda args: args.matrix_optimizer == "anvil"),
     "prefix_quarters": ("--prefix_loss true", lambda args: args.prefix_loss),
     "mudd_head": ("--mudd true", lambda args: args.mudd),
-    "narrow_attention_scale": ("--narrow_qk_layers", lambda args: args.narrow_qk_layers.strip()),
+    "narrow_attention_scale": ("--narrow_qk_layers", lambda args: any(row.narrow_qk for row in layer_stack(args))),
     **dict.fromkeys(("trigrams", "ngram_optimizer", "ngram_layers"),
                     ("an n-gram table (--ngram_rows)", lambda args: args.ngram_rows)),
 }
 
-# what each flag of layer indices takes
-LAYER_FLAGS = {"attention_free_layers": (None, "comma-separated layer indices such as '6', or '' for none"),
-               "value_embed_layers": (None, "comma-separated layer indices such as '1,2,8,9,10', or '' for none"),
-               "skip_layers": (2, "two layer indices FROM,TO such as '3,6', or '' for none"),
+# what each flag of layer indices takes: the joins' (skip_layers, attend_over_layer) and the stack's columns'
+LAYER_FLAGS = {"skip_layers": (2, "two layer indices FROM,TO such as '3,6', or '' for none"),
                "attend_over_layer": (1, "one layer index such as '7', or '' for none"),
-               "gate_network_layers": (None, "comma-separated layer indices such as '0,4', or '' for none"),
-               "xsa_layers": (None, "comma-separated layer indices such as '1,3,4,7', or '' for none"),
-               "output_gate_layers": (None, "comma-separated layer indices such as '3,10', or '' for none"),
-               "dc_layers": (None, "comma-separated layer indices such as '10', or '' for none"),
-               "paired_head_layers": (None, "comma-separated layer indices such as '0,2,5,9', or '' for none"),
-               "narrow_qk_layers": (None, "comma-separated layer indices such as '0,1,2,5,8', or '' for none"),
-               "narrow_v_layers": (None, "comma-separated layer indices such as '1,8', or '' for none"),
-               "mlp_free_layers": (None, "comma-separated layer indices such as '7', or '' for none"),
-               "x0_layers": (None, "comma-separated layer indices such as '0,1,2,4,5,7,10', 'attention' for every "
-                                   "layer with attention, or '' for none"),
-               "ngram_layers": (None, "comma-separated layer indices such as '0,1,4,5,9,10', 'attention' for the "
-                                       "first and every layer with attention, or '' for none"),
-               "double_mlp_layers": (None, "comma-separated layer indices such as '8', or '' for none")}
+               **{name: (None, "comma-separated layer indices such as '%s', or '' for none" % ",".join(
+                   str(i) for i, row in enumerate(RECORD89_LAYERS) if getattr(row, column.name)) or "1,3")
+                  for name, column in LAYER_COLUMNS.items()}}
 
 def layer_indices(args: Hyperparameters, name: str) -> tuple[int, ...]:
-    """The layers flag `name` lists, refused unless each is a layer and there are as many as the flag takes; an
-    injection's 'attention': the layers with attention (the n-gram's: and the first)."""
+    """The layers flag `name` lists, refused unless each is a layer and there are as many as the flag takes."""
     text, (count, expected) = getattr(args, name), LAYER_FLAGS[name]
-    if name in ("x0_layers", "ngram_layers") and text == "attention":
-        attention_free = layer_indices(args, "attention_free_layers")
-        return tuple(i for i in range(args.num_layers) if i not in attention_free or i == 0 and name == "ngram_layers")
     try:
         layers = tuple(int(i) for i in text.split(",") if i.strip())
     except ValueError:
@@ -2219,6 +2346,23 @@ def layer_indices(args: Hyperparameters, name: str) -> tuple[int, ...]:
     twice = sorted({i for i in layers if layers.count(i) > 1})
     need(not twice, f"--{name} {text!r}{origin} names layers {twice} more than once: name each once")
     return layers
+
+def layer_stack(args: Hyperparameters) -> tuple[LayerConfig, ...]:
+    """The layer stack the flags make: the preset's rows, cut to --num_layers or plain rows (LayerConfig()) added,
+    then each column given as a flag true in the layers it lists and false in the others."""
+    rows = PRESETS[args.preset].layers[:args.num_layers]
+    rows += (LayerConfig(),) * (args.num_layers - len(rows))
+    for name, column in LAYER_COLUMNS.items():
+        if getattr(args, name) is not None:
+            listed = layer_indices(args, name)
+            rows = tuple(dataclasses.replace(row, **{column.name: i in listed}) for i, row in enumerate(rows))
+    return rows
+
+def stack_column(args: Hyperparameters, rows: tuple[LayerConfig, ...], name: str) -> str:
+    """A column of the stack as the flag that sets it would list its layers, saying when they are the preset's."""
+    layers = ",".join(str(i) for i, row in enumerate(rows) if getattr(row, name))
+    return f"--{name}_layers {layers!r}" + ("" if f"{name}_layers" in getattr(args, "given", ()) else
+                                           f" (the {args.preset} preset's)")
 
 # flags that must be above zero; every other number must be at least zero, and every count below 2**31 (counts
 # become int32 tensors and indices), a seed below 2**63
@@ -2238,23 +2382,31 @@ def soft_cap_terms(args: Hyperparameters) -> tuple[float, float, float]:
     return cap, shift, divisor
 
 def flag_value(args: Hyperparameters, name: str) -> str:
-    """A flag and its value as a message names them, saying when the value is the preset's."""
-    given = name in getattr(args, "given", ())
-    return f"--{name} {getattr(args, name)!r}" + ("" if given else f" (the {args.preset} preset's)")
+    """A flag and its value as a message names them, saying when the value is the preset's (a column's unset: its
+    preset's table's, as the flag would give it)."""
+    given, value = name in getattr(args, "given", ()), getattr(args, name)
+    if value is None and name in STAGE_COLUMNS:
+        values = stage_column(args, STAGE_COLUMNS[name].name)
+        value = ",".join(map(stage_text, values[:-1] if name in ("stage_shares", "stage_lr") else values))
+    elif value is None and name in LAYER_COLUMNS:
+        value = ",".join(str(i) for i, row in enumerate(layer_stack(args)) if getattr(row, LAYER_COLUMNS[name].name))
+    return f"--{name} {value!r}" + ("" if given else f" (the {args.preset} preset's)")
 
 def check_hyperparameters(args: Hyperparameters) -> None:
     """Refuse values the run cannot use, before any model is built."""
     for field in dataclasses.fields(Hyperparameters):
         name, value, choices = field.name, getattr(args, field.name), field.metadata["choices"]
         low = "> 0" if name in POSITIVE else ">= 0"
-        if field.type is int:
+        if value is None:  # (unset: the preset's)
+            continue
+        if field.type in (int, int | None):
             high = 63 if name == "seed" else 31
             need((value > 0 if name in POSITIVE else value >= 0) and value < 2**high,
                  f"--{name} must be a whole number {low} and below 2**{high}, got {value}")
         if field.type is float:
             need(math.isfinite(value) and (value > 0 if name in POSITIVE else value >= 0),
                  f"--{name} must be a finite number {low}, got {value}")
-        if field.type is str:  # (the log and the console print it: undecodable bytes cannot be)
+        if field.type in (str, str | None):  # (the log and the console print it: undecodable bytes cannot be)
             need(not any(0xDC80 <= ord(c) <= 0xDCFF for c in value), f"--{name} {value!r} holds bytes that are not "
                  "UTF-8 text: use UTF-8 text")
         need(not choices or value in choices, f"--{name} must be one of {', '.join(map(str, choices))}, got {value!r}")
@@ -2280,7 +2432,6 @@ def check_hyperparameters(args: Hyperparameters) -> None:
     need(args.top_k <= args.vocab_size, f"--top_k must be between 0 (all tokens) and --vocab_size {args.vocab_size}, "
          f"got {args.top_k}")
     need(args.cooldown_frac <= 1, f"--cooldown_frac must be in [0, 1], got {args.cooldown_frac}")
-    candidate_counts(args)
     cadence = table_cycles(args)
     ends = [start for start, _ in cadence[1:]] + [args.num_iterations]
     for start, _ in cadence:
@@ -2295,7 +2446,16 @@ def check_hyperparameters(args: Hyperparameters) -> None:
          f"{args.collective_timeout:g}")
     need(args.extension_steps < args.num_iterations, f"{flag_value(args, 'extension_steps')} must be below "
          f"{flag_value(args, 'num_iterations')}: the extension follows the scheduled steps")
-    stage_windows(args)
+    stage_table(args)  # (each column as the stages take it)
+    need(all(min(pair) >= 1 for pair in stage_windows(args)), f"{flag_value(args, 'window_blocks')}: each window "
+         f"must be a token or more ({ATTENTION_BLOCK_SIZE}-token blocks, a fraction of one rounded to tokens)")
+    head_rows = next_multiple_of_n(args.vocab_size, n=128)
+    counts = [count for counts in stage_column(args, "candidates") for count in counts]
+    need(max(counts) <= head_rows, f"{flag_value(args, 'candidates')}: each count must be at most the head's "
+         f"{head_rows} rows (0: the whole vocabulary)")
+    need(not any(counts) or head_rows % NEGATIVE_STRIDE, f"--vocab_size {args.vocab_size}: the head's {head_rows} rows "
+         f"are a multiple of the negatives' stride {NEGATIVE_STRIDE}, whose sweep then misses entries; train without "
+         "a sampled softmax (--candidates 0) or with another vocabulary size")
     need(args.tied_stages <= stages_before_extension(args), f"{flag_value(args, 'tied_stages')}: the run has "
          f"{stages_before_extension(args)} stages before the extension; give at most that many (that many: one table "
          "until the extension)")
@@ -2308,8 +2468,6 @@ def check_hyperparameters(args: Hyperparameters) -> None:
          "embeddings, the gates and the scalars would never train: give --adam_every at most --num_iterations")
     need(EOT_TOKEN < args.vocab_size <= 2**16, f"--vocab_size {args.vocab_size} must be above {EOT_TOKEN}, the "
          "end-of-text token that starts every document, and fit the uint16 token shards")
-    for name in STAGE_FLAGS:
-        per_stage(args, name)
     for seq_len in stage_seq_lens(args):
         need(seq_len > 0 and seq_len % ATTENTION_BLOCK_SIZE == 0, f"{flag_value(args, 'train_seq_len')}: each "
              f"stage's must be a multiple of {ATTENTION_BLOCK_SIZE} (the attention block), not {seq_len}")
@@ -2321,56 +2479,61 @@ def check_hyperparameters(args: Hyperparameters) -> None:
              f"{MAX_SEQ_LEN:,} tokens, more than any machine holds: use at most {MAX_SEQ_LEN} tokens a sequence")
     need(args.val_tokens % args.val_seq_len == 0,
          f"--val_tokens {args.val_tokens} must be a multiple of --val_seq_len {args.val_seq_len}")
-    need(len(args.window_pattern) == args.num_layers and set(args.window_pattern) <= {"L", "S"},
-         f"--window_pattern {args.window_pattern!r} must have one letter L or S per layer ({args.num_layers})")
+    rows = layer_stack(args)
+    column = functools.partial(stack_column, args, rows)
+    def listed(name: str) -> set[int]:
+        return {i for i, row in enumerate(rows) if getattr(row, name)}
     need(args.head_dim % 4 == 0, f"--head_dim {args.head_dim} must be a multiple of 4 (half-truncated rotary)")
-    need(args.num_heads % 2 == 0 or not layer_indices(args, "paired_head_layers"), f"--num_heads {args.num_heads} "
-         f"is odd, but {flag_value(args, 'paired_head_layers')} pairs heads h and h + num_heads/2: use an even head "
-         "count, or --paired_head_layers ''")
+    need(args.num_heads % 2 == 0 or not listed("paired_head"), f"--num_heads {args.num_heads} is odd, but "
+         f"{column('paired_head')} pairs heads h and h + num_heads/2: use an even head count, or --paired_head_layers "
+         "''")
     skip = layer_indices(args, "skip_layers")
     need(not skip or skip[0] < skip[1], f"--skip_layers {args.skip_layers!r}: the skip goes from an earlier layer "
          "to a later one")
     need(all(i < args.num_layers - 1 for i in layer_indices(args, "attend_over_layer")),
          f"--attend_over_layer {args.attend_over_layer!r}: no layer comes after the last to attend over it; name an "
          "earlier layer, or '' for none")
-    for name, what in (("value_embed_layers", "a value embedding is added to attention's values"),
-                       ("xsa_layers", "XSA changes attention's output"), ("output_gate_layers", "an output gate "
-                                                                             "scales attention's output"),
-                       ("paired_head_layers", "paired heads attend together"),
-                       ("dc_layers", "DC-MHA composes attention's heads"),
-                       ("narrow_qk_layers", "it narrows attention's queries and keys"),
-                       ("narrow_v_layers", "it narrows attention's values")):
-        fed = set(layer_indices(args, name)) & set(layer_indices(args, "attention_free_layers"))
-        need(not fed, f"{flag_value(args, name)} names layers {sorted(fed)}, which have no attention "
-             f"({flag_value(args, 'attention_free_layers')}): {what}; name layers with attention")
-    first_served = min(layer_indices(args, "gate_network_layers"), default=args.num_layers)
-    for name in ("xsa_layers", "output_gate_layers", "dc_layers"):
-        unserved = [i for i in layer_indices(args, name) if i < first_served]
-        need(not unserved, f"{flag_value(args, name)} names layers {unserved}, which no gate network serves "
-             f"({flag_value(args, 'gate_network_layers')}): their coefficients come from one; add a network at or "
-             "before them")
-    both = sorted(set(layer_indices(args, "dc_layers")) & set(layer_indices(args, "paired_head_layers")))
-    need(not both, f"{flag_value(args, 'dc_layers')} and {flag_value(args, 'paired_head_layers')} both name layers "
-         f"{both}: DC-MHA composes heads over the tokens, paired heads attend over two places a token (#89 keeps "
-         "them apart); name each layer in one")
-    missing = [name for name in ("skip_layers", "attend_over_layer", "value_embed_layers")
-               if not layer_indices(args, name)]
+    for name, what in (("value_embed", "a value embedding is added to attention's values"),
+                       ("xsa", "XSA changes attention's output"), ("output_gate", "an output gate scales attention's "
+                                                                                 "output"),
+                       ("paired_head", "paired heads attend together"), ("dc", "DC-MHA composes attention's heads"),
+                       ("narrow_qk", "it narrows attention's queries and keys"),
+                       ("narrow_v", "it narrows attention's values")):
+        fed = listed(name) & listed("attention_free")
+        need(not fed, f"{column(name)} names layers {sorted(fed)}, which have no attention "
+             f"({column('attention_free')}): {what}; name layers with attention")
+    for name, why in (("narrow_qk", "a narrow head's keys rotate in every dim, so none is left to offset"),
+                      ("paired_head", "#89 offsets the keys of its long-window layers whose heads are not paired")):
+        both = sorted(listed("key_offset") & listed(name))
+        need(not both, f"{column('key_offset')} and {column(name)} both name layers {both}: {why}; name each layer "
+             "in one")
+    first_served = min(listed("gate_network"), default=args.num_layers)
+    for name in ("xsa", "output_gate", "dc"):
+        unserved = sorted(i for i in listed(name) if i < first_served)
+        need(not unserved, f"{column(name)} names layers {unserved}, which no gate network serves "
+             f"({column('gate_network')}): their coefficients come from one; add a network at or before them")
+    both = sorted(listed("dc") & listed("paired_head"))
+    need(not both, f"{column('dc')} and {column('paired_head')} both name layers {both}: DC-MHA composes heads over "
+         "the tokens, paired heads attend over two places a token (#89 keeps them apart); name each layer in one")
+    missing = [text for text, none in ((flag_value(args, "skip_layers"), not skip),
+                                       (flag_value(args, "attend_over_layer"),
+                                        not layer_indices(args, "attend_over_layer")),
+                                       (column("value_embed"), not listed("value_embed"))) if none]
     need(not args.mudd or not missing, f"--mudd true reads the skip's source, the attended layer and the first "
-         f"value embedding, but {', '.join(flag_value(args, name) for name in missing)}: name them, or use --mudd "
-         "false")
+         f"value embedding, but {', '.join(missing)}: name them, or use --mudd false")
     need(not args.mudd or args.num_layers >= 2, "--mudd true makes the last layer dense and the head reads the one "
          "before it: use 2 or more layers, or --mudd false")
-    need(args.mudd_head == "89" or args.mudd and args.model_dim % MUDD_GROUP_CHANNELS == 0, f"--mudd_head 92 takes in "
-         f"each state per group of {MUDD_GROUP_CHANNELS} channels, with --mudd true: give a --model_dim that is a "
-         f"multiple of {MUDD_GROUP_CHANNELS} (not {args.model_dim}) and --mudd true ({flag_value(args, 'mudd')})")
-    for name, what in (("narrow_v_layers", "its values take in model-wide states"),
-                       ("mlp_free_layers", "its MLP's scales are per-token coefficients")):
-        need(not args.mudd or args.num_layers - 1 not in layer_indices(args, name), f"{flag_value(args, name)} names "
-             f"the last layer, {args.num_layers - 1}, which --mudd true makes dense: {what}; name other layers, or use "
-             "--mudd false")
-    both = sorted(set(layer_indices(args, "mlp_free_layers")) & set(layer_indices(args, "double_mlp_layers")))
-    need(not both, f"{flag_value(args, 'mlp_free_layers')} and {flag_value(args, 'double_mlp_layers')} both name "
-         f"layers {both}: a layer has no MLP or two; name each layer in one")
+    need(not MUDD_HEADS[args.mudd_head].per_channel_group or args.mudd and args.model_dim % MUDD_GROUP_CHANNELS == 0,
+         f"--mudd_head {args.mudd_head} takes in each state per group of {MUDD_GROUP_CHANNELS} channels, with --mudd "
+         f"true: give a --model_dim that is a multiple of {MUDD_GROUP_CHANNELS} (not {args.model_dim}) and --mudd true "
+         f"({flag_value(args, 'mudd')})")
+    for name, what in (("narrow_v", "its values take in model-wide states"),
+                       ("mlp_free", "its MLP's scales are per-token coefficients")):
+        need(not args.mudd or args.num_layers - 1 not in listed(name), f"{column(name)} names the last layer, "
+             f"{args.num_layers - 1}, which --mudd true makes dense: {what}; name other layers, or use --mudd false")
+    both = sorted(listed("mlp_free") & listed("double_mlp"))
+    need(not both, f"{column('mlp_free')} and {column('double_mlp')} both name layers {both}: a layer has no MLP or "
+         "two; name each layer in one")
     for name in ("prefix_loss", "canonical_mask"):
         need(not getattr(args, name) or args.vocab_size >= 50257, f"--{name} reads GPT-2's tokens' bytes, but "
              f"--vocab_size {args.vocab_size} is smaller than GPT-2's 50257: use --{name} false")
@@ -2378,7 +2541,7 @@ def check_hyperparameters(args: Hyperparameters) -> None:
          "takes: use 2 or more, or 0 for none")
     need(not args.trigrams or args.ngram_rows >= 4 and args.ngram_rows % 2 == 0, f"--trigrams true splits "
          f"{flag_value(args, 'ngram_rows')} into halves of 2 rows or more: give an even number of 4 or more")
-    need(args.model_dim >= 12 or not args.smear and not layer_indices(args, "value_embed_layers"),
+    need(args.model_dim >= 12 or not args.smear and not listed("value_embed"),
          f"--model_dim {args.model_dim}: the smear's gate reads 12 channels and a value embedding's gate 6 of it: "
          "use a width of 12 or more, or --smear false and --value_embed_layers ''")
     need(args.run_id.isprintable(), f"--run_id {args.run_id!r} holds control characters, which would break the "
@@ -2429,24 +2592,75 @@ def check_world_size(args: Hyperparameters, world_size: int) -> int:
 # ----------------------------------------------------------------------------------------------------
 # Schedules: stages, learning rate, sliding windows and the rotary, loss weights, Muon momentum (functions of the step)
 
-def stage_starts(args: Hyperparameters) -> list[int]:
-    """The first step of each stage: those before the extension start at 0 and at --stage_steps (unset: #89's thirds
-    of the scheduled steps, all but the extension's), the extension after them; then the step after the last."""
-    scheduled = args.num_iterations - args.extension_steps
-    if not args.stage_steps.strip():
-        return [round(i * scheduled / 3) for i in range(4)] + [args.num_iterations]
+# what a stage column's flag takes of each stage: its numbers' kind, how many a stage (None: one or more), the least
+STAGE_VALUES = dict(stage_shares=(float, 1, "above 0"), train_seq_len=(int, 1, "above 0"),
+                    doc_max_tokens=(int, 1, "of 0 or more"), stage_lr=(float, 1, "of 0 or more"),
+                    window_blocks=(float, 2, "above 0"), candidates=(int, None, "of 0 or more"))
+
+def stage_values(args: Hyperparameters, name: str, count: int) -> list | None:
+    """The values stage column `name`'s flag gives `count` stages (one for all, or one each), each a number or, where
+    a stage takes several, a tuple of them; refused unless each is as the column takes. None: the flag is unset."""
+    text, column = getattr(args, name), STAGE_COLUMNS[name]
+    if text is None:
+        return None
+    kind, arity, least = STAGE_VALUES[name]
     try:
-        starts = [int(text) for text in args.stage_steps.split(",")]
-    except ValueError:
-        starts = []
-    need(starts and 0 < starts[0] and all(a < b for a, b in itertools.pairwise(starts + [scheduled])),
-         f"{flag_value(args, 'stage_steps')}: expected the first step of each stage after the first, rising, each "
-         f"above 0 and below the extension's first step, {scheduled} (--num_iterations {args.num_iterations} less "
-         f"--extension_steps {args.extension_steps}), such as #92's '320,681,1107' of 1,194 steps")
-    return [0, *starts, scheduled, args.num_iterations]
+        values = [tuple(kind(part) for part in entry.split(":")) for entry in text.split(",")]
+    except (ValueError, OverflowError):  # (not a number; infinite)
+        values = []
+    fine = all((arity is None or len(value) == arity) and all(
+        math.isfinite(x) and (x > 0 if least == "above 0" else x >= 0) and x < 2**31 for x in value)
+        for value in values)
+    parts = {1: "", 2: " SHORT:LONG", None: " (A:B:C: through equal parts of the stage)"}[arity]
+    extension = name not in ("stage_shares", "stage_lr")
+    example = ",".join(stage_text(getattr(row, column.name)) for row in RECORD92_STAGES[:len(RECORD92_STAGES) - 1
+                                                                                       + extension])
+    need(values and fine and len(values) in (1, count), f"--{name} {text!r}: expected {count} "
+         f"{'whole ' * (kind is int)}numbers{parts} {least}, one for each of the run's stages (--stage_shares makes "
+         f"them){' and its extension' * extension}, or one for all, such as #92's "
+         f"{example!r}")
+    values = [value[0] if arity == 1 else value for value in values]
+    return values * count if len(values) == 1 else values
+
+def stage_text(value) -> str:
+    """A stage column's value as its flag writes it."""
+    return ":".join(f"{v:g}" for v in value) if isinstance(value, tuple) else f"{value:g}"
+
+def stage_table(args: Hyperparameters) -> tuple[Stage, ...]:
+    """The stages the flags make, the extension's last: the preset's rows, each column given as a flag holding the
+    values it gives; --stage_shares sets how many stages come before the extension (a column of the preset's that
+    differs between its stages must then be given too)."""
+    preset = PRESETS[args.preset].stages
+    count = len(args.stage_shares.split(",")) if args.stage_shares is not None else len(preset) - 1
+    columns = {}
+    for name, column in STAGE_COLUMNS.items():
+        own = [getattr(row, column.name) for row in preset]  # (the extension's last)
+        with_extension = name not in ("stage_shares", "stage_lr")
+        values = stage_values(args, name, count + with_extension)
+        if values is None and count != len(preset) - 1:
+            need(len(set(own[:-1])) == 1, f"{flag_value(args, 'stage_shares')} makes {count} stages before the "
+                 f"extension, but the {args.preset} preset's {len(own) - 1} have a --{name} each "
+                 f"({','.join(map(stage_text, own[:len(own) - 1 + with_extension]))!r}): give --{name} too, one "
+                 "for each stage or one for all")
+            values = own[:1] * count + own[-1:]
+        elif values is None:
+            values = own
+        elif not with_extension:
+            values = [*values, own[-1]]  # (the extension's: unused)
+        columns[column.name] = values
+    return tuple(Stage(**dict(zip(columns, row))) for row in zip(*columns.values()))
+
+def stage_starts(args: Hyperparameters) -> list[int]:
+    """The first step of each stage, the extension's last, then the step after the last: the stages before the
+    extension share the scheduled steps by their shares, each start rounded (#89's thirds: round(i x steps / 3); a
+    run too short for a stage passes it by)."""
+    rows, scheduled = stage_table(args), args.num_iterations - args.extension_steps
+    shares = [row.share for row in rows[:-1]]
+    return [0, *(round(share * scheduled / sum(shares)) for share in itertools.accumulate(shares[:-1])), scheduled,
+            args.num_iterations]
 
 def stages_before_extension(args: Hyperparameters) -> int:
-    return len(stage_starts(args)) - 2
+    return len(stage_table(args)) - 1
 
 def training_stage(step: int, args: Hyperparameters) -> tuple[int, float]:
     """The stage of `step` (the final validation's: the extension's), and how far through the stage it is."""
@@ -2456,25 +2670,12 @@ def training_stage(step: int, args: Hyperparameters) -> tuple[int, float]:
     stage = next(i for i in range(extension) if step < starts[i + 1])
     return stage, (step - starts[stage]) / (starts[stage + 1] - starts[stage])
 
-# the flags of a value per stage: whether they set the extension's too (its lr is lr_final), and the values' type
-STAGE_FLAGS = dict(train_seq_len=(True, int), doc_max_tokens=(True, int), stage_lr=(False, float))
-
-def per_stage(args: Hyperparameters, name: str) -> list:
-    """A flag's value in each stage: it gives one for every stage, or one for each."""
-    (extension, kind), record = STAGE_FLAGS[name], Hyperparameters.__dataclass_fields__[name].default
-    count = stages_before_extension(args) + extension
-    try:
-        values = [kind(text) for text in str(getattr(args, name)).split(",")]
-    except ValueError:
-        values = []
-    need(len(values) in (1, count) and all(0 <= v < 2**31 for v in values), f"{flag_value(args, name)}: expected "
-         f"{count} {'whole ' * (kind is int)}numbers of 0 or more, for the {count - extension} stages before the "
-         f"extension (--stage_steps){', then the extension' * extension}, or one for all, such as the record's "
-         f"{record!r}")
-    return values * count if len(values) == 1 else values
+def stage_column(args: Hyperparameters, name: str) -> list:
+    """Field `name` of each stage, the extension's last."""
+    return [getattr(row, name) for row in stage_table(args)]
 
 def stage_seq_lens(args: Hyperparameters) -> list[int]:
-    return per_stage(args, "train_seq_len")
+    return stage_column(args, "train_seq_len")
 
 def context_length(args: Hyperparameters) -> int:
     """The longest sequence the model reads: a stage's or validation's."""
@@ -2483,31 +2684,20 @@ def context_length(args: Hyperparameters) -> int:
 def batch_shape(step: int, args: Hyperparameters) -> tuple[int, int]:
     """The training sequences' length at `step` and the length their documents are cut at (#46, #72)."""
     stage = training_stage(step, args)[0]
-    return stage_seq_lens(args)[stage], per_stage(args, "doc_max_tokens")[stage]
+    return stage_seq_lens(args)[stage], stage_column(args, "doc_max_tokens")[stage]
 
 def lr_multiplier(step: int, args: Hyperparameters) -> float:
     """The stage's multiplier (#46), then linear from it to lr_final over the final cooldown_frac of the scheduled
     steps, from the whole step where that starts (#89's); lr_final in the extension."""
     scheduled = args.num_iterations - args.extension_steps
-    stage_lr = per_stage(args, "stage_lr")[min(training_stage(step, args)[0], stages_before_extension(args) - 1)]
+    stage_lr = stage_column(args, "lr")[min(training_stage(step, args)[0], stages_before_extension(args) - 1)]
     start = int(scheduled * (1 - args.cooldown_frac))
     t = min(max(step - start, 0) / (scheduled - start), 1.0) if start < scheduled else float(step >= scheduled)
     return (1 - t) * stage_lr + t * args.lr_final
 
 def stage_windows(args: Hyperparameters) -> list[tuple[int, int]]:
-    """--window_blocks: each stage's short and long window, in tokens."""
-    try:
-        stages = [tuple(round(float(blocks) * ATTENTION_BLOCK_SIZE) for blocks in pair.split(":"))
-                  for pair in args.window_blocks.split(",")]
-    except (ValueError, OverflowError):  # (not a number; infinite)
-        stages = []
-    count = stages_before_extension(args) + 1
-    need(len(stages) == count and all(len(pair) == 2 and 0 < min(pair) and max(pair) < 2**31 for pair in stages),
-         f"{flag_value(args, 'window_blocks')}: expected {count} pairs short:long of {ATTENTION_BLOCK_SIZE}-token "
-         "blocks (a fraction: that share of a block's tokens; the windows are token-exact), a token or more each, "
-         f"for the {count - 1} stages before the extension (--stage_steps) and the extension, such as "
-         "'1:3,3:7,5:11,6:13' (#89's) or '1:3,3:7,5:11,5:11,6:13' (#92's)")
-    return stages
+    """Each stage's short and long window, in tokens (token-exact: a fraction of a block, rounded)."""
+    return [tuple(round(blocks * ATTENTION_BLOCK_SIZE) for blocks in row.windows) for row in stage_table(args)]
 
 def window_tokens(step: int, args: Hyperparameters) -> tuple[int, int]:
     """The short and long sliding windows at `step`, in tokens: its stage's; at the final validation (step
@@ -2550,20 +2740,15 @@ def loss_weights(step: int, args: Hyperparameters) -> list[float]:
     return weights + [prefix[0] + (prefix[1] - prefix[0]) * t]
 
 def candidate_counts(args: Hyperparameters) -> list[tuple[int, int]]:
-    """--sampled_softmax: (first step, candidate count) pairs, the steps rising."""
-    rows, text = next_multiple_of_n(args.vocab_size, n=128), args.sampled_softmax
-    try:
-        pairs = [tuple(int(n) for n in pair.split(":")) for pair in text.split(",")] if text.strip() else []
-    except ValueError:
-        pairs = None
-    need(pairs is not None and all(len(pair) == 2 and pair[0] >= 0 and 0 <= pair[1] <= rows for pair in pairs)
-         and all(a[0] < b[0] for a, b in zip(pairs, pairs[1:])), f"{flag_value(args, 'sampled_softmax')}: expected "
-         f"STEP:COUNT pairs, the steps rising, each count between 0 (the whole vocabulary) and the head's "
-         f"{rows} rows, such as #92's '0:10240,681:14336,965:24576,1107:0', or '' for the whole vocabulary always")
-    need(not pairs or rows % NEGATIVE_STRIDE, f"--vocab_size {args.vocab_size}: the head's {rows} rows are a "
-         f"multiple of the negatives' stride {NEGATIVE_STRIDE}, whose sweep then misses entries; train without "
-         "--sampled_softmax or with another vocabulary size")
-    return pairs
+    """(first step, candidate count) where the count changes, the steps rising, from the stages' candidates (each
+    count through its equal part of its stage, #92's ramp); none while it is the whole vocabulary (0) from step 0."""
+    starts, changes = stage_starts(args), []
+    for (start, end), counts in zip(itertools.pairwise(starts), stage_column(args, "candidates")):
+        for part, count in enumerate(counts):  # (a part starts at the first step whose (step - start) x parts //
+            first = start + -(-part * (end - start) // len(counts))  # steps is its index)
+            if first < end and count != (changes[-1][1] if changes else 0):
+                changes.append((first, count))
+    return changes
 
 def candidate_count(step: int, args: Hyperparameters) -> int:
     """How many entries of the vocabulary training's loss is over at `step` (#92's sampled softmax; 0: all)."""
@@ -2628,6 +2813,23 @@ def tables_step(step: int, args: Hyperparameters) -> bool:
     """Whether the embeddings step after step `step`: on Adam's steps, and with --table_cadence on its."""
     return adam_steps(step, args) and (not table_cycles(args) or table_cadence_at(step, args)[0])
 
+def schedule_table(args: Hyperparameters) -> str:
+    """The stages as the flags make them, a row a stage: its steps, batch, documents, lr multiplier, windows,
+    sampled-softmax candidates (all: the whole vocabulary), how often the tables step, and whether the head and the
+    token embedding are one table."""
+    starts, tied, rows = stage_starts(args), last_tied_step(args), []
+    cycles = table_cycles(args) or [(0, args.adam_every)]
+    for k, (row, start, end) in enumerate(zip(stage_table(args), starts, starts[1:])):
+        every = [f"{n}" + f" from {first}" * (first > start) for first, n in cycles if first < end and (
+            first >= start or first == max(f for f, _ in cycles if f <= start))]
+        rows.append(("extension" if k == len(starts) - 2 else str(k), f"{start}-{end - 1}" if end > start else "none",
+                     str(row.train_seq_len), str(row.doc_max_tokens or "-"),
+                     "final" if k == len(starts) - 2 else f"{row.lr:.4g}", stage_text(row.windows),
+                     ":".join(str(n or "all") for n in row.candidates), ", ".join(every),
+                     "yes" if end - 1 <= tied else f"to step {tied}" if start <= tied else "-"))
+    return text_table(("stage", "steps", "tokens/seq", "doc cap", "lr", "windows", "candidates", "tables every",
+                       "tied head"), rows)
+
 # #92's end game (--tail_average): the final validation's weights are averages of the last steps', each kind of weight
 # its own. An average's first fold copies; each later one moves it `rate` of the way to the weights
 TAIL_PERIOD = 4  # (#92's: every 4th step, its tables' cadence at the end)
@@ -2680,27 +2882,13 @@ def set_schedules(optimizers: list[torch.optim.Optimizer], step: int, args: Hype
 # Training: the model and optimizers this rank trains, one step, evaluation, and the loop
 
 def model_config(args: Hyperparameters) -> ModelConfig:
-    """The model the flags describe: a row of the layer stack a layer, from the layer-index flags."""
-    def listed(name: str) -> set[int]:
-        return set(layer_indices(args, name))
-    attention_free, paired = listed("attention_free_layers"), listed("paired_head_layers")
-    gate_networks, narrow_qk = listed("gate_network_layers"), listed("narrow_qk_layers")
-    layers = tuple(LayerConfig(
-        attention=i not in attention_free, window=args.window_pattern[i], paired=i in paired, narrow_qk=i in narrow_qk,
-        narrow_v=i in listed("narrow_v_layers"),
-        mlps=0 if i in listed("mlp_free_layers") else 2 if i in listed("double_mlp_layers") else 1,
-        x0=i in listed("x0_layers"),
-        key_offset=args.key_offset and args.window_pattern[i] == "L" and i not in paired and i not in narrow_qk,
-        value_embed=i in listed("value_embed_layers"), xsa=i in listed("xsa_layers"),
-        output_gate=i in listed("output_gate_layers"), composed=i in listed("dc_layers"),
-        gate_network=i in gate_networks, gated=i >= min(gate_networks, default=args.num_layers),
-        ngram=None if not args.ngram_rows or i not in listed("ngram_layers") else "input" if i == 0 else "output")
-        for i in range(args.num_layers))
+    """The model the flags describe: the preset's layer stack as the flags make it (layer_stack), the widths and what
+    joins the layers."""
     return ModelConfig(vocab_size=args.vocab_size, model_dim=args.model_dim, num_heads=args.num_heads,
-                       head_dim=args.head_dim, mlp_hidden=args.mlp_hidden, layers=layers,
+                       head_dim=args.head_dim, mlp_hidden=args.mlp_hidden, layers=layer_stack(args),
                        skip=layer_indices(args, "skip_layers") or None,
                        attend_over=next(iter(layer_indices(args, "attend_over_layer")), None), mudd=args.mudd,
-                       mudd_head=args.mudd_head, ngram_rows=args.ngram_rows, trigrams=args.trigrams,
+                       mudd_head=MUDD_HEADS[args.mudd_head], ngram_rows=args.ngram_rows, trigrams=args.trigrams,
                        smear=args.smear, mtp=args.mtp, copy_window=args.copy_window,
                        prefix_loss=args.prefix_loss, canonical_mask=args.canonical_mask, fp8_head=args.fp8_head,
                        tied_embed=args.tied_stages > 0,
@@ -2735,25 +2923,6 @@ def is_head(module: nn.Module, vocab_size: int) -> bool:
 # Each parameter goes to one group, by the kind of module that holds it (an embedding tied to the head: the head's);
 # where two modules hold it (tied weights), the first kind in this order wins
 OPTIMIZER_GROUPS = ("scalar", "residual_scale", "output_scale", "gate", "head", "ngram", "embed", "muon")
-
-# Adam's momenta, cautious weight decay (x lr^2) and lr_scale (of its kind's lr flag) by kind, as a record sets them
-# (--optimizer_recipe): #23's (its scalars' betas for every kind of scalar and for gates, which it had none of), and
-# #89's where its lrs are this file's: the token and value embeddings share the lr of its value embeddings (0.6), the
-# scalars that of its scalars (0.04), as its residual scales do, and its output scales a fifth of it (its base 0.008);
-# the head #89's (its decay 150 x its base 0.005), at its lr 0.008, which the token embedding tied to it takes too
-# (#89's, apart or not); the gates its base lr 0.008 and decay 0.005 (a module's `decays` False exempts its own
-# parameters: the smear's gate, a gate network's bias and scale, as #89 and #92 exempt them). The hashed n-gram
-# table (ngram) is an embedding to both
-ADAM_RECIPES = {
-    "23": dict(head=dict(betas=(0.8, 0.95)), embed=dict(betas=(0.8, 0.95)), ngram=dict(betas=(0.8, 0.95)),
-               scalar=dict(betas=(0.8, 0.95)), residual_scale=dict(betas=(0.8, 0.95)),
-               output_scale=dict(betas=(0.8, 0.95)), gate=dict(betas=(0.8, 0.95))),
-    "89": dict(head=dict(betas=(0.5, 0.95), cautious_weight_decay=0.75),
-               embed=dict(betas=(0.75, 0.95), cautious_weight_decay=0.025),
-               ngram=dict(betas=(0.75, 0.95), cautious_weight_decay=0.025), scalar=dict(betas=(0.9, 0.99)),
-               residual_scale=dict(betas=(0.9, 0.95)), output_scale=dict(betas=(0.9, 0.95), lr_scale=0.2),
-               gate=dict(betas=(0.9, 0.99), cautious_weight_decay=0.005)),
-}
 
 VECTOR_STACK_ROWS = 32  # a 2-D parameter of fewer rows, no module kind claiming it, is a stack of vectors (Adam's)
 
@@ -2819,7 +2988,8 @@ def build_optimizers(model: nn.Module, groups: dict[str, list[str]], args: Hyper
     lr_scale, decays = held_attribute(model, "lr_scale", 1.0), held_attribute(model, "decays", True)
     lrs = dict(head=args.lr_head, ngram=args.lr_embed, embed=args.lr_embed, scalar=args.lr_scalar,
                residual_scale=args.lr_scalar, output_scale=args.lr_scalar, gate=args.lr_gate)
-    recipes = {kind: dict(ADAM_RECIPES[args.optimizer_recipe][kind]) for kind in lrs}
+    adam_recipe, muon_scale = OPTIMIZER_RECIPES[args.optimizer_recipe]
+    recipes = {kind: dict(adam_recipe[kind]) for kind in lrs}
     for kind in ("ngram", "embed") if args.table_cadence.strip() else ():
         recipes[kind]["own_cadence"] = True
     recipes["ngram"]["rows"] = args.ngram_optimizer == "rows"
@@ -2835,7 +3005,7 @@ def build_optimizers(model: nn.Module, groups: dict[str, list[str]], args: Hyper
     muon = Muon([dict(params=[p for p in held["muon"] if block_rows[p] == rows], block_rows=rows)
                  for rows in sorted({block_rows[p] for p in held["muon"]}, key=lambda rows: rows or 0)],
                 lr=args.lr_muon, momentum=0.95, beta2=args.muon_beta2, width=args.model_dim,
-                weight_decay=args.muon_weight_decay, shape_rule=args.optimizer_recipe, orthogonalize=orthogonalize,
+                weight_decay=args.muon_weight_decay, step_scale=muon_scale, orthogonalize=orthogonalize,
                 dtype=torch.bfloat16 if cuda_dtypes else torch.float32,  # (bf16 matmuls are slow on a CPU)
                 slow_momentum=ANVIL_SLOW_MOMENTUM if anvil else 0.0)
     for opt in (adam, muon):
@@ -2867,7 +3037,7 @@ def build_trainer(args: Hyperparameters, ctx: "ParallelContext", cuda_dtypes: bo
     zero-initialised layers start small and random, so that no gradient is zero, or mere rounding, from the first
     step on."""
     cuda_dtypes = ctx.device.type == "cuda" if cuda_dtypes is None else cuda_dtypes
-    narrow = layer_indices(args, "narrow_qk_layers") + layer_indices(args, "narrow_v_layers")
+    narrow = any(row.narrow_qk or row.narrow_v for row in layer_stack(args))
     narrowest = args.head_dim // (2 if narrow else 1)
     need(ctx.device.type != "cuda" or narrowest >= FLEX_MIN_HEAD_DIM, f"{flag_value(args, 'head_dim')}"
          f"{' (halved in narrow layers)' * bool(narrow)}: FlexAttention's CUDA kernels take heads of "
@@ -2947,7 +3117,7 @@ def train_batches(trainer: Trainer, position: dict | None = None) -> Distributed
     args, ctx = trainer.args, trainer.ctx
     return DistributedDataLoader(args.train_files, stage_seq_lens(args)[0], args.seqs_per_step, ctx.dp.rank,
                                  ctx.dp.size, ctx.device, position=position,
-                                 candidates=next_multiple_of_n(args.vocab_size, n=128) if args.sampled_softmax else 0)
+                                 candidates=next_multiple_of_n(args.vocab_size, n=128) if candidate_counts(args) else 0)
 
 def first_step_of_seq_len(args: Hyperparameters) -> dict[int, int]:
     """Each length the training sequences take, and the first step that trains at it."""
@@ -3252,7 +3422,8 @@ def main(argv=None) -> float | None:
     world_size = args.nproc if args.plan and args.nproc else world_size
     check_world_size(args, world_size)
     if args.plan:
-        print(f"the {args.preset} preset's layer stack, as the flags make it:\n{model_config(args).table()}")
+        print(f"the {args.preset} preset's layer stack and stages, as the flags make them:\n"
+              f"{model_config(args).table()}\n{schedule_table(args)}")
         if not args.nproc and world_size == 1 and args.plan_device == "cuda":  # (no process count: each GPU count)
             print("\n".join(plan_gpu_counts(args)))
             return None
@@ -3277,7 +3448,7 @@ def main(argv=None) -> float | None:
 # Checkpoints and stopping: full tensors keyed by parameter name, so a run resumes under any world size
 
 # what a checkpoint holds, numbered: a checkpoint of another number is refused (git's history says what changed)
-CHECKPOINT_FORMAT = 13
+CHECKPOINT_FORMAT = 14
 EXIT_STOPPED = 3  # kill switch or signal: a checkpoint was saved; continue with --resume latest
 EXIT_DIVERGED = 4  # non-finite training loss or gradient norm
 EXIT_LOST = 5  # a rank stopped answering or died: no stop checkpoint; continue from the last one
@@ -4062,7 +4233,7 @@ def check_schedule_kept(args: Hyperparameters, saved: Hyperparameters, checkpoin
     step, was, now = checkpoint["step"], last_tied_step(saved), last_tied_step(args)
     if (was < step) != (now < step):
         changed = " ".join(f"--{name} {getattr(args, name)}" for name in ("num_iterations", "extension_steps",
-                           "stage_steps", "tied_stages", "adam_every") if getattr(args, name) != getattr(saved, name))
+                           "stage_shares", "tied_stages", "adam_every") if getattr(args, name) != getattr(saved, name))
         where = lambda last: "never" if last < 0 else f"after step {last + 1}"
         raise UserError(f"{changed} moves the "
                         f"untie of the head and the embedding from {where(was)} to {where(now)}, across the step of "
@@ -4262,7 +4433,7 @@ def check_data(args: Hyperparameters, dp: int, checkpoint: dict | None) -> None:
     sizes = [read_shard_header(f) for f in train_files]
     position = checkpoint["data"] if checkpoint is not None else dict(shard=train_files[0].name, offset=0)
     cursors, rows = position.get("negatives"), next_multiple_of_n(args.vocab_size, n=128)
-    need(not args.sampled_softmax or cursors is None or (len(cursors) == args.seqs_per_step and max(cursors) < rows),
+    need(not candidate_counts(args) or cursors is None or (len(cursors) == args.seqs_per_step and max(cursors) < rows),
          f"the checkpoint's sampled-softmax sweep holds {len(cursors or [])} cursors below "
          f"{max(cursors or [0]) + 1}, where this run's {flag_value(args, 'seqs_per_step')} sequences a step each take "
          f"one below its head's {rows} rows: resume with the --seqs_per_step and --vocab_size it was saved with")
@@ -4271,11 +4442,10 @@ def check_data(args: Hyperparameters, dp: int, checkpoint: dict | None) -> None:
     steps, read = steps_held(args, train_files, sizes, position, start, starts)
     if steps < needed:
         fewer, most = start, needed - 1  # the most steps that fit: their stages shorter, the same batches fit fewer
-        last_start = stage_starts(args)[-3] if args.stage_steps.strip() else 0  # (--stage_steps' stay where given)
         while fewer < most:
             n = (fewer + most + 1) // 2
-            if n > args.extension_steps + last_start and steps_held(dataclasses.replace(args, num_iterations=n), train_files, sizes,
-                                                       position, start, starts)[0] >= n:
+            if n > args.extension_steps and steps_held(dataclasses.replace(args, num_iterations=n), train_files,
+                                                       sizes, position, start, starts)[0] >= n:
                 fewer = n
             else:
                 most = n - 1
@@ -4285,7 +4455,7 @@ def check_data(args: Hyperparameters, dp: int, checkpoint: dict | None) -> None:
         seq_len, doc_max_tokens = batch_shape(steps, args)
         need(not doc_max_tokens or any(len(found) for found in starts.values()), f"--train_files "
              f"{args.train_files!r}: its shards hold no end-of-text token ({EOT_TOKEN}), so no document starts in "
-             f"them, and --doc_max_tokens {args.doc_max_tokens!r} makes sequences of whole documents: use "
+             f"them, and {flag_value(args, 'doc_max_tokens')} makes sequences of whole documents: use "
              "--doc_max_tokens 0 to read them as one stream, or shards of documents")
         raise UserError(f"--train_files {args.train_files!r}: its {len(train_files)} shard(s) hold {held}{where} of "
                         f"the stages' --seqs_per_step x --train_seq_len tokens (step {steps + 1}'s "
@@ -4428,6 +4598,7 @@ class RunLog:
         self("hyperparameters: " + json.dumps(dataclasses.asdict(args)))
         self(f"run: id={args.run_id} device={ctx.device.type} world_size={ctx.world_size} dp={ctx.dp.size} "
              f"tp={ctx.tp.size} pp={ctx.pp.size} zero={args.zero} grad_accum_steps={grad_accum_steps}", console=True)
+        self(f"{model_config(args).table()}\n{schedule_table(args)}", console=True)
 
 # ----------------------------------------------------------------------------------------------------
 # Sampling: text from the model, through the training forward itself
@@ -4509,7 +4680,8 @@ def saved_hyperparameters(state: dict, path: Path) -> Hyperparameters:
     kinds = {field.name: field.type for field in dataclasses.fields(Hyperparameters)}
     saved = {name: value for name, value in state["hyperparameters"].items() if name in kinds}
     for name, value in saved.items():
-        kind = {bool | None: (bool, type(None)), float: (int, float)}.get(kinds[name], (kinds[name],))
+        kind = {bool | None: (bool, type(None)), int | None: (int, type(None)), str | None: (str, type(None)),
+                float: (int, float)}.get(kinds[name], (kinds[name],))
         need(type(value) in kind, f"checkpoint {path} holds {name} {value!r}"[:200] + f", not of type "
              f"{' or '.join(k.__name__ for k in kind)}: it is damaged or was edited; use another checkpoint")
     run = dataclasses.replace(Hyperparameters(), **saved)
@@ -7073,7 +7245,7 @@ def check_layouts(args: Hyperparameters) -> None:
          f"of {', '.join(LAYOUTS)}, or all")
     flags = dict(LAYOUT_CHECK_FLAGS)  # and the flags given with it, such as a recipe's parts to check
     for key in ("train_files", "val_files"):
-        pattern = PRESETS["tiny"][key]
+        pattern = PRESETS["tiny"].flags[key]
         flags[key] = pattern if glob.glob(pattern) else str(Path(__file__).parent / pattern)
     flags.update({name: getattr(args, name) for name in sorted(getattr(args, "given", ())) if name != "check_layout"})
     argv = [f"--{k}={v}" for k, v in flags.items()]

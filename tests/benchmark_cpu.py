@@ -41,9 +41,13 @@ def measure(source_dir: str, steps: int, eval_tokens: int, preset_flags: list[st
     args = train_gpt.parse_args(["--preset", "cpu", *preset_flags, "--val_seq_len", str(EVAL_SEQ_LEN),
                                  "--val_tokens", str(eval_tokens)], cuda=False)
     ctx = train_gpt.build_parallel_context(0, 1, torch.device("cpu"))
-    seq_len = int(str(args.train_seq_len).split(",")[0])  # (the cpu preset's one length; an older file's int)
-    sampled = dict(candidates=train_gpt.next_multiple_of_n(args.vocab_size, n=128)) \
-        if getattr(args, "sampled_softmax", "") else {}  # (#92's sampled softmax: the loader draws its candidates)
+    # the cpu preset's one length (a file with a stage table gives it there, an older one in its flag, or an int), and
+    # whether it samples #92's softmax (the loader then draws its candidates)
+    seq_len = train_gpt.stage_seq_lens(args)[0] if hasattr(train_gpt, "stage_table") else \
+        int(str(args.train_seq_len).split(",")[0])
+    samples = train_gpt.candidate_counts(args) if hasattr(train_gpt, "stage_table") else \
+        getattr(args, "sampled_softmax", "")
+    sampled = dict(candidates=train_gpt.next_multiple_of_n(args.vocab_size, n=128)) if samples else {}
     batches = train_gpt.DistributedDataLoader(args.train_files, seq_len, args.seqs_per_step, 0, 1, torch.device("cpu"),
                                               **sampled)
     phases = dict.fromkeys(("data", "forward", "backward", "  of which float64 sums", "gradient norm",
@@ -108,17 +112,18 @@ def measure(source_dir: str, steps: int, eval_tokens: int, preset_flags: list[st
 
 
 def cpu_preset_flags() -> list[str]:
-    """This train_gpt.py's cpu preset as flags, for a version whose own preset may differ."""
+    """This train_gpt.py's cpu preset's flag values, for a version whose own preset may differ (its layer stack and
+    stages: each version's own cpu preset's, the same model and schedule since the tables replaced their flags)."""
     sys.path.insert(0, str(REPO_ROOT))
     import train_gpt
-    return [text for name, value in train_gpt.PRESETS["cpu"].items() for text in (f"--{name}", str(value))]
+    return [text for name, value in train_gpt.PRESETS["cpu"].flags.items() for text in (f"--{name}", str(value))]
 
 
 def need_eval_tokens_in_a_shard(eval_tokens: int) -> None:
     """The evaluation reads its tokens (and one more, the last target) from one of the cpu preset's validation
     shards."""
     import train_gpt  # (imported by cpu_preset_flags)
-    held = max(train_gpt.read_shard_header(f) for f in REPO_ROOT.glob(train_gpt.PRESETS["cpu"]["val_files"]))
+    held = max(train_gpt.read_shard_header(f) for f in REPO_ROOT.glob(train_gpt.PRESETS["cpu"].flags["val_files"]))
     most = (held - 1) // EVAL_SEQ_LEN * EVAL_SEQ_LEN
     need(eval_tokens <= most, f"--eval_tokens {eval_tokens}: the cpu preset's validation shard holds {held:,} tokens; "
          f"give at most {most}")

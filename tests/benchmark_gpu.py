@@ -37,13 +37,10 @@ def model_flops_per_token(args: train_gpt.Hyperparameters, windows: tuple[int, i
     layer's, in places: paired heads' sequence has two a token; documents end it sooner, so this is an upper
     bound)."""
     d, hdim = args.model_dim, args.num_heads * args.head_dim
-    attention_free = train_gpt.layer_indices(args, "attention_free_layers")
-    attention_layers = [i for i in range(args.num_layers) if i not in attention_free]
+    attention_layers = [row for row in train_gpt.layer_stack(args) if row.attention]
     matmul_weights = (len(attention_layers) * 4 * hdim * d + args.num_layers * 8 * d * d
                       + train_gpt.next_multiple_of_n(args.vocab_size, n=128) * d)
-    paired = train_gpt.layer_indices(args, "paired_head_layers")
-    keys = sum(min(windows["SL".index(args.window_pattern[i])], seq_len * (1 + (i in paired)))
-               for i in attention_layers)
+    keys = sum(min(windows["SL".index(row.window)], seq_len * (1 + row.paired_head)) for row in attention_layers)
     return 6 * matmul_weights + 12 * keys * hdim
 
 

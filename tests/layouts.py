@@ -28,8 +28,9 @@ ATTENTION_GATE = [("""        self.mlp = MLP(dim, hidden) if layer.mlps else Non
 # to attention by keyword, a block returning
 # a second stream, a bias per vocabulary entry and a fixed offset per vocabulary entry held as the head's buffer
 FORKS = {"forks": [
-    ('''        value_embed=i in listed("value_embed_layers"), xsa''',
-     '''        value_embed=i in listed("value_embed_layers") or i == 0, xsa'''),
+    ('''    LayerConfig(long_window=True, key_offset=True, gate_network=True),
+''', '''    LayerConfig(long_window=True, key_offset=True, gate_network=True, value_embed=True),
+'''),
     ('''        self.c_proj.weight.detach().zero_()
 
     def forward(self, x: Tensor) -> Tensor:
@@ -159,13 +160,17 @@ PAIRS = '''        q, k = self.rotary(norm(q), norm(k))  # heads j and j + H/2 a
         y = attention(*pairs, mask, self.rotary.attention_scale).transpose(1, 2)
         return self.c_proj(self.proj_scale * torch.cat(y.chunk(2, dim=-1), dim=2).reshape(B, T, -1))
 '''
-NO_PAIRED_HEADS = ('''                 paired_head_layers="2,5", dc_layers="3",''', '''                 paired_head_layers="", dc_layers="3",''')
-FORKS["heads_in_pairs"] = [NO_PAIRED_HEADS, ('''        B, T = q.size(0), q.size(1)  # B == 1: masks are per sequence
+NO_PAIRED_HEADS = [('''    LayerConfig(paired_head=True, value_embed=True, gate_network=True),
+''', '''    LayerConfig(value_embed=True, gate_network=True),
+'''), ('''    LayerConfig(long_window=True, paired_head=True, value_embed=True, output_gate=True),
+''', '''    LayerConfig(long_window=True, value_embed=True, output_gate=True),
+''')]
+FORKS["heads_in_pairs"] = [*NO_PAIRED_HEADS, ('''        B, T = q.size(0), q.size(1)  # B == 1: masks are per sequence
 ''', '''        B, T = q.size(0), q.size(1)  # B == 1: masks are per sequence
 ''' + PAIRS)]
 # the same, every layer's q, k, v matrices in one bank parameter of the GPT, handed to attention by keyword, and a
 # gate on attention's output
-FORKS["bank_in_pairs"] = [NO_PAIRED_HEADS, *ATTENTION_GATE, ('''        self.sum_over_heads = SumOverHeads() if composed else None
+FORKS["bank_in_pairs"] = [*NO_PAIRED_HEADS, *ATTENTION_GATE, ('''        self.sum_over_heads = SumOverHeads() if composed else None
 ''', '''        self.sum_over_heads = SumOverHeads() if composed else None
         del self.qk, self.v
 '''), ('''                banded: Tensor | None = None) -> Tensor:

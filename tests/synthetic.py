@@ -35,6 +35,7 @@ def tiny_flags(files, **overrides):
 
 # a preset's model cut to two layers (every layer-index flag emptied, one value table, no MUDD): for tests that plan
 # it many times, whose point is not its layers
-TWO_LAYERS = ["--num_layers", "2", "--window_pattern", "SL", "--value_embed_layers", "1", "--mudd", "false"] + [
-    f"--{name}=" for name in ("attention_free_layers", "paired_head_layers", "dc_layers", "gate_network_layers",
-                              "xsa_layers", "output_gate_layers", "skip_layers", "attend_over_layer")]
+TWO_LAYERS = ["--num_layers", "2", "--long_window_layers", "1", "--key_offset_layers", "1", "--value_embed_layers", "1",
+              "--mudd", "false"] + [f"--{name}=" for name in ("attention_free_layers", "paired_head_layers", "dc_layers",
+                                                             "gate_network_layers", "xsa_layers", "output_gate_layers",
+                                                             "skip_layers", "attend_over_layer")]

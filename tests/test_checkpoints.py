@@ -105,7 +105,7 @@ def assert_holds_adam_gradients(state: dict, held: bool):
 # the embedding tables held by rows under ZeRO 1, saved holding their rows' gradients of step 3
 @pytest.mark.parametrize("world_size, saved_at, staged", [
     (1, 4, dict(tail_average=True)), (2, 3, dict(train_seq_len="128,256,128,256", doc_max_tokens="64,256,256,256", tied_stages=1,
-                            matrix_optimizer="anvil", anvil_blend_step=2, sampled_softmax="0:512,2:2048",
+                            matrix_optimizer="anvil", anvil_blend_step=2, candidates="512:512:2048,2048,2048,2048",
                             table_cadence="0:4", ngram_optimizer="rows", zero=1, tables_by_rows=True))])
 def test_resumed_run_ends_bit_identical_to_the_uninterrupted_one(tmp_path, files, world_size, saved_at, staged):
     full_log = run(tmp_path, files, world_size, "full", save_every=saved_at, **staged)
@@ -184,11 +184,11 @@ def assert_resumed_within_rounding(resumed: dict, reference: dict, floor_pair: t
 
 # the first with #92's sampled softmax: each sequence's cursor of the sweep is one state at any world size
 @pytest.mark.parametrize("saved_on, resumed_on, fp64_grad_sum, saved_at, sampled", [
-    (2, 1, True, 4, "0:512"), (1, 2, False, 3, "")])
+    (2, 1, True, 4, "512"), (1, 2, False, 3, "0")])
 def test_a_checkpoint_resumes_under_another_world_size(tmp_path, files, saved_on, resumed_on, fp64_grad_sum,
                                                        saved_at, sampled):
     # saved at step 3, Adam's gradients held: their average over the old ranks is all the new ones need
-    same = dict(fp64_grad_sum=fp64_grad_sum, sampled_softmax=sampled)
+    same = dict(fp64_grad_sum=fp64_grad_sum, candidates=sampled)
     run(tmp_path, files, saved_on, "saved", True, save_every=saved_at, **same)
     run(tmp_path, files, resumed_on, "reference", True, save_every=STEPS, **same)
     log = run(tmp_path, files, resumed_on, "resumed", True, save_every=saved_at, **same,

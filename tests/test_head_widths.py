@@ -110,7 +110,7 @@ def test_each_layers_rotary_follows_its_own_window_or_the_long_one(follows):
     for i, block in enumerate(model.blocks):
         if block.attn is None:
             continue
-        short, narrow = args.window_pattern[i] == "S" and follows == "own", i in (1, 2)
+        short, narrow = not train_gpt.layer_stack(args)[i].long_window and follows == "own", i in (1, 2)
         freq, scale = yarn_by_hand(args.head_dim // 4, (128, 256) if short else (256, 768), 0.13 if narrow else 0.1)
         rotary = block.attn.rotary
         np.testing.assert_allclose(rotary.angular_freq[:len(freq)].double().numpy(), freq, rtol=1e-6)
@@ -123,8 +123,8 @@ def test_each_layers_rotary_follows_its_own_window_or_the_long_one(follows):
 def test_a_layer_with_two_mlps_adds_both_and_one_without_scales_its_residual_alone():
     # by hand: residual x + output (MLP1(norm x) + MLP2(norm x)), each relu^2 through its own matrices; no MLP: x times
     # the residual's scale; the hidden width is the config's
-    layers = (train_gpt.LayerConfig(attention=False, x0=False, mlps=2),
-              train_gpt.LayerConfig(attention=False, x0=False, mlps=0))
+    layers = (train_gpt.LayerConfig(attention_free=True, x0=False, double_mlp=True),
+              train_gpt.LayerConfig(attention_free=True, x0=False, mlp_free=True))
     config = train_gpt.ModelConfig(vocab_size=512, model_dim=16, num_heads=2, head_dim=8, layers=layers, mlp_hidden=24)
     two, none = train_gpt.Block(config, 0), train_gpt.Block(config, 1)
     torch.manual_seed(0)
@@ -196,9 +196,9 @@ def test_92s_injection_sites_give_its_gate_networks_92s_lanes():
 
 def test_a_layer_without_attention_takes_x0_and_the_bigram_embedding_after_its_scale_of_the_residual():
     # by hand: r x + a x0 + b bigram, then the MLP's r' x + o MLP(norm x); its learned shares start at #89's 0, 0.05
-    config = train_gpt.ModelConfig(vocab_size=512, model_dim=16, num_heads=2, head_dim=8, layers=(
-        train_gpt.LayerConfig(attention=False, x0=True, ngram="output"),))
-    block = train_gpt.Block(config, 0)
+    config = train_gpt.ModelConfig(vocab_size=512, model_dim=16, num_heads=2, head_dim=8, ngram_rows=64, layers=(
+        train_gpt.LayerConfig(), train_gpt.LayerConfig(attention_free=True)))
+    block = train_gpt.Block(config, 1)  # (the first layer's input takes the n-gram embedding: a later one's output)
     assert {k: v.item() for k, v in block.shares.items()} == pytest.approx({"x0": 0.0, "ngram": 0.05})
     assert block.attn_scales.output is None
     torch.manual_seed(1)

@@ -1,6 +1,7 @@
 """The model's layer stack (record #89's): the residual stream against its formulas written out, and where each
 learned scale starts."""
 import math
+import re
 
 import numpy as np
 import pytest
@@ -121,7 +122,7 @@ def logits_by_the_formulas(model, tokens, window, backout=True, attend_over=True
                 ve = dense_value if ve is None else ve + dense_value
             dc = [torch.nn.functional.rms_norm(gates["dc_mix"], (gates["dc_mix"].size(-1),), eps=1e-6),
                   gates["dc_weight"], masks["banded"]] if "dc_mix" in gates and composition else []
-            out = block.attn(read, ve, masks[c.layers[i].window, 1 + c.layers[i].paired],
+            out = block.attn(read, ve, masks[c.layers[i].window, 1 + c.layers[i].paired_head],
                              gates.get("xsa") if xsa else None, gates.get("output_gate") if output_gates else None, *dc)
             residual, output = gates["attn_scales"].split(1, -1) if "attn_scales" in gates else \
                 (block.attn_scales.residual, block.attn_scales.output)
@@ -356,8 +357,12 @@ def test_the_key_offset_gives_each_key_the_previous_tokens_unrotated_dims():
     args = train_gpt.parse_args(["--preset", "record89"], cuda=False)
     model = train_gpt.build_model(args, torch.device("meta"))  # the record: in its long-window layers, 3 and 10
     assert [i for i, block in enumerate(model.blocks) if block.attn is not None and block.attn.key_offset] == [3, 10]
-    # and, as #89, not where heads attend in pairs, also in a long-window layer
-    args = train_gpt.parse_args(["--preset", "record89", "--paired_head_layers", "0,3"], cuda=False)
+    # and, as #89, not where heads attend in pairs, also in a long-window layer: a stack that would is refused
+    with pytest.raises(train_gpt.UserError, match=re.escape(
+            "--key_offset_layers '3,10' (the record89 preset's) and --paired_head_layers '0,3' both name layers [3]")):
+        train_gpt.parse_args(["--preset", "record89", "--paired_head_layers", "0,3"], cuda=False)
+    args = train_gpt.parse_args(["--preset", "record89", "--paired_head_layers", "0,3", "--key_offset_layers", "10"],
+                                cuda=False)
     model = train_gpt.build_model(args, torch.device("meta"))
     assert [i for i, block in enumerate(model.blocks) if block.attn is not None and block.attn.key_offset] == [10]
 

@@ -111,7 +111,7 @@ def test_normalize_per_neuron_equals_the_fp64_formula_over_steps(shape):
 def test_cautious_weight_decay_decays_only_where_the_update_pulls_towards_zero():
     p = torch.tensor([[1.0, -2.0], [3.0, -4.0], [0.5, 0.25]])
     update = torch.tensor([[0.5, 0.5], [-1.0, -1.0], [0.0, 2.0]])
-    group = dict(lr=0.1, weight_decay=2.0, shape_rule="89", width=None, block_rows=None)
+    group = dict(lr=0.1, weight_decay=2.0, step_scale=train_gpt.record89_muon_scale, width=None, block_rows=None)
     expected = p.clone()
     step = 0.1 * (3 / 2) ** 0.5  # lr x sqrt(rows / cols) for a tall matrix
     for i in range(3):
@@ -165,11 +165,12 @@ def test_muon_on_two_processes_equals_one_process(slow_momentum, exchange_update
             torch.testing.assert_close(torch.as_tensor(got), expected, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("shape_rule", ["23", "89"])
-def test_muon_step_equals_hand_computed_update(shape_rule):
+@pytest.mark.parametrize("record", [23, 89])
+def test_muon_step_equals_hand_computed_update(record):
     params = make_params()[:2]
     start = [p.detach().clone() for p in params]
-    opt = Muon(params, lr=0.1, momentum=0.9, beta2=0.8, weight_decay=0.5, shape_rule=shape_rule, dtype=torch.float32)
+    opt = Muon(params, lr=0.1, momentum=0.9, beta2=0.8, weight_decay=0.5,
+               step_scale=getattr(train_gpt, f"record{record}_muon_scale"), dtype=torch.float32)
     grads = [gradients(s, params) for s in range(3)]
     for s in range(3):
         for p, g in zip(params, grads[s]):
@@ -184,7 +185,7 @@ def test_muon_step_equals_hand_computed_update(shape_rule):
             nesterov = 0.1 * g + 0.9 * buf
             update = normalized_by_hand(polar_express_by_svd(nesterov), mean_squares, beta2=0.8)
             rows, cols = p.shape[-2:]  # #23: (32, 16) sqrt 2, (16, 32) 1; #89: sqrt 2, and 2 sqrt 2 for the wide
-            scale = max(1, rows / cols) ** 0.5 if shape_rule == "23" else \
+            scale = max(1, rows / cols) ** 0.5 if record == 23 else \
                 (max(rows, cols) / min(rows, cols)) ** 0.5 * (2 if cols > rows else 1)
             expected -= 0.1 * scale * (update + 0.5 * 0.1 * (update * expected >= 0) * expected)
         assert (p.detach().double() - expected).norm() / (expected - start[i]).norm() < 1e-4
@@ -217,8 +218,8 @@ def test_anvil_steps_as_92s_fp64_loop_across_the_blend_of_its_rails(shape):
     grads = [torch.randn(*shape, generator=g) + 0.5 * (-1) ** s for s in range(8)]  # (signs the slow rail lags)
     mus = [0.85 + 0.01 * s for s in range(8)]
     p = torch.nn.Parameter(start.clone())
-    opt = Muon([p], lr=0.1, beta2=0.9, weight_decay=2.25, shape_rule="89", orthogonalize=anvil_quintics,
-               dtype=torch.float32, slow_momentum=0.98)
+    opt = Muon([p], lr=0.1, beta2=0.9, weight_decay=2.25, step_scale=train_gpt.record89_muon_scale,
+               orthogonalize=anvil_quintics, dtype=torch.float32, slow_momentum=0.98)
     for s, (grad, mu) in enumerate(zip(grads, mus)):
         opt.param_groups[0].update(momentum=mu, fast_momentum=None if s < 4 else 0.85, blend=1.0 if s < 4 else 0.4385)
         p.grad = grad.clone()
@@ -252,7 +253,7 @@ def test_a_group_with_block_rows_steps_each_block_of_rows_as_a_matrix_of_its_own
     for block_rows in (16, None):
         p = torch.nn.Parameter(start.clone())
         opt = Muon([dict(params=[p], block_rows=block_rows)], lr=0.1, momentum=0.9, beta2=0.8, weight_decay=0.5,
-                   shape_rule="89", dtype=torch.float32, width=24)
+                   step_scale=train_gpt.record89_muon_scale, dtype=torch.float32, width=24)
         for grad in grads:
             p.grad = grad.clone()
             opt.step()
@@ -270,8 +271,8 @@ def test_a_group_with_block_rows_steps_each_block_of_rows_as_a_matrix_of_its_own
 def test_89s_step_sizes_by_shape_at_its_width():
     # #89's, by hand at width 768: MLP input (3072 x 768) sqrt(4) = 2, output (768 x 3072) 2 x 2 (its hidden-major
     # layout, doubled), attention's square matrices 1, a pair of heads' q or k block (256 x 768) 1
-    step = lambda shape, block_rows=None: Muon.step_size(dict(lr=1.0, shape_rule="89", width=768,
-                                                              block_rows=block_rows), shape)
+    step = lambda shape, block_rows=None: Muon.step_size(dict(
+        lr=1.0, step_scale=train_gpt.record89_muon_scale, width=768, block_rows=block_rows), shape)
     assert [step((3072, 768)), step((768, 3072)), step((768, 768)), step((2, 768, 768), 256)] == [2, 4, 1, 1]
 
 

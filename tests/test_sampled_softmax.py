@@ -141,7 +141,7 @@ def sampled_steps_on_rank(rank, world_size, flags, steps):
 def test_under_tensor_parallelism_each_rank_scores_its_own_candidates_and_training_matches_one_process():
     """The tiny model, 4 steps of sampled softmax (384, then 1024 candidates from step 2): under --tp 2 each rank
     holds half the head's rows and scores the candidates among them; the losses are one process's."""
-    flags = ["--preset=tiny", "--num_iterations=4", "--adam_every=1", "--sampled_softmax=0:384,2:1024",
+    flags = ["--preset=tiny", "--num_iterations=4", "--adam_every=1", "--candidates=384,384:1024,1024,1024",
              f"--train_files={SHAKESPEARE}/shakespeare_train_*.bin", f"--val_files={SHAKESPEARE}/shakespeare_val_*.bin"]
     one = sampled_steps_on_rank(0, 1, flags, 4)
     split = train_gpt.run_on_ranks(sampled_steps_on_rank, 2, flags + ["--tp=2"], 4)

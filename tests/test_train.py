@@ -18,39 +18,42 @@ def test_flags_override_preset_values():
     args = train_gpt.parse_args(["--preset", "tiny", "--num_iterations", "50", "--fp8_head", "true",
                                  "--lr_muon=0.01", "--run_id", "x"], cuda=False)
     assert (args.num_iterations, args.fp8_head, args.lr_muon, args.run_id) == (50, True, 0.01, "x")
-    assert args.model_dim == train_gpt.PRESETS["tiny"]["model_dim"]
+    assert args.model_dim == train_gpt.PRESETS["tiny"].flags["model_dim"]
     assert train_gpt.parse_args([], cuda=False).preset == "cpu"
     record = train_gpt.parse_args([], cuda=True)  # the record preset: #92's
     assert (record.preset, record.num_iterations, record.ngram_rows, record.matrix_optimizer) == \
         ("record", 1194, 84602880, "anvil")
     record89 = train_gpt.parse_args(["--preset", "record89"], cuda=True)
-    assert record89 == dataclasses.replace(train_gpt.Hyperparameters(), preset="record89")  # #89's: the defaults
-    assert (record89.val_tokens, record89.train_seq_len, record89.val_seq_len, record89.num_iterations) == \
-        (10485760, "16384,32768,49152,49152", 4 * 64 * 1024, 1285)
+    assert record89 == dataclasses.replace(train_gpt.Hyperparameters(), preset="record89",  # #89's: the defaults
+                                           num_layers=len(train_gpt.RECORD89_LAYERS))  # (unset: its stack's)
+    assert (record89.val_tokens, record89.val_seq_len, record89.num_iterations) == (10485760, 4 * 64 * 1024, 1285)
+    assert train_gpt.stage_seq_lens(record89) == [16384, 32768, 49152, 49152]  # (its stage table's)
 
 
 @pytest.mark.parametrize("flags, words", [
     (["--train_seq_len", "100"], "--train_seq_len '100': each stage's must be a multiple of 128 (the attention block), not 100"),
-    (["--train_seq_len", "128,256,384"], "--train_seq_len '128,256,384': expected 4 whole numbers of 0 or more"),
+    (["--train_seq_len", "128,256,384"], "--train_seq_len '128,256,384': expected 4 whole numbers above 0, one for "
+     "each of the run's stages (--stage_shares makes them) and its extension, or one for all"),
     (["--doc_max_tokens", "896,x,2048,2048"], "--doc_max_tokens '896,x,2048,2048': expected 4 whole numbers"),
-    (["--stage_lr", "1,1.5"], "--stage_lr '1,1.5': expected 3 numbers of 0 or more, for the 3 stages before the "
-     "extension (--stage_steps), or one for all"),
-    (["--stage_steps", "8,5", "--num_iterations", "20"], "--stage_steps '8,5': expected the first step of each stage "
-     "after the first, rising, each above 0 and below the extension's first step, 20"),
-    (["--stage_steps", "5,20", "--num_iterations", "20"], "--stage_steps '5,20': expected the first step"),
-    (["--stage_steps", "0,5"], "--stage_steps '0,5': expected the first step"),
+    (["--stage_lr", "1,1.5"], "--stage_lr '1,1.5': expected 3 numbers of 0 or more, one for each of the run's stages "
+     "(--stage_shares makes them), or one for all, such as #92's '1,1.52,1.73,1.57927'"),
+    (["--stage_shares", "1,0,1"], "--stage_shares '1,0,1': expected 3 numbers above 0"),
+    (["--stage_shares", "1,x"], "--stage_shares '1,x': expected 2 numbers above 0"),
     (["--table_cadence", "0:3"], "--table_cadence '0:3': expected STEP:EVERY pairs, the first step 0 and the steps "
      "rising, each EVERY a multiple of --adam_every 2 (the tiny preset's): the tables step on some of Adam's"),
     (["--table_cadence", "4:2"], "--table_cadence '4:2': expected STEP:EVERY pairs, the first step 0"),
     (["--table_cadence", "0:2,8:x"], "--table_cadence '0:2,8:x': expected STEP:EVERY pairs"),
     (["--tables_by_rows", "true", "--tp", "2", "--zero", "1"], "--tables_by_rows with --tp 2: a table split over the "
      "tensor-parallel ranks and held by rows over the data-parallel ones is not built"),
-    (["--stage_steps", "4,x"], "--stage_steps '4,x': expected the first step"),
-    (["--stage_steps", "4,8,12"], "--window_blocks '1:1,1:2,2:2,2:2' (the tiny preset's): expected 5 pairs "
-     "short:long of 128-token blocks"),
-    (["--stage_steps", "4", "--window_blocks", "1:1,1:2,2:2", "--tied_stages", "3"], "--tied_stages 3: the run has 2 "
-     "stages before the extension; give at most that many"),
-    (["--window_pattern", "LLS"], "--window_pattern 'LLS' must have one letter"),
+    (["--stage_shares", "1,1,1,1"], "--stage_shares '1,1,1,1' makes 4 stages before the extension, but the tiny "
+     "preset's 3 have a --window_blocks each ('1:1,1:2,2:2,2:2'): give --window_blocks too"),
+    (["--stage_shares", "1,1", "--window_blocks", "1:1,1:2,2:2", "--tied_stages", "3"], "--tied_stages 3: the run has "
+     "2 stages before the extension; give at most that many"),
+    # issue 65: the flags whose values the tables' columns now hold, in forms of their own
+    (["--window_pattern", "LLS"], "--window_pattern is now --long_window_layers, the layers of the long window"),
+    (["--stage_steps", "4,8"], "--stage_steps is now --stage_shares, each stage's share of the scheduled steps"),
+    (["--key_offset", "false"], "--key_offset is now --key_offset_layers"),
+    (["--sampled_softmax", "0:1024"], "--sampled_softmax is now --candidates, a count a stage"),
     (["--num_iterations", "0"], "--num_iterations must be a whole number > 0 and below 2**31, got 0"),
     (["--cooldown_frac", "1.5"], "--cooldown_frac must be in"),
     (["--muon_beta2", "1"], "--muon_beta2 must be in [0, 1), got 1.0"),
@@ -61,21 +64,21 @@ def test_flags_override_preset_values():
     (["--skip_layers", "1"], "--skip_layers '1': expected two layer indices FROM,TO such as '3,6', or '' for none"),
     (["--attend_over_layer", "6"], "--attend_over_layer '6' names layers [6], outside 0 to 5 (--num_layers 6)"),
     (["--attend_over_layer", "5"], "--attend_over_layer '5': no layer comes after the last"),
-    (["--num_layers", "4", "--window_pattern", "LSSL"],
+    (["--num_layers", "4", "--long_window_layers", "0,3"],
      "--skip_layers '1,4' (the tiny preset's; set it to fit --num_layers) names layers [4]"),
     (["--val_tokens", "1000"], "--val_tokens 1000 must be a multiple of --val_seq_len"),
-    (["--window_blocks", "1:3,3:7"], "--window_blocks '1:3,3:7': expected 4 pairs short:long"),
-    (["--window_blocks", "1:1,1:2,2:x,2:2"], "--window_blocks '1:1,1:2,2:x,2:2': expected 4 pairs"),
+    (["--window_blocks", "1:3,3:7"], "--window_blocks '1:3,3:7': expected 4 numbers SHORT:LONG above 0"),
+    (["--window_blocks", "1:1,1:2,2:x,2:2"], "--window_blocks '1:1,1:2,2:x,2:2': expected 4 numbers SHORT:LONG"),
+    (["--window_blocks", "0.001:1"], "--window_blocks '0.001:1': each window must be a token or more"),
     (["--extension_steps", "20"], "--extension_steps 20 must be below --num_iterations 20 (the tiny preset's)"),
     (["--train_seq_len", "2147483520"], "--train_seq_len '2147483520': a sequence's attention block mask holds a "
      "block index for each pair of its 128-token blocks, 1 TiB of them at 67,108,864 tokens"),
     (["--val_seq_len", str(2**26 + 128), "--val_tokens", str(2**26 + 128)], "--val_seq_len 67108992: a sequence's"),
-    (["--sampled_softmax", "0:1024,x:0"], "--sampled_softmax '0:1024,x:0': expected STEP:COUNT pairs, the steps "
-     "rising, each count between 0 (the whole vocabulary) and the head's 50304 rows"),
-    (["--sampled_softmax", "5:1024,2:0"], "--sampled_softmax '5:1024,2:0': expected STEP:COUNT pairs, the steps rising"),
-    (["--sampled_softmax", "0:60000"], "--sampled_softmax '0:60000': expected STEP:COUNT pairs"),
-    (["--sampled_softmax", "0:1024", "--vocab_size", str(20011 * 128)], "--vocab_size 2561408: the head's 2561408 "
-     "rows are a multiple of the negatives' stride 20011"),
+    (["--candidates", "1024,x"], "--candidates '1024,x': expected 4 whole numbers (A:B:C: through equal parts of the "
+     "stage) of 0 or more"),
+    (["--candidates", "60000"], "--candidates '60000': each count must be at most the head's 50304 rows"),
+    (["--candidates", "1024", "--vocab_size", str(20011 * 128)], "--vocab_size 2561408: the head's 2561408 rows are "
+     "a multiple of the negatives' stride 20011"),
     (["--adam_every", "1000", "--num_iterations", "3"], "--adam_every 1000: Adam steps first after step 1000, past "
      "the run's --num_iterations 3 steps, so the head, the embeddings, the gates and the scalars would never train"),
 ])
@@ -85,11 +88,16 @@ def test_bad_flag_values_are_refused_by_name(flags, words):
 
 
 def test_the_sampled_softmaxs_candidate_counts_by_step_are_92s():
-    # #92's: 10,240 candidates through step 680, 14,336 from 681, 24,576 from 965, the whole vocabulary from 1107
-    args = train_gpt.Hyperparameters(num_iterations=1194, sampled_softmax="0:10240,681:14336,965:24576,1107:0")
+    # #92's: 10,240 candidates through step 680, 14,336 from 681, 24,576 from 965 (the last third of its third
+    # stage, 681..1106), the whole vocabulary from 1107
+    args = train_gpt.Hyperparameters(preset="record", num_iterations=1194, extension_steps=20)
     counts = {0: 10240, 680: 10240, 681: 14336, 964: 14336, 965: 24576, 1106: 24576, 1107: 0, 1193: 0}
     assert {step: train_gpt.candidate_count(step, args) for step in counts} == counts
-    assert train_gpt.candidate_count(0, train_gpt.Hyperparameters(sampled_softmax="3:512")) == 0  # (before it: all)
+    assert train_gpt.candidate_counts(args) == [(0, 10240), (681, 14336), (965, 24576), (1107, 0)]
+    # a ramp through halves of #89's second stage (423..846): its second half from step 635, (635 - 423) x 2 // 424
+    halves = train_gpt.Hyperparameters(candidates="0,0:512,1024,0")
+    assert [train_gpt.candidate_count(step, halves) for step in (0, 634, 635, 846, 847, 1270)] == [0, 0, 512, 512,
+                                                                                                   1024, 0]
     assert train_gpt.candidate_count(500, train_gpt.Hyperparameters()) == 0  # (#89's: all)
 
 
@@ -313,7 +321,7 @@ def test_warmup_leaves_no_trace(tmp_path):
 
 def test_evaluation_runs_the_head_in_slices_and_averages_over_every_token():
     torch.manual_seed(0)
-    layers = tuple(train_gpt.LayerConfig(window=window) for window in "LSSL")
+    layers = tuple(train_gpt.LayerConfig(long_window=window == "L") for window in "LSSL")
     model = train_gpt.GPT(train_gpt.ModelConfig(vocab_size=50257, model_dim=32, num_heads=2, head_dim=16,
                                                 layers=layers)).eval()
     torch.nn.init.normal_(model.lm_head.weight)  # the zero-initialised head gives every token the same loss
@@ -354,7 +362,13 @@ def test_log_file_holds_source_environment_hyperparameters_and_steps(tmp_path):
     hparams = json.loads(rest[5].removeprefix("hyperparameters: "))
     assert hparams["num_iterations"] == 4 and hparams["preset"] == "tiny" and hparams["run_id"] == "logtest"
     assert rest[6] == "run: id=logtest device=cpu world_size=1 dp=1 tp=1 pp=1 zero=0 grad_accum_steps=4"
-    steps = rest[7:-1]
+    # the layer stack and the stages as the flags made them: the tiny preset's six layers (its one attention-free
+    # layer, 4, without x0 and the n-gram), its thirds of the 4 steps (0, 1-2, 3) and its extension (none)
+    args = train_gpt.parse_args(tiny_flags(files, num_iterations=4), cuda=False)
+    tables = f"{train_gpt.model_config(args).table()}\n{train_gpt.schedule_table(args)}".splitlines()
+    assert rest[7:7 + len(tables)] == tables and tables[5].split()[:2] == ["4", "-"]
+    assert [row.split()[:2] for row in tables[-4:]] == [["0", "0-0"], ["1", "1-2"], ["2", "3-3"], ["extension", "none"]]
+    steps = rest[7 + len(tables):-1]
     assert [line.split()[0] for line in steps] == ["step:0/4", "step:1/4", "step:2/4", "step:2/4", "step:3/4",
                                                    "step:4/4", "step:4/4"]
     assert [("val_loss" in line) for line in steps] == [True, False, False, True, False, False, True]

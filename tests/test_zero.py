@@ -157,7 +157,7 @@ def test_the_plan_counts_buffers_and_a_sampled_softmaxs_largest_head(files):
     split, split_plain = plan(2, canonical_mask=True, tp=2), plan(2, tp=2)[0]
     assert masked["buffers"] - plain["buffers"] == 50304 * 50304 // 8
     assert [rank["buffers"] - split_plain["buffers"] for rank in split] == [50304 * 50304 // 16] * 2
-    late_whole, always_sampled = plan(sampled_softmax="0:512,6:0")[0], plan(sampled_softmax="0:512")[0]
+    late_whole, always_sampled = plan(candidates="512,512,512:0:0,0")[0], plan(candidates="512")[0]
     assert late_whole["activations"] == plain["activations"] > always_sampled["activations"]
 
 
