@@ -8,18 +8,18 @@ import torch
 
 import train_gpt
 from layouts import train_step
-from synthetic import tiny_flags, write_synthetic_shards
+from synthetic import TWO_LAYERS, tiny_flags, write_synthetic_shards
 from test_attention import sequence_with_documents
 
 SEQ_LEN = 512  # four attention blocks: windows of 1 to 4 blocks over the schedule's stages
 DOC_STARTS = [0, 70, 128, 129, 300, 450]  # documents starting mid-block, on a block's edge, one token long
 
 
-def small_args(files=None, **overrides):
+def small_args(files=None, layers=(), **overrides):
     files = files or dict(train_files="unused", val_files="unused")
     flags = dict(fp8_head=True, train_seq_len=SEQ_LEN, val_seq_len=SEQ_LEN, window_blocks="1:1,1:2,2:3,2:4",
                  final_window_blocks=4, extension_steps=0)
-    return train_gpt.parse_args(tiny_flags(files, **dict(flags, **overrides)), cuda=False)
+    return train_gpt.parse_args(tiny_flags(files, **dict(flags, **overrides)) + list(layers), cuda=False)
 
 
 def nonzero_model(args):
@@ -112,9 +112,11 @@ def assert_warmup_restores_exactly(trainer, steps: int) -> None:
 
 
 def test_compiled_warmup_restores_model_and_optimizer_state_exactly_and_compiles_each_stages_shape(tmp_path):
-    # a staged batch: steps 0 and 1 of 256-token sequences, then of 512 (the warm-up's 2 steps at each)
+    # a staged batch: steps 0 and 1 of 256-token sequences, then of 512 (the warm-up's 2 steps at each); the tiny
+    # model cut to two layers, whose compiles take a third of the whole one's (the fixture above compiles that)
     files = write_synthetic_shards(tmp_path)
-    args = small_args(files, compile=True, seqs_per_step=2, train_seq_len="256,512,512,512", num_iterations=6)
+    args = small_args(files, TWO_LAYERS, compile=True, seqs_per_step=2, train_seq_len="256,512,512,512",
+                      num_iterations=6)
     trainer = train_gpt.build_trainer(args, train_gpt.build_parallel_context(0, 1, torch.device("cpu")))
     assert_warmup_restores_exactly(trainer, 2)
     # and it trains from there across the change of sequence length with no new compile: four steps (Adam's first
