@@ -2387,7 +2387,7 @@ def flag_value(args: Hyperparameters, name: str) -> str:
     given, value = name in getattr(args, "given", ()), getattr(args, name)
     if value is None and name in STAGE_COLUMNS:
         values = stage_column(args, STAGE_COLUMNS[name].name)
-        value = ",".join(map(stage_text, values[:-1] if name in ("stage_shares", "stage_lr") else values))
+        value = ",".join(map(stage_text, values if STAGE_VALUES[name][3] else values[:-1]))
     elif value is None and name in LAYER_COLUMNS:
         value = ",".join(str(i) for i, row in enumerate(layer_stack(args)) if getattr(row, LAYER_COLUMNS[name].name))
     return f"--{name} {value!r}" + ("" if given else f" (the {args.preset} preset's)")
@@ -2592,10 +2592,11 @@ def check_world_size(args: Hyperparameters, world_size: int) -> int:
 # ----------------------------------------------------------------------------------------------------
 # Schedules: stages, learning rate, sliding windows and the rotary, loss weights, Muon momentum (functions of the step)
 
-# what a stage column's flag takes of each stage: its numbers' kind, how many a stage (None: one or more), the least
-STAGE_VALUES = dict(stage_shares=(float, 1, "above 0"), train_seq_len=(int, 1, "above 0"),
-                    doc_max_tokens=(int, 1, "of 0 or more"), stage_lr=(float, 1, "of 0 or more"),
-                    window_blocks=(float, 2, "above 0"), candidates=(int, None, "of 0 or more"))
+# what a stage column's flag takes of each stage: its numbers' kind, how many a stage (None: one or more), the least,
+# and whether the extension has one of its own (its share: --extension_steps; its lr: lr_final)
+STAGE_VALUES = dict(stage_shares=(float, 1, "above 0", False), train_seq_len=(int, 1, "above 0", True),
+                    doc_max_tokens=(int, 1, "of 0 or more", True), stage_lr=(float, 1, "of 0 or more", False),
+                    window_blocks=(float, 2, "above 0", True), candidates=(int, None, "of 0 or more", True))
 
 def stage_values(args: Hyperparameters, name: str, count: int) -> list | None:
     """The values stage column `name`'s flag gives `count` stages (one for all, or one each), each a number or, where
@@ -2603,7 +2604,7 @@ def stage_values(args: Hyperparameters, name: str, count: int) -> list | None:
     text, column = getattr(args, name), STAGE_COLUMNS[name]
     if text is None:
         return None
-    kind, arity, least = STAGE_VALUES[name]
+    kind, arity, least, extension = STAGE_VALUES[name]
     try:
         values = [tuple(kind(part) for part in entry.split(":")) for entry in text.split(",")]
     except (ValueError, OverflowError):  # (not a number; infinite)
@@ -2612,13 +2613,10 @@ def stage_values(args: Hyperparameters, name: str, count: int) -> list | None:
         math.isfinite(x) and (x > 0 if least == "above 0" else x >= 0) and x < 2**31 for x in value)
         for value in values)
     parts = {1: "", 2: " SHORT:LONG", None: " (A:B:C: through equal parts of the stage)"}[arity]
-    extension = name not in ("stage_shares", "stage_lr")
-    example = ",".join(stage_text(getattr(row, column.name)) for row in RECORD92_STAGES[:len(RECORD92_STAGES) - 1
-                                                                                       + extension])
+    example = ",".join(stage_text(getattr(row, column.name)) for row in RECORD92_STAGES[:None if extension else -1])
     need(values and fine and len(values) in (1, count), f"--{name} {text!r}: expected {count} "
          f"{'whole ' * (kind is int)}numbers{parts} {least}, one for each of the run's stages (--stage_shares makes "
-         f"them){' and its extension' * extension}, or one for all, such as #92's "
-         f"{example!r}")
+         f"them){' and its extension' * extension}, or one for all, such as #92's {example!r}")
     values = [value[0] if arity == 1 else value for value in values]
     return values * count if len(values) == 1 else values
 
@@ -2635,7 +2633,7 @@ def stage_table(args: Hyperparameters) -> tuple[Stage, ...]:
     columns = {}
     for name, column in STAGE_COLUMNS.items():
         own = [getattr(row, column.name) for row in preset]  # (the extension's last)
-        with_extension = name not in ("stage_shares", "stage_lr")
+        with_extension = STAGE_VALUES[name][3]
         values = stage_values(args, name, count + with_extension)
         if values is None and count != len(preset) - 1:
             need(len(set(own[:-1])) == 1, f"{flag_value(args, 'stage_shares')} makes {count} stages before the "
