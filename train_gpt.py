@@ -2174,15 +2174,10 @@ CPU_LAYERS = (LayerConfig(long_window=True, value_embed=True), *[LayerConfig(val
 
 # its schedule: one batch of 8 x 256 tokens throughout (a stream: 38 whole plays) and the windows growing by thirds of
 # its 220 steps; #92's candidate counts from its steps' shares of its run (681, 965 and 1,107 of 1,194)
-CPU_STAGES = (
-    Stage(share=73, train_seq_len=256, doc_max_tokens=0, windows=(0.5, 1), candidates=(10240,)),
-    Stage(share=52, train_seq_len=256, doc_max_tokens=0, windows=(1, 2), candidates=(10240,)),
-    Stage(share=22, train_seq_len=256, doc_max_tokens=0, windows=(1, 2), candidates=(14336,)),
-    Stage(share=31, train_seq_len=256, doc_max_tokens=0, windows=(2, 2), candidates=(14336,)),
-    Stage(share=26, train_seq_len=256, doc_max_tokens=0, windows=(2, 2), candidates=(24576,)),
-    Stage(share=16, train_seq_len=256, doc_max_tokens=0, windows=(2, 2)),
-    Stage(train_seq_len=256, doc_max_tokens=0, windows=(2, 2)),
-)
+CPU_STAGES = tuple(Stage(share=share, train_seq_len=256, doc_max_tokens=0, windows=windows, candidates=(count,))
+                   for share, windows, count in ((73, (0.5, 1), 10240), (52, (1, 2), 10240), (22, (1, 2), 14336),
+                                                 (31, (2, 2), 14336), (26, (2, 2), 24576), (16, (2, 2), 0),
+                                                 (0, (2, 2), 0)))
 
 # the tiny stack: each kind of layer once in six, four 8-wide heads (so that paired heads' two pairs split over two
 # tensor-parallel ranks)
@@ -2598,12 +2593,13 @@ STAGE_VALUES = dict(stage_shares=(float, 1, "above 0", False), train_seq_len=(in
                     doc_max_tokens=(int, 1, "of 0 or more", True), stage_lr=(float, 1, "of 0 or more", False),
                     window_blocks=(float, 2, "above 0", True), candidates=(int, None, "of 0 or more", True))
 
-def stage_values(args: Hyperparameters, name: str, count: int) -> list | None:
-    """The values stage column `name`'s flag gives `count` stages (one for all, or one each), each a number or, where
-    a stage takes several, a tuple of them; refused unless each is as the column takes. None: the flag is unset."""
-    text, column = getattr(args, name), STAGE_COLUMNS[name]
+def stage_values(name: str, text: str | None, count: int) -> list | None:
+    """The values stage column `name`'s flag, given as `text`, gives `count` stages (one for all, or one each), each a
+    number or, where a stage takes several, a tuple of them; refused unless each is as the column takes. None: the
+    flag is unset."""
     if text is None:
         return None
+    column = STAGE_COLUMNS[name]
     kind, arity, least, extension = STAGE_VALUES[name]
     try:
         values = [tuple(kind(part) for part in entry.split(":")) for entry in text.split(",")]
@@ -2625,19 +2621,26 @@ def stage_text(value) -> str:
     return ":".join(f"{v:g}" for v in value) if isinstance(value, tuple) else f"{value:g}"
 
 def stage_table(args: Hyperparameters) -> tuple[Stage, ...]:
-    """The stages the flags make, the extension's last: the preset's rows, each column given as a flag holding the
+    """The stages the flags make, the extension's last (the schedule's functions ask for them at every step: made
+    once for each preset and set of stage flags)."""
+    return stages_of(args.preset, tuple(getattr(args, name) for name in STAGE_COLUMNS))
+
+@functools.lru_cache(maxsize=64)
+def stages_of(preset_name: str, texts: tuple[str | None, ...]) -> tuple[Stage, ...]:
+    """The preset's rows, each column given as a flag (texts: STAGE_COLUMNS' flags, None where unset) holding the
     values it gives; --stage_shares sets how many stages come before the extension (a column of the preset's that
     differs between its stages must then be given too)."""
-    preset = PRESETS[args.preset].stages
-    count = len(args.stage_shares.split(",")) if args.stage_shares is not None else len(preset) - 1
+    preset, given = PRESETS[preset_name].stages, dict(zip(STAGE_COLUMNS, texts))
+    shares = given["stage_shares"]
+    count = len(shares.split(",")) if shares is not None else len(preset) - 1
     columns = {}
     for name, column in STAGE_COLUMNS.items():
         own = [getattr(row, column.name) for row in preset]  # (the extension's last)
         with_extension = STAGE_VALUES[name][3]
-        values = stage_values(args, name, count + with_extension)
+        values = stage_values(name, given[name], count + with_extension)
         if values is None and count != len(preset) - 1:
-            need(len(set(own[:-1])) == 1, f"{flag_value(args, 'stage_shares')} makes {count} stages before the "
-                 f"extension, but the {args.preset} preset's {len(own) - 1} have a --{name} each "
+            need(len(set(own[:-1])) == 1, f"--stage_shares {shares!r} makes {count} stages before the "
+                 f"extension, but the {preset_name} preset's {len(own) - 1} have a --{name} each "
                  f"({','.join(map(stage_text, own[:len(own) - 1 + with_extension]))!r}): give --{name} too, one "
                  "for each stage or one for all")
             values = own[:1] * count + own[-1:]
