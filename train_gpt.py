@@ -1529,7 +1529,9 @@ def canonical_mask_bits(ranks: dict[bytes, int], vocab_rows: int) -> np.ndarray:
     joins[:, CUT] = joins[WHITESPACE, WHITESPACE] = joins[OTHER, LETTER] = False
     lasts = intervals_by_piece([h[2] for h in histories])
     firsts = intervals_by_piece([h[1] for h in histories])
-    mask = np.zeros((vocab_rows, vocab_rows), dtype=bool)  # [next, previous]
+    # written packed (the bool mask is 2.5 GB and its cells, written one by one, mostly cache misses): a merge's
+    # previous tokens, sorted, ORed into bytes once for each class of next token
+    bits = np.zeros((vocab_rows, vocab_rows // 8), dtype=np.uint8)  # [next, previous byte]
     for merged, (rule, _, _) in enumerate(histories):
         if rule is None or rule[0] not in lasts or rule[1] not in firsts:
             continue
@@ -1538,9 +1540,13 @@ def canonical_mask_bits(ranks: dict[bytes, int], vocab_rows: int) -> np.ndarray:
         p = p[(p_from <= merged) & (merged < p_to)]
         p = p[~closed[p]]
         x = x[(x_from <= merged) & (merged < x_to)]
-        if len(p) and len(x):
-            mask[np.ix_(x, p)] |= joins.T[np.ix_(starts[x], ends[p])]
-    return np.packbits(mask, axis=1, bitorder="little")
+        for first_class in np.unique(starts[x]) if len(p) else ():
+            joined = p[joins[ends[p], first_class]]
+            if len(joined):
+                byte, at = np.unique(joined >> 3, return_index=True)
+                values = np.bitwise_or.reduceat(np.left_shift(1, joined & 7).astype(np.uint8), at)
+                bits[np.ix_(x[starts[x] == first_class], byte)] |= values
+    return bits
 
 class GPT(nn.Module):
     """The GPT of record #89's layer stack (ModelConfig.table): each token's embedding takes in some of the previous
