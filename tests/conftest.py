@@ -11,9 +11,13 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
+import train_gpt  # noqa: E402 (from the repository root, just put on the path)
 # the worker processes' server (train_gpt.run_on_ranks) imports the trainer and these helpers by name once
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), str(REPO_ROOT / "tests"),
                                                          os.environ.get("PYTHONPATH")]))
+# glibc's heap kept for reuse, as main() and each worker rank set it: the tests that train in this process, before
+# any main() ran here, would otherwise fault in fresh pages for every micro-batch's logits (a tiny step 0.6 s to 1.0 s)
+train_gpt.keep_freed_memory_for_reuse()
 
 
 def pytest_addoption(parser):
