@@ -1540,12 +1540,13 @@ def canonical_mask_bits(ranks: dict[bytes, int], vocab_rows: int) -> np.ndarray:
         p = p[(p_from <= merged) & (merged < p_to)]
         p = p[~closed[p]]
         x = x[(x_from <= merged) & (merged < x_to)]
-        for first_class in np.unique(starts[x]) if len(p) else ():
+        x_classes = starts[x]
+        for first_class in np.unique(x_classes) if len(p) else ():
             joined = p[joins[ends[p], first_class]]
             if len(joined):
                 byte, at = np.unique(joined >> 3, return_index=True)
                 values = np.bitwise_or.reduceat(np.left_shift(1, joined & 7).astype(np.uint8), at)
-                bits[np.ix_(x[starts[x] == first_class], byte)] |= values
+                bits[np.ix_(x[x_classes == first_class], byte)] |= values
     return bits
 
 class GPT(nn.Module):
@@ -3053,7 +3054,7 @@ def build_trainer(args: Hyperparameters, ctx: "ParallelContext", cuda_dtypes: bo
          "more (and --model_dim = --num_heads x --head_dim)")
     # (on meta first, as a run's checks build it before any layout: a fork that builds something once and keeps
     # it then fails here, under --check_layout as in a run)
-    state_shapes = state_shapes or optimizer_state_shapes(args, cuda_dtypes)
+    state_shapes = optimizer_state_shapes(args, cuda_dtypes) if state_shapes is None else state_shapes
     torch.manual_seed(args.seed)
     model = build_model(args, torch.device("meta" if ctx.device.type == "meta" else "cpu"),
                         table_on_meta=Layout.tables_built_by_rows(args, ctx) and not nonzero_init)
