@@ -3034,17 +3034,21 @@ class Trainer:
     layout: "Layout"
     micro_batches: int
     full_shapes: dict[str, tuple]  # the one-process model's parameter shapes, by name: what checkpoints hold
-    state_shapes: dict[str, dict[str, tuple]]  # the shape of each of a parameter's optimizer states, by name and key
     placed_by_shape: list[str]  # the parameters no module kind claims, and the optimizer each got (the log says)
     tail: "TailAverages | None" = None  # --tail_average's
 
+    @functools.cached_property
+    def state_shapes(self) -> dict[str, dict[str, tuple]]:
+        """The shape of each of a parameter's optimizer states, by name and key: what a restore checks a checkpoint's
+        against (on meta, ~0.3 s of a tiny run's build: computed only where a checkpoint is restored)."""
+        return optimizer_state_shapes(self.args, self.ctx.device.type == "cuda")
+
 def build_trainer(args: Hyperparameters, ctx: "ParallelContext", cuda_dtypes: bool | None = None,
-                  stream_specs: dict | None = None, nonzero_init: bool = False,
-                  state_shapes: dict | None = None) -> Trainer:
+                  stream_specs: dict | None = None, nonzero_init: bool = False) -> Trainer:
     """The one-process model, laid out for this rank (apply_layout: tensor-parallel slices, a pipeline stage, data
     parallelism and ZeRO; nothing on one process), with its optimizers. nonzero_init (the layout check):
     zero-initialised layers start small and random, so that no gradient is zero, or mere rounding, from the first
-    step on. state_shapes: optimizer_state_shapes(args, cuda_dtypes), where a plan has it for all its roles."""
+    step on."""
     cuda_dtypes = ctx.device.type == "cuda" if cuda_dtypes is None else cuda_dtypes
     narrow = any(row.narrow_qk or row.narrow_v for row in layer_stack(args))
     narrowest = args.head_dim // (2 if narrow else 1)
@@ -3054,7 +3058,7 @@ def build_trainer(args: Hyperparameters, ctx: "ParallelContext", cuda_dtypes: bo
          "more (and --model_dim = --num_heads x --head_dim)")
     # (on meta first, as a run's checks build it before any layout: a fork that builds something once and keeps
     # it then fails here, under --check_layout as in a run)
-    state_shapes = optimizer_state_shapes(args, cuda_dtypes) if state_shapes is None else state_shapes
+    build_model(args, torch.device("meta"))
     torch.manual_seed(args.seed)
     model = build_model(args, torch.device("meta" if ctx.device.type == "meta" else "cpu"),
                         table_on_meta=Layout.tables_built_by_rows(args, ctx) and not nonzero_init)
@@ -3070,7 +3074,7 @@ def build_trainer(args: Hyperparameters, ctx: "ParallelContext", cuda_dtypes: bo
     if args.compile:
         model.compile(dynamic=False)
     trainer = Trainer(args, ctx, model, optimizers, layout, args.seqs_per_step // ctx.dp.size, full_shapes,
-                      state_shapes, placed_by_shape)
+                      placed_by_shape)
     trainer.tail = TailAverages(trainer) if args.tail_average else None
     return trainer
 
@@ -6958,14 +6962,13 @@ def plan_layout(args: Hyperparameters, world_size: int, cuda: bool) -> dict:
     batches = RandomBatches(args.vocab_size, meta)
     stream_specs, ranks, planned, owners_by_stage, shown = {}, [], {}, {}, time.monotonic()
     role = lambda rank, stage, dp_rank, tp_rank: rank_role(rank, stage, dp_rank, tp_rank, owners_by_stage.get(stage))
-    state_shapes = optimizer_state_shapes(args, cuda)  # (the one-process model's: every role's; on meta, ~0.5 s)
     with torch.random.fork_rng(devices=[]):
         for rank in range(world_size):
             stage, dp_rank, tp_rank = grid_coordinates(rank, world_size, args.tp, args.pp)
             if role(rank, stage, dp_rank, tp_rank) not in planned:
                 with simulated_rank(rank, world_size):
                     trainer = build_trainer(args, build_parallel_context(rank, world_size, meta, args.tp, args.pp),
-                                            cuda_dtypes=cuda, stream_specs=stream_specs, state_shapes=state_shapes)
+                                            cuda_dtypes=cuda, stream_specs=stream_specs)
                     held = most_held([account_step(trainer, batches, step) for step in accounted_steps(args)])
                 del held["loss"]
                 held["activations"] = int(held["activations"] * (COMPILED_ACTIVATIONS if runs_compiled else 1))
