@@ -7263,13 +7263,14 @@ def check_layouts(args: Hyperparameters) -> None:
     flags.update({name: getattr(args, name) for name in sorted(getattr(args, "given", ())) if name != "check_layout"})
     argv = [f"--{k}={v}" for k, v in flags.items()]
     print(f"checking {len(names)} layouts: the tiny model, 3 steps and a validation, against one process", flush=True)
-    # the processes fork from this one, which has trained nothing: they run this file's model as it stands
+    # the processes fork from this one, which has trained nothing: they run this file's model as it stands; the
+    # one-process run and its jittered twin, a core each, at once
     try:
-        reference = run_on_ranks(train_steps, 1, argv, 3, start_method="fork")[0]
+        [reference], [jittered] = run_together((train_steps, 1, argv, 3), (train_steps, 1, argv, 3, "cpu",
+                                                                           ROUNDING_JITTER), start_method="fork")
     except RuntimeError as e:  # (a run of this model on one process would fail the same way)
         raise RunEnded(f"one process FAILED: {str(e).strip().splitlines()[-1]}: a run would fail so too", 1) from None
-    floors = noise_floors(run_on_ranks(train_steps, 1, argv, 3, "cpu", ROUNDING_JITTER, start_method="fork")[0],
-                          reference)
+    floors = noise_floors(jittered, reference)
     print(f"one process: validation loss {reference['val_loss']:.6f}; with its gradients jittered by 2**-20 it "
           f"trains {floors[0]:.1e} of a tensor's norm and {floors[1]:.1e} of a loss away; a layout may be "
           f"{NOISE_MULTIPLE} times as far", flush=True)
@@ -7327,22 +7328,45 @@ def run_on_ranks(fn, world_size: int, *args, timeout: float = 300.0, backend: st
     """fn(rank, world_size, *args) on world_size processes (nccl: one GPU each); the results by rank. They fork
     from a server that imported torch and fn's module once, or ("fork") from this process, whose torch thread pools
     must not have run. A rank's UserError is raised here; any other failure or a timeout as RuntimeError."""
+    return run_together((fn, world_size, *args), timeout=timeout, backend=backend, start_method=start_method)[0]
+
+def run_together(*jobs: tuple, timeout: float = 300.0, backend: str = "gloo",
+                 start_method: str = "forkserver") -> list[list]:
+    """Jobs (fn, world_size, *args), each as run_on_ranks runs it, all started at once (the cores one job leaves
+    idle, as a one-process run leaves all but one, work for the others): each job's results by rank. The first
+    job's failure is raised once every job has ended."""
     context = multiprocessing.get_context(start_method)
     if start_method == "forkserver":
         # (torch._dynamo: torch imports it at the first meta-device initialisation; here once, not in every rank)
-        context.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "train_gpt", fn.__module__])
-    results, port = context.Queue(), free_port()
-    procs = [context.Process(target=_rank_worker, args=(r, world_size, port, fn, args, results, backend), daemon=True)
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
+        context.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "train_gpt",
+                                        *dict.fromkeys(job[0].__module__ for job in jobs)])
+    started = []
+    for fn, world_size, *args in jobs:
+        results, port = context.Queue(), free_port()
+        procs = [context.Process(target=_rank_worker, args=(r, world_size, port, fn, args, results, backend),
+                                 daemon=True) for r in range(world_size)]
+        for p in procs:
+            p.start()
+        started.append((procs, results))
+    outcomes, failure = [], None
+    for procs, results in started:
+        try:
+            outcomes.append(_rank_results(procs, results, timeout))
+        except (UserError, RuntimeError) as e:
+            failure = failure or e
+    if failure is not None:
+        raise failure
+    return outcomes
+
+def _rank_results(procs: list, results, timeout: float) -> list:
+    """What the ranks of one job put on their queue, by rank; their processes ended."""
     collected = {}
     try:
-        for _ in range(world_size):
+        for _ in procs:
             try:
                 rank, status, value = results.get(timeout=timeout)
             except queue.Empty:
-                raise RuntimeError(f"no answer from ranks {sorted(set(range(world_size)) - set(collected))} "
+                raise RuntimeError(f"no answer from ranks {sorted(set(range(len(procs))) - set(collected))} "
                                    f"within {timeout:.0f} s") from None
             need(status != "refused", value)
             if status == "error":
@@ -7353,7 +7377,7 @@ def run_on_ranks(fn, world_size: int, *args, timeout: float = 300.0, backend: st
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
-    return [collected[r] for r in range(world_size)]
+    return [collected[r] for r in range(len(procs))]
 
 if __name__ == "__main__":
     sys.stdout = Console(sys.stdout) if sys.stdout is not None else sys.stdout  # (None: fd 1 was closed)

@@ -99,19 +99,23 @@ def layout_runs(layout_files):
     tiny model's ~100 MB training state), those of the unedited model kept. run.floors(edit): their noise floors."""
     from layouts import LAYOUT_TEST_FLAGS, edited_train_steps
     from synthetic import tiny_flags
-    from train_gpt import LAYOUTS, ROUNDING_JITTER, noise_floors, run_on_ranks
-    cache = {}
+    from train_gpt import LAYOUTS, ROUNDING_JITTER, noise_floors, run_together
+    cache, single = {}, ("one process", "noise floor")
+
+    def job(name, edit):
+        processes, layout = (1, {}) if name in single else LAYOUTS[name]
+        return (edited_train_steps, processes, edit, tiny_flags(layout_files, **LAYOUT_TEST_FLAGS, **layout), 3,
+                ROUNDING_JITTER if name == "noise floor" else 0.0)
 
     def run(name, edit=None):
         for key in [key for key in cache if key[1] not in (None, edit)]:
             del cache[key]
         if (name, edit) not in cache:
-            processes, layout = (1, {}) if name in ("one process", "noise floor") else LAYOUTS[name]
-            jitter = ROUNDING_JITTER if name == "noise floor" else 0.0
-            cache[name, edit] = run_on_ranks(edited_train_steps, processes, edit,
-                                             tiny_flags(layout_files, **LAYOUT_TEST_FLAGS, **layout), 3, jitter,
-                                             timeout=600)
-        return cache[name, edit][0] if name in ("one process", "noise floor") else cache[name, edit]
+            # (the one-process run and its noise floor, one core each: both at once)
+            names = [other for other in single if (other, edit) not in cache] if name in single else [name]
+            for other, ranks in zip(names, run_together(*(job(other, edit) for other in names), timeout=600)):
+                cache[other, edit] = ranks
+        return cache[name, edit][0] if name in single else cache[name, edit]
 
     @functools.cache
     def floors(edit=None):

@@ -5,6 +5,7 @@ import difflib
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -351,11 +352,38 @@ def test_the_layout_checks_steps_cross_a_change_of_sequences_window_learning_rat
 def test_check_layout_trains_the_tiny_model_with_the_flags_given_beside_it(monkeypatch):
     # a recipe's part behind a flag (#92's optimizer, its n-gram table) is checked as given, over the check's own
     trained = []
-    def record(fn, world_size, argv, *rest, **kwargs):
-        trained.append(train_gpt.parse_args(argv, cuda=False))
+    def record(*jobs, **kwargs):  # (the one-process run first: each job is fn, world_size, argv, ...)
+        trained.extend(train_gpt.parse_args(argv, cuda=False) for fn, world_size, argv, *rest in jobs)
         raise train_gpt.UserError("recorded")
-    monkeypatch.setattr(train_gpt, "run_on_ranks", record)
+    monkeypatch.setattr(train_gpt, "run_together", record)
     with pytest.raises(train_gpt.UserError, match="recorded"):
         train_gpt.main(["--check_layout", "dp2", "--matrix_optimizer", "anvil", "--trigrams", "true"])
     args = trained[0]
     assert (args.preset, args.num_iterations, args.matrix_optimizer, args.trigrams) == ("tiny", 3, "anvil", True)
+
+
+def meet(rank, world_size, folder, mine, theirs, what):
+    """Leave a file named mine, wait (20 s at most) for one named theirs, and return what; a what of "refuse" or
+    "fail" raises a UserError or another error instead."""
+    (Path(folder) / f"{mine}{rank}").touch()
+    deadline = time.time() + 20
+    while not (Path(folder) / f"{theirs}0").exists():
+        assert time.time() < deadline, f"{theirs} never ran beside {mine}"
+        time.sleep(0.01)
+    if what in ("refuse", "fail"):
+        raise train_gpt.UserError("refused by rank") if what == "refuse" else ValueError("rank failed")
+    return (what, rank, world_size)
+
+
+def test_jobs_run_together_each_getting_its_ranks_results_and_a_failure_is_raised_once_all_ended(tmp_path):
+    # as --check_layout runs the one-process run beside its jittered twin: each job waits for the other's file,
+    # which run one after the other would never meet
+    one, two = train_gpt.run_together((meet, 2, tmp_path, "a", "b", "first"), (meet, 1, tmp_path, "b", "a", "second"),
+                                      timeout=60)
+    assert one == [("first", 0, 2), ("first", 1, 2)] and two == [("second", 0, 1)]
+    for what, raised in (("refuse", train_gpt.UserError), ("fail", RuntimeError)):
+        folder = tmp_path / what
+        folder.mkdir()
+        with pytest.raises(raised, match="refused by rank|ValueError: rank failed"):
+            train_gpt.run_together((meet, 1, folder, "a", "b", what), (meet, 1, folder, "b", "a", "ended"), timeout=60)
+        assert (folder / "b0").exists()  # the second job ran, and ended, beside the failed first
