@@ -1,6 +1,7 @@
 """The layout tests' harness: a few training steps under any layout (train_gpt.train_steps, the same runs and
 comparison as `train_gpt.py --check_layout`), and the edits a forker makes to train_gpt.py, made to its source as a
 fork's file has them: each fork is train_gpt.py with some lines changed, imported as a module of its own."""
+import concurrent.futures
 import linecache
 import sys
 import types
@@ -326,11 +327,22 @@ def assert_trains_like_one_process(ranks, single, floors, exact=False):
     assert not exact or train_gpt.worst_difference(ranks[0]["state"], single["state"])[0] == 0, how_far
 
 
-def assert_holds_and_sends_what_the_plan_predicts(ranks, files, **layout):
-    """Each rank's bytes in its first step (parameters, their peak, gradients, float64 sums, optimizer states,
-    every collective) equal --plan's, which runs the same code on the meta device (assert_sends_what_the_plan_says)."""
+def beside_its_plan(train, files, processes, **layout):
+    """train() (a layout's ranks, each in a process of its own) and, meanwhile, the layout's plan on the meta device
+    in this process (train_gpt.plan_layout: Python's work, one core, which the ranks leave idle part of the time):
+    (what train returned, the plan)."""
     args = train_gpt.parse_args(tiny_flags(files, **LAYOUT_TEST_FLAGS, **layout), cuda=False)
-    plan = train_gpt.plan_layout(args, len(ranks), cuda=False)
+    with concurrent.futures.ThreadPoolExecutor(1) as planner:
+        plan = planner.submit(train_gpt.plan_layout, args, processes, cuda=False)
+        return train(), plan.result()
+
+
+def assert_holds_and_sends_what_the_plan_predicts(ranks, plan, files, **layout):
+    """Each rank's bytes in its first step (parameters, their peak, gradients, float64 sums, optimizer states,
+    every collective) equal the plan's (beside_its_plan: --plan's, which runs the same code on the meta device;
+    assert_sends_what_the_plan_says)."""
+    args = train_gpt.parse_args(tiny_flags(files, **LAYOUT_TEST_FLAGS, **layout), cuda=False)
+    assert len(plan["ranks"]) == len(ranks)
     for rank, predicted in zip(ranks, plan["ranks"]):
         held = rank["accounted"]
         for kind in ("parameters", "peak_parameters", "gradients", "gradient_sums", "optimizer_states"):

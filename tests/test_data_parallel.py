@@ -3,7 +3,8 @@ import pytest
 import torch
 
 import train_gpt
-from layouts import LAYOUT_TEST_FLAGS, assert_holds_and_sends_what_the_plan_predicts, assert_trains_like_one_process
+from layouts import LAYOUT_TEST_FLAGS, assert_holds_and_sends_what_the_plan_predicts, assert_trains_like_one_process, \
+    beside_its_plan
 from synthetic import tiny_flags, write_synthetic_shards
 from train_gpt import run_on_ranks
 
@@ -15,12 +16,13 @@ def test_two_ranks_with_buckets_match_one_rank_after_three_steps(tmp_path):
     flags = tiny_flags(files, **LAYOUT_TEST_FLAGS, fp64_grad_sum=False)
     model = train_gpt.build_model(train_gpt.parse_args(flags, cuda=False), torch.device("cpu"))
     assert len(train_gpt.GradientBuckets(model.parameters()).buckets) > 1
-    single = run_on_ranks(train_gpt.train_steps, 1, flags, 3)[0]
-    jittered = run_on_ranks(train_gpt.train_steps, 1, flags, 3, "cpu", train_gpt.ROUNDING_JITTER)[0]
-    results = run_on_ranks(train_gpt.train_steps, 2, flags, 3)
+    [single], [jittered] = train_gpt.run_together((train_gpt.train_steps, 1, flags, 3),
+                                                  (train_gpt.train_steps, 1, flags, 3, "cpu", train_gpt.ROUNDING_JITTER))
+    results, plan = beside_its_plan(lambda: run_on_ranks(train_gpt.train_steps, 2, flags, 3), files, 2,
+                                    fp64_grad_sum=False)
     assert train_gpt.worst_difference(results[0]["state"], single["state"])[0] > 0  # not float64 sums: not exact
     assert_trains_like_one_process(results, single, train_gpt.noise_floors(jittered, single))
-    assert_holds_and_sends_what_the_plan_predicts(results, files, fp64_grad_sum=False)
+    assert_holds_and_sends_what_the_plan_predicts(results, plan, files, fp64_grad_sum=False)
 
 
 def test_float64_gradient_sums_make_two_ranks_bit_identical_to_one(layout_runs):

@@ -15,7 +15,7 @@ from torch import nn
 import train_gpt
 from conftest import REPO_ROOT
 from layouts import FORKS, LAYOUT_TEST_FLAGS, assert_holds_and_sends_what_the_plan_predicts, \
-    assert_trains_like_one_process, fork, forked_source
+    assert_trains_like_one_process, beside_its_plan, fork, forked_source
 from synthetic import tiny_flags
 from train_gpt import LAYOUTS
 
@@ -33,10 +33,10 @@ def test_each_layout_trains_the_one_process_model_holding_and_sending_what_the_p
     # float64 gradient sums (the tables held by rows: by row) make every layout but tensor parallelism bit-identical
     # to one process
     processes, layout = LAYOUTS[name]
-    ranks = layout_runs(name)
+    ranks, plan = beside_its_plan(lambda: layout_runs(name), layout_files, processes, **layout)
     assert_trains_like_one_process(ranks, layout_runs("one process"), layout_runs.floors(),
                                    exact=layout.get("tp", 1) == 1)
-    assert_holds_and_sends_what_the_plan_predicts(ranks, layout_files, **layout)
+    assert_holds_and_sends_what_the_plan_predicts(ranks, plan, layout_files, **layout)
 
 
 @pytest.mark.parametrize("name", FORK_LAYOUTS)
