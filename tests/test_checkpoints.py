@@ -21,16 +21,28 @@ from synthetic import tiny_flags
 STEPS = 8
 
 
+def run_flags(tmp_path, files, run_id, **overrides):
+    return tiny_flags(files, **dict(dict(log_dir=tmp_path / "logs", run_id=run_id, num_iterations=STEPS,
+                                         val_loss_every=2), **overrides))
+
+
 def run(tmp_path, files, world_size, run_id, in_worker=False, **overrides):
     """A tiny run of STEPS steps on world_size processes (1: in this one, unless in_worker: in a process of its own
     with one thread, as each of several has, since thread counts change the rounding); returns its log text."""
-    flags = tiny_flags(files, **dict(dict(log_dir=tmp_path / "logs", run_id=run_id, num_iterations=STEPS,
-                                          val_loss_every=2), **overrides))
+    flags = run_flags(tmp_path, files, run_id, **overrides)
     if world_size == 1 and not in_worker:
         train_gpt.main(flags)
     else:
         run_on_ranks(main_on_rank, world_size, flags)
     return (tmp_path / "logs" / f"{run_id}.txt").read_text()
+
+
+def runs_at_once(tmp_path, files, *runs):
+    """Independent runs (world_size, run_id, overrides), each as run(..., in_worker=True) runs it, all at once (a
+    one-process run leaves a core idle): their log texts."""
+    train_gpt.run_together(*((main_on_rank, world_size, run_flags(tmp_path, files, run_id, **overrides))
+                             for world_size, run_id, overrides in runs))
+    return [(tmp_path / "logs" / f"{run_id}.txt").read_text() for _, run_id, _ in runs]
 
 
 def main_on_rank(rank, world_size, flags):
@@ -189,8 +201,8 @@ def test_a_checkpoint_resumes_under_another_world_size(tmp_path, files, saved_on
                                                        saved_at, sampled):
     # saved at step 3, Adam's gradients held: their average over the old ranks is all the new ones need
     same = dict(fp64_grad_sum=fp64_grad_sum, candidates=sampled)
-    run(tmp_path, files, saved_on, "saved", True, save_every=saved_at, **same)
-    run(tmp_path, files, resumed_on, "reference", True, save_every=STEPS, **same)
+    runs_at_once(tmp_path, files, (saved_on, "saved", dict(save_every=saved_at, **same)),
+                 (resumed_on, "reference", dict(save_every=STEPS, **same)))
     log = run(tmp_path, files, resumed_on, "resumed", True, save_every=saved_at, **same,
               resume=tmp_path / "logs" / "saved" / f"step{saved_at:06d}.pt")
     assert f"\nresumed: step:{saved_at}/{STEPS} from " in log
@@ -209,15 +221,18 @@ ANVIL = dict(matrix_optimizer="anvil", anvil_blend_step=2)
 def test_a_checkpoint_resumes_under_another_layout(tmp_path, files, saved, resumed, saved_at):
     # sharded optimizer state, tensor-parallel slices and pipeline stages are gathered into full tensors on save,
     # and cut the new layout's way on load; so are the gradients held for Adam's next step (saved at step 3 or 5)
-    run(tmp_path, files, 2, "saved", save_every=saved_at, **saved)
+    # tensor parallelism adds activations in another order: the new layout from the start is the reference
+    rounded = "tp" in saved | resumed
+    runs = [(2, "saved", dict(save_every=saved_at, **saved))]
+    if rounded:
+        runs.append((2, "reference", dict(save_every=STEPS, **resumed)))
+    runs_at_once(tmp_path, files, *runs)
     run(tmp_path, files, 2, "resumed", save_every=saved_at,
         resume=tmp_path / "logs" / "saved" / f"step{saved_at:06d}.pt", **resumed)
     saved_state, resumed_state = checkpoint(tmp_path, "saved", STEPS), checkpoint(tmp_path, "resumed", STEPS)
-    if "tp" not in saved | resumed:  # with float64 sums, data, ZeRO and pipeline layouts train one process exactly
+    if not rounded:  # with float64 sums, data, ZeRO and pipeline layouts train one process exactly
         assert_states_equal(saved_state, resumed_state)
         return
-    # tensor parallelism adds activations in another order: the new layout from the start is the reference
-    run(tmp_path, files, 2, "reference", save_every=STEPS, **resumed)
     reference = checkpoint(tmp_path, "reference", STEPS)
     assert_resumed_within_rounding(resumed_state, reference, (saved_state, reference))
 

@@ -5,9 +5,8 @@ import pytest
 import torch
 
 import train_gpt
-from train_gpt import run_on_ranks
 from synthetic import tiny_flags
-from test_checkpoints import assert_states_equal, checkpoint, run
+from test_checkpoints import assert_states_equal, checkpoint, run, runs_at_once
 
 STEPS = 12
 # #92's table and its update: bigrams and trigrams, stepped by row on Adam's (odd) steps, then on every fourth from
@@ -39,9 +38,11 @@ def table_runs(files):
     """The three layouts' runs of the table: whole (one process), by rows with half of them in a host tier (one
     process), by rows on two ranks (rank 0's report)."""
     flags = lambda **layout: tiny_flags(files, **TABLE, **layout)
-    return dict(whole=run_on_ranks(steps_of_the_table, 1, flags(), 5)[0],
-                host=run_on_ranks(steps_of_the_table, 1, flags(tables_by_rows=True, table_host_fraction=0.5), 5)[0],
-                ranks=run_on_ranks(steps_of_the_table, 2, flags(zero=1, tables_by_rows=True), 5)[0])
+    layouts = dict(whole={}, host=dict(tables_by_rows=True, table_host_fraction=0.5),
+                   ranks=dict(zero=1, tables_by_rows=True))
+    runs = train_gpt.run_together(*((steps_of_the_table, 2 if name == "ranks" else 1, flags(**layout), 5)
+                                    for name, layout in layouts.items()))  # (at once: two of them one process each)
+    return {name: ranks[0] for name, ranks in zip(layouts, runs)}
 
 
 def test_one_process_with_half_the_table_in_a_host_tier_trains_the_whole_table_bit_for_bit(table_runs):
@@ -70,11 +71,11 @@ def test_a_checkpoint_by_rows_mid_cycle_resumes_on_one_process_with_a_host_tier(
     # resumed on one process with half its rows in the host tier: that layout's run from the start, bit for bit (both
     # add the gradients up in float64), as is the run that saved it
     cadence = dict(TABLE, table_cadence="0:4", val_loss_every=2)
-    run(tmp_path, files, 2, "saved", save_every=7, zero=1, tables_by_rows=True, **cadence)
+    tier = dict(tables_by_rows=True, table_host_fraction=0.5, **cadence)
+    runs_at_once(tmp_path, files, (2, "saved", dict(save_every=7, zero=1, tables_by_rows=True, **cadence)),
+                 (1, "reference", dict(save_every=STEPS, **tier)))
     saved = checkpoint(tmp_path, "saved", 7)
     assert saved["adam"]["ngram.table.weight"]["held"].any() and saved["held_gradients"]["ngram.table.weight"].any()
-    tier = dict(tables_by_rows=True, table_host_fraction=0.5, **cadence)
-    run(tmp_path, files, 1, "reference", True, save_every=STEPS, **tier)
     log = run(tmp_path, files, 1, "resumed", True, save_every=STEPS, resume=tmp_path / "logs" / "saved" /
               "step000007.pt", **tier)
     assert "\nresumed: step:7/12 from " in log
