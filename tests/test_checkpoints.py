@@ -1,5 +1,6 @@
 """Faults: exact resume from checkpoints under any world size, kill switch and signals, divergence guard, and
 an elastic restart after a killed worker."""
+import concurrent.futures
 import os
 import re
 import signal
@@ -408,17 +409,20 @@ def torchrun(files, tmp_path, run_id, *extra, max_restarts=0):
 
 
 def test_elastic_restart_after_a_killed_worker_ends_like_an_uninterrupted_run(tmp_path, files):
-    # the uninterrupted run, on two worker processes of one thread each, as torchrun's
-    run(tmp_path, files, 2, "reference", num_iterations=8, val_loss_every=0, save_every=4)
     elastic = torchrun(files, tmp_path, "elastic", max_restarts=1)
-    first_checkpoint = tmp_path / "logs" / "elastic" / "step000004.pt"
-    deadline = time.time() + 240
-    while not first_checkpoint.exists() and elastic.poll() is None and time.time() < deadline:
-        time.sleep(0.01)
-    workers = child_pids(elastic.pid)
-    assert len(workers) == 2, (workers, elastic.poll())
-    os.kill(workers[1], signal.SIGKILL)
-    output = elastic.communicate(timeout=300)[0]
+    # the uninterrupted run, on two worker processes of one thread each, as torchrun's: trained meanwhile
+    with concurrent.futures.ThreadPoolExecutor(1) as beside:
+        reference = beside.submit(run, tmp_path, files, 2, "reference", num_iterations=8, val_loss_every=0,
+                                  save_every=4)
+        first_checkpoint = tmp_path / "logs" / "elastic" / "step000004.pt"
+        deadline = time.time() + 240
+        while not first_checkpoint.exists() and elastic.poll() is None and time.time() < deadline:
+            time.sleep(0.01)
+        workers = child_pids(elastic.pid)
+        assert len(workers) == 2, (workers, elastic.poll())
+        os.kill(workers[1], signal.SIGKILL)
+        output = elastic.communicate(timeout=300)[0]
+        reference.result()
     assert elastic.returncode == 0, output
     log = (tmp_path / "logs" / "elastic.txt").read_text()
     assert re.search(r"^resumed: step:\d+/8 from ", log, re.MULTILINE), log[-3000:]
@@ -444,10 +448,11 @@ def stop_on_rank(rank, world_size, flags, signalled_rank):
 
 
 def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path, files):
-    reference = run(tmp_path, files, 2, "reference", save_every=STEPS)
     flags = tiny_flags(files, log_dir=tmp_path / "logs", run_id="stopme", num_iterations=STEPS, val_loss_every=2,
                        save_every=STEPS)
-    ended = run_on_ranks(stop_on_rank, 2, flags, 1)
+    _, ended = train_gpt.run_together((main_on_rank, 2, run_flags(tmp_path, files, "reference", save_every=STEPS)),
+                                      (stop_on_rank, 2, flags, 1))  # (the uninterrupted run beside it)
+    reference = (tmp_path / "logs" / "reference.txt").read_text()
     assert [status for status, _ in ended] == [train_gpt.EXIT_STOPPED] * 2
     assert ended[0][1].startswith("stopped after step 3 (another rank was asked to stop)")
     assert ended[1][1].startswith("stopped after step 3 (SIGTERM)")

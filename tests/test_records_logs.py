@@ -116,10 +116,12 @@ def test_readme_example_log_parses(tmp_path):
 
 @pytest.fixture(scope="module")
 def real_log(tmp_path_factory) -> Path:
-    """A 4-step run of the tiny preset, written by the trainer itself."""
+    """A 4-step run of the tiny preset, written by the trainer itself (of 2 sequences a step, not 8: the log is the
+    point)."""
     log_dir = tmp_path_factory.mktemp("real_logs")
     result = subprocess.run([sys.executable, "train_gpt.py", "--preset", "tiny", "--num_iterations", "4",
-                             "--val_loss_every", "2", "--log_dir", str(log_dir), "--run_id", "real"],
+                             "--val_loss_every", "2", "--seqs_per_step", "2", "--val_tokens", "512",
+                             "--log_dir", str(log_dir), "--run_id", "real"],
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=180,
                             # one thread: on a shared 2-core machine, spinning OpenMP threads make it 4x slower
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
