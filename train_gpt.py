@@ -7333,8 +7333,9 @@ def run_on_ranks(fn, world_size: int, *args, timeout: float = 300.0, backend: st
 def run_together(*jobs: tuple, timeout: float = 300.0, backend: str = "gloo",
                  start_method: str = "forkserver") -> list[list]:
     """Jobs (fn, world_size, *args), each as run_on_ranks runs it, all started at once (the cores one job leaves
-    idle, as a one-process run leaves all but one, work for the others): each job's results by rank. The first
-    job's failure is raised once every job has ended."""
+    idle, as a one-process run leaves all but one, work for the others; under nccl, whose ranks take a GPU each,
+    one job): each job's results by rank. The first job's failure is raised once every job has ended."""
+    need(backend != "nccl" or len(jobs) == 1, f"run_together: {len(jobs)} jobs under nccl would share GPUs; run one")
     context = multiprocessing.get_context(start_method)
     if start_method == "forkserver":
         # (torch._dynamo: torch imports it at the first meta-device initialisation; here once, not in every rank)
