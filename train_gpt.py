@@ -3057,8 +3057,9 @@ def build_trainer(args: Hyperparameters, ctx: "ParallelContext", cuda_dtypes: bo
          f"{FLEX_MIN_HEAD_DIM} dims or more; on a GPU give --head_dim {FLEX_MIN_HEAD_DIM * (2 if narrow else 1)} or "
          "more (and --model_dim = --num_heads x --head_dim)")
     # (on meta first, as a run's checks build it before any layout: a fork that builds something once and keeps
-    # it then fails here, under --check_layout as in a run)
-    build_model(args, torch.device("meta"))
+    # it then fails here, under --check_layout as in a run; a plan's build is on meta anyway)
+    if ctx.device.type != "meta":
+        build_model(args, torch.device("meta"))
     torch.manual_seed(args.seed)
     model = build_model(args, torch.device("meta" if ctx.device.type == "meta" else "cpu"),
                         table_on_meta=Layout.tables_built_by_rows(args, ctx) and not nonzero_init)

@@ -327,13 +327,12 @@ def assert_trains_like_one_process(ranks, single, floors, exact=False):
     assert not exact or train_gpt.worst_difference(ranks[0]["state"], single["state"])[0] == 0, how_far
 
 
-def beside_its_plan(train, files, processes, **layout):
-    """train() (a layout's ranks, each in a process of its own) and, meanwhile, the layout's plan on the meta device
-    in this process (train_gpt.plan_layout: Python's work, one core, which the ranks leave idle part of the time):
-    (what train returned, the plan)."""
-    args = train_gpt.parse_args(tiny_flags(files, **LAYOUT_TEST_FLAGS, **layout), cuda=False)
+def beside_its_plan(train, flags, processes):
+    """train() (a layout's ranks, each in a process of its own) and, meanwhile, the plan of the run flags describe
+    on `processes` on the meta device in this process (train_gpt.plan_layout: Python's work, one core, which the
+    ranks leave idle part of the time): (what train returned, the plan)."""
     with concurrent.futures.ThreadPoolExecutor(1) as planner:
-        plan = planner.submit(train_gpt.plan_layout, args, processes, cuda=False)
+        plan = planner.submit(train_gpt.plan_layout, train_gpt.parse_args(flags, cuda=False), processes, cuda=False)
         return train(), plan.result()
 
 

@@ -18,8 +18,7 @@ def test_two_ranks_with_buckets_match_one_rank_after_three_steps(tmp_path):
     assert len(train_gpt.GradientBuckets(model.parameters()).buckets) > 1
     [single], [jittered] = train_gpt.run_together((train_gpt.train_steps, 1, flags, 3),
                                                   (train_gpt.train_steps, 1, flags, 3, "cpu", train_gpt.ROUNDING_JITTER))
-    results, plan = beside_its_plan(lambda: run_on_ranks(train_gpt.train_steps, 2, flags, 3), files, 2,
-                                    fp64_grad_sum=False)
+    results, plan = beside_its_plan(lambda: run_on_ranks(train_gpt.train_steps, 2, flags, 3), flags, 2)
     assert train_gpt.worst_difference(results[0]["state"], single["state"])[0] > 0  # not float64 sums: not exact
     assert_trains_like_one_process(results, single, train_gpt.noise_floors(jittered, single))
     assert_holds_and_sends_what_the_plan_predicts(results, plan, files, fp64_grad_sum=False)

@@ -33,7 +33,8 @@ def test_each_layout_trains_the_one_process_model_holding_and_sending_what_the_p
     # float64 gradient sums (the tables held by rows: by row) make every layout but tensor parallelism bit-identical
     # to one process
     processes, layout = LAYOUTS[name]
-    ranks, plan = beside_its_plan(lambda: layout_runs(name), layout_files, processes, **layout)
+    ranks, plan = beside_its_plan(lambda: layout_runs(name), tiny_flags(layout_files, **LAYOUT_TEST_FLAGS, **layout),
+                                  processes)
     assert_trains_like_one_process(ranks, layout_runs("one process"), layout_runs.floors(),
                                    exact=layout.get("tp", 1) == 1)
     assert_holds_and_sends_what_the_plan_predicts(ranks, plan, layout_files, **layout)

@@ -1,6 +1,5 @@
 """ZeRO 1, 2 and 3 over two gloo processes: what each rank holds, the bytes a run logs against --plan, and the
 plan of the record on eight GPUs. (tests/test_layouts.py: the same training as one process.)"""
-import concurrent.futures
 import dataclasses
 import re
 import types
@@ -11,7 +10,7 @@ import pytest
 
 import train_gpt
 from train_gpt import run_on_ranks
-from layouts import LAYOUT_TEST_FLAGS, assert_sends_what_the_plan_says
+from layouts import LAYOUT_TEST_FLAGS, assert_sends_what_the_plan_says, beside_its_plan
 from synthetic import TWO_LAYERS, tiny_flags
 from test_checkpoints import main_on_rank
 
@@ -90,9 +89,7 @@ def test_tables_held_by_rows_leave_each_rank_its_share_of_their_rows_and_no_whol
                                     dict(tp=2, sp=True, async_tp=True), dict(pp=2)])
 def test_counted_collective_bytes_per_step_equal_the_plan(tmp_path, files, layout):
     flags = tiny_flags(files, **layout, log_dir=tmp_path, run_id="comm", num_iterations=2)
-    with concurrent.futures.ThreadPoolExecutor(1) as planner:  # (the plan, one core, while the two ranks train)
-        plan = planner.submit(train_gpt.plan_layout, train_gpt.parse_args(flags, cuda=False), 2, cuda=False)
-        run_on_ranks(main_on_rank, 2, flags)
+    _, plan = beside_its_plan(lambda: run_on_ranks(main_on_rank, 2, flags), flags, 2)
     log = (tmp_path / "comm.txt").read_text()
     lines = re.findall(r"^comm: step:(\d+) bytes per rank (.*)$", log, flags=re.M)
     # logged once for each kind of step: under data parallelism, Adam's gradients wait for the step that uses them,
@@ -104,7 +101,7 @@ def test_counted_collective_bytes_per_step_equal_the_plan(tmp_path, files, layou
     assert not data_parallel or sum(sent[0].values()) < sum(counted.values())
     if data_parallel and layout.get("zero") in (1, 2):  # owners broadcast what Adam updated, only when it steps
         assert "broadcast" not in sent[0] and counted["broadcast"] > 0
-    assert_sends_what_the_plan_says(counted, plan.result()["ranks"][0]["comm"])
+    assert_sends_what_the_plan_says(counted, plan["ranks"][0]["comm"])
 
 
 def test_a_plan_without_a_preset_prints_per_rank_memory_for_92s_record_on_four_gpus_and_it_fits(capsys):
