@@ -447,8 +447,7 @@ def stop_on_rank(rank, world_size, flags, signalled_rank):
 
 
 def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path, files):
-    flags = tiny_flags(files, log_dir=tmp_path / "logs", run_id="stopme", num_iterations=STEPS, val_loss_every=2,
-                       save_every=STEPS)
+    flags = run_flags(tmp_path, files, "stopme", save_every=STEPS)
     _, ended = train_gpt.run_together((main_on_rank, 2, run_flags(tmp_path, files, "reference", save_every=STEPS)),
                                       (stop_on_rank, 2, flags, 1))  # (the uninterrupted run beside it)
     reference = (tmp_path / "logs" / "reference.txt").read_text()
